@@ -1,0 +1,24 @@
+"""mpicoll: MPI collectives for distributed SGD, as a drop-in mpi4py communicator and an array API.
+
+    from mpi4py import MPI
+    import mpicoll
+
+    comm = mpicoll.Communicator(MPI.COMM_WORLD)        # algorithm="auto" by default
+    comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)     # same arguments as mpi4py
+
+    mean = mpicoll.allreduce(grad) / comm.size         # or the array API
+"""
+
+from .api import allgather, allreduce, broadcast, reduce_scatter
+from .communicator import Communicator
+from .errors import CollectiveTimeout, MismatchError, MpicollError, NonFiniteError
+from .reduction import ReductionError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "allreduce", "reduce_scatter", "allgather", "broadcast",
+    "MpicollError", "MismatchError", "CollectiveTimeout", "NonFiniteError", "ReductionError",
+    "__version__",
+]

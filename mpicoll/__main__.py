@@ -1,0 +1,7 @@
+"""``python -m mpicoll``: the same as the ``mpicoll`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,191 @@
+"""Ring allreduce: reduce-scatter, then allgather, around a logical ring.
+
+The buffer is cut into p chunks (sizes differ by at most one element, some may
+be empty).  Rank r sends to its right neighbour r+1 and receives from its
+left neighbour r-1::
+
+      +-> 0 -> 1 -> 2 -> 3 --+
+      +----------------------+
+
+Reduce-scatter, p-1 steps.  At step k rank r sends chunk (r-k-1) and receives
+chunk (r-k-2), which it reduces with its own contribution:
+
+    step  rank 0      rank 1      rank 2      rank 3       (p = 4, "sends/receives")
+    0     c3 / c2     c0 / c3     c1 / c0     c2 / c1
+    1     c2 / c1     c3 / c2     c0 / c3     c1 / c0
+    2     c1 / c0     c2 / c1     c3 / c2     c0 / c3      -> rank r owns chunk r
+
+Allgather, p-1 steps: at step k rank r forwards chunk (r-k) and receives
+chunk (r-k-1), already final, straight into the output.
+
+Each rank sends and receives 2(p-1)/p of the buffer, which no allreduce can
+beat, and reduces (p-1)/p of it.  Chunks are sent in segments
+(``MPICOLL_SEGMENT``): a segment is forwarded as soon as it is reduced, so
+the next transfer overlaps the rest of the reduction.  Receive buffers are
+scratch memory that is allocated once and reused.
+
+Reduction order: chunk j is reduced along the ring starting after its owner,
+``x[j+1] op x[j+2] op ... op x[j]`` (indices mod p), each chunk exactly once;
+all ranks then copy the same bits.  A non-commutative op must be reduced in
+rank order, so the ring is cut between rank p-1 and rank 0: rank 0 starts
+each partial afresh, and rank p-1 sends its partial ``x[j+1] op ... op
+x[p-1]`` straight to the chunk's owner j, which finishes with
+``(x[0] op ... op x[j]) op (x[j+1] op ... op x[p-1])``; the same bytes move.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..context import Context
+from ..reduction import Reduction
+from .base import Algorithm, balanced_bounds, block_bounds, segment_elements, segments
+
+__all__ = ["Ring"]
+
+_TAG_RING = 11
+_TAG_HIGH = 12   # rank p-1 -> owner, for non-commutative ops
+_TAG_GATHER = 13
+_TAG_CHAIN = 14
+
+
+class Ring(Algorithm):
+    name = "ring"
+
+    def allreduce(self, ctx, send, recv, reduction):
+        if ctx.size == 1 or recv.size == 0:
+            if send is not None:
+                recv[...] = send
+            return
+        source = recv if send is None else send
+        bounds = balanced_bounds(recv.size, ctx.size)
+        ctx.waitall(*reduce_scatter(ctx, source, recv, bounds, reduction))
+        allgather_in_place(ctx, recv, bounds)
+
+    def reduce_scatter_block(self, ctx, send, recv, reduction):
+        if ctx.size == 1:
+            recv[...] = send[: recv.size]
+            return
+        bounds = block_bounds(recv.size, ctx.size)
+        partial = ctx.scratch("ring.partial", send.size, send.dtype)
+        ctx.waitall(*reduce_scatter(ctx, send, partial, bounds, reduction))
+        recv[...] = partial[bounds[ctx.rank]: bounds[ctx.rank + 1]]
+
+    def allgather(self, ctx, send, recv):
+        bounds = block_bounds(recv.size // ctx.size, ctx.size)
+        if send is not None:
+            recv[bounds[ctx.rank]: bounds[ctx.rank + 1]] = send
+        allgather_in_place(ctx, recv, bounds)
+
+    def bcast(self, ctx, buf, root):
+        chain_bcast(ctx, buf, root)
+
+
+def reduce_scatter(ctx: Context, send: np.ndarray, partial: np.ndarray, bounds: list[int],
+                   reduction: Reduction) -> tuple[list, list]:
+    """Leave the fully reduced chunk ``ctx.rank`` in ``partial``.
+
+    ``send`` may be ``partial`` itself (in place).  Returns the send requests
+    still in flight and their peers: the caller waits on them before it
+    writes ``partial`` again.
+    """
+    p, r = ctx.size, ctx.rank
+    left, right = (r - 1) % p, (r + 1) % p
+    cut = not reduction.commutative
+    starts_partials = cut and r == 0          # rank 0 receives nothing when the ring is cut
+    step = segment_elements(ctx, partial)
+    widest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    landing = [ctx.scratch("ring.a", widest, partial.dtype), ctx.scratch("ring.b", widest, partial.dtype)]
+
+    def chunk_segments(c):
+        return segments(bounds[c], bounds[c + 1], step)
+
+    def destination(chunk):
+        return chunk if cut and r == p - 1 else right
+
+    def tag():
+        return _TAG_HIGH if cut and r == p - 1 else _TAG_RING
+
+    def post_receives(k):
+        if starts_partials or k > p - 2:
+            return []
+        c, buf = (r - k - 2) % p, landing[k % 2]
+        return [ctx.irecv(buf[s.start - bounds[c]: s.stop - bounds[c]], left, _TAG_RING)
+                for s in chunk_segments(c)]
+
+    high = []
+    if cut and r < p - 1:
+        high_part = ctx.scratch("ring.high", bounds[r + 1] - bounds[r], partial.dtype)
+        high = [ctx.irecv(high_part[s.start - bounds[r]: s.stop - bounds[r]], p - 1, _TAG_HIGH)
+                for s in chunk_segments(r)]
+    pending = {0: post_receives(0), 1: post_receives(1)}
+    first = (r - 1) % p
+    sends = [ctx.isend(send[s], destination(first), tag()) for s in chunk_segments(first)]
+    peers = [destination(first)] * len(sends)
+
+    for k in range(p - 1):
+        # Invariant: this step reduces chunk (r-k-2); its result is sent at step k+1.
+        if k >= 1:
+            pending[k + 1] = post_receives(k + 1)   # into the landing buffer step k-1 freed
+        c = (r - k - 2) % p
+        received = pending.pop(k)
+        for i, s in enumerate(chunk_segments(c)):
+            if starts_partials:
+                partial[s] = send[s]
+            else:
+                ctx.wait(received[i], left)
+                arrived = landing[k % 2][s.start - bounds[c]: s.stop - bounds[c]]
+                reduction.combine(arrived, send[s], out=partial[s])
+            if k < p - 2:
+                sends.append(ctx.isend(partial[s], destination(c), tag()))
+                peers.append(destination(c))
+
+    if high:
+        ctx.waitall(high, p - 1)
+        mine = partial[bounds[r]: bounds[r + 1]]
+        reduction.combine(mine, high_part, out=mine)
+    return sends, peers
+
+
+def allgather_in_place(ctx: Context, buf: np.ndarray, bounds: list[int]) -> None:
+    """Every rank holds chunk ``rank`` of ``buf``; afterwards all hold all chunks."""
+    p, r = ctx.size, ctx.rank
+    if p == 1:
+        return
+    left, right = (r - 1) % p, (r + 1) % p
+    step = segment_elements(ctx, buf)
+
+    def chunk_segments(c):
+        return segments(bounds[c], bounds[c + 1], step)
+
+    received = [[ctx.irecv(buf[s], left, _TAG_GATHER) for s in chunk_segments((r - k - 1) % p)]
+                for k in range(p - 1)]
+    sends = [ctx.isend(buf[s], right, _TAG_GATHER) for s in chunk_segments(r)]
+    for k in range(p - 1):
+        # Invariant: step k receives chunk (r-k-1), which step k+1 forwards.
+        for request, s in zip(received[k], chunk_segments((r - k - 1) % p)):
+            ctx.wait(request, left)
+            if k < p - 2:
+                sends.append(ctx.isend(buf[s], right, _TAG_GATHER))
+    ctx.waitall(sends, right)
+
+
+def chain_bcast(ctx: Context, buf: np.ndarray, root: int) -> None:
+    """Pipeline ``buf`` down the chain root, root+1, ..., root-1, one segment at a time."""
+    p, r = ctx.size, ctx.rank
+    if p == 1:
+        return
+    position = (r - root) % p
+    parent, child = (r - 1) % p, (r + 1) % p
+    pieces = segments(0, buf.size, segment_elements(ctx, buf))
+    forward = position < p - 1
+    if position == 0:
+        ctx.waitall([ctx.isend(buf[s], child, _TAG_CHAIN) for s in pieces], child)
+        return
+    received = [ctx.irecv(buf[s], parent, _TAG_CHAIN) for s in pieces]
+    sends = []
+    for request, s in zip(received, pieces):
+        ctx.wait(request, parent)
+        if forward:
+            sends.append(ctx.isend(buf[s], child, _TAG_CHAIN))
+    ctx.waitall(sends, child)

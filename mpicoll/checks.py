@@ -1,0 +1,60 @@
+"""Cross-rank validation: every rank learns what every other rank passed, and all fail together.
+
+A collective called with different counts, datatypes, ops or roots on
+different ranks is an error MPI does not report: it hangs or returns garbage.
+:func:`check_call` gathers a small signature from every rank (one Allgather
+of a few integers) and, if they differ, raises the same
+:class:`~mpicoll.errors.MismatchError` on every rank, with what each rank
+passed.  It also reports NaN or Inf in any rank's float contribution.  It
+costs one small collective, so the communicator runs it on its first call and
+on every call under ``MPICOLL_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import MismatchError, NonFiniteError
+
+__all__ = ["Signature", "check_call"]
+
+
+class Signature:
+    """What one rank passed to one collective, as integers that must agree across ranks."""
+
+    def __init__(self, collective: str, count: int, dtype: np.dtype, op: str = "-", root: int = -1):
+        self.collective, self.count, self.dtype, self.op, self.root = collective, count, np.dtype(dtype), op, root
+
+    def codes(self) -> list[int]:
+        return [_code(self.collective), self.count, self.dtype.itemsize, _code(self.dtype.str),
+                _code(self.op), self.root]
+
+    def __str__(self) -> str:
+        text = f"{self.collective}(count={self.count}, dtype={self.dtype}"
+        if self.op != "-":
+            text += f", op={self.op}"
+        if self.root >= 0:
+            text += f", root={self.root}"
+        return text + ")"
+
+
+def _code(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def check_call(comm: MPI.Intracomm, signature: Signature, contribution: np.ndarray | None = None) -> None:
+    """Raise on every rank if the ranks' signatures differ or a float contribution is not finite."""
+    nonfinite = int(contribution is not None and contribution.dtype.kind in "fc"
+                    and not bool(np.isfinite(contribution).all()))
+    mine = np.array(signature.codes() + [nonfinite], np.int64)
+    everyone = np.empty((comm.Get_size(), mine.size), np.int64)
+    comm.Allgather(mine, everyone)
+    if (everyone[:, :-1] != everyone[0, :-1]).any():
+        described = comm.allgather(str(signature))
+        raise MismatchError(signature.collective, dict(enumerate(described)))
+    bad = np.flatnonzero(everyone[:, -1])
+    if bad.size:
+        raise NonFiniteError(signature.collective, bad.tolist())

@@ -1,0 +1,197 @@
+"""``mpicoll.Communicator``: an mpi4py communicator whose collectives run mpicoll's algorithms.
+
+It *is* an ``MPI.Intracomm`` (same handle as the communicator it wraps), so it
+goes wherever mpi4py expects one, and everything but the four collectives
+below is mpi4py's own.  ``Allreduce``, ``Reduce_scatter_block``,
+``Allgather`` and ``Bcast`` take exactly the arguments mpi4py takes, check
+them (locally on every call; across ranks on the first call and, with
+``MPICOLL_DEBUG=1``, on every call), and run the chosen algorithm over a
+private duplicate of the communicator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from . import algorithms, config
+from .algorithms import auto
+from .buffers import Message, is_in_place, read_message
+from .checks import Signature, check_call
+from .context import Context
+from .reduction import Reduction
+
+__all__ = ["Communicator"]
+
+
+class Communicator(MPI.Intracomm):
+    """A drop-in replacement for an ``MPI.Intracomm``, with mpicoll's collectives.
+
+    ``algorithm`` is a name from :mod:`mpicoll.algorithms` (``ring``,
+    ``parallel``, ``recursive_doubling``, ``mpi``) or ``auto``, which picks
+    one per call by collective and size.  Construction is local; the private
+    channel the algorithms use is duplicated on the first collective call,
+    which all ranks make together.  ``Free()`` releases both.
+    """
+
+    algorithm = "auto"   # also the value for communicators mpi4py builds from this one
+
+    def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"mpicoll.Communicator wraps an MPI.Intracomm, got {type(comm).__name__}")
+        if comm == MPI.COMM_NULL:
+            raise ValueError("cannot wrap MPI.COMM_NULL")
+        return super().__new__(cls, comm)
+
+    def __init__(self, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
+        if algorithm != "auto":
+            algorithms.get(algorithm)
+        self.algorithm = algorithm
+
+    def __repr__(self) -> str:
+        return f"<mpicoll.Communicator algorithm={self.algorithm!r} rank={self.Get_rank()} size={self.Get_size()}>"
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def Dup(self, info: MPI.Info | None = None) -> "Communicator":
+        """A duplicate communicator, wrapped, with the same algorithm."""
+        base = MPI.Intracomm.Dup(self) if info is None else MPI.Intracomm.Dup(self, info)
+        return Communicator(MPI.Intracomm(base), algorithm=self.algorithm)
+
+    def Free(self) -> None:
+        context = self.__dict__.pop("_context", None)
+        if context is not None:
+            context.free()
+        MPI.Intracomm.Free(self)
+
+    def _context_for(self, collective: str) -> Context:
+        context = self.__dict__.get("_context")
+        if context is None:
+            context = self.__dict__["_context"] = Context(self)
+            self.__dict__["_checks_left"] = 1
+        context.begin(collective)
+        return context
+
+    # -- the collectives ----------------------------------------------------
+
+    def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        recv = read_message(recvbuf, writable=True, role="recvbuf")
+        send = None if is_in_place(sendbuf) else read_message(sendbuf, role="sendbuf")
+        _same_shape(send, recv, "Allreduce")
+        reduction = _reduction(op, recv)
+        name = self._choose("allreduce", recv, reduction.commutative, send)
+        self._run(name, "Allreduce", Signature("Allreduce", recv.count, recv.array.dtype, reduction.name),
+                  recv if send is None else send,
+                  lambda a, ctx: a.allreduce(ctx, _array(send), recv.array, reduction),
+                  lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, op))
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        size = self.Get_size()
+        whole = read_message(recvbuf, writable=True, role="recvbuf")
+        if is_in_place(sendbuf):
+            if whole.count % size:
+                raise ValueError(f"Reduce_scatter_block in place: recvbuf has {whole.count} elements, "
+                                 f"not a multiple of the {size} ranks")
+            send, recv = whole, Message(whole.array[: whole.count // size], whole.datatype, whole.native)
+        else:
+            send, recv = read_message(sendbuf, role="sendbuf"), whole
+            _check_datatypes(send, recv, "Reduce_scatter_block")
+            if send.count != recv.count * size:
+                raise ValueError(f"Reduce_scatter_block: sendbuf has {send.count} elements, expected "
+                                 f"recvbuf's {recv.count} times the {size} ranks = {recv.count * size}")
+        reduction = _reduction(op, recv)
+        name = self._choose("reduce_scatter_block", send, reduction.commutative, send, recv)
+        self._run(name, "Reduce_scatter_block",
+                  Signature("Reduce_scatter_block", recv.count, recv.array.dtype, reduction.name), send,
+                  lambda a, ctx: a.reduce_scatter_block(ctx, send.array, recv.array, reduction),
+                  lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
+
+    def Allgather(self, sendbuf, recvbuf) -> None:
+        size = self.Get_size()
+        recv = read_message(recvbuf, writable=True, role="recvbuf")
+        if recv.count % size:
+            raise ValueError(f"Allgather: recvbuf has {recv.count} elements, not a multiple of the {size} ranks")
+        block = recv.count // size
+        send = None
+        if not is_in_place(sendbuf):
+            send = read_message(sendbuf, role="sendbuf")
+            _check_datatypes(send, recv, "Allgather")
+            if send.count != block:
+                raise ValueError(f"Allgather: sendbuf has {send.count} elements, but recvbuf holds "
+                                 f"{recv.count} = {size} ranks x {block}")
+        name = self._choose("allgather", recv, True, send)
+        mine = recv.array[self.Get_rank() * block: (self.Get_rank() + 1) * block] if send is None else send.array
+        self._run(name, "Allgather", Signature("Allgather", block, recv.array.dtype),
+                  Message(mine, recv.datatype),
+                  lambda a, ctx: a.allgather(ctx, _array(send), recv.array),
+                  lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
+
+    def Bcast(self, buf, root: int = 0) -> None:
+        message = read_message(buf, writable=self.Get_rank() != root, role="buf")
+        size = self.Get_size()
+        if not 0 <= root < size:
+            raise ValueError(f"Bcast: root {root} is not a rank of this {size}-rank communicator")
+        name = self._choose("bcast", message, True)
+        self._run(name, "Bcast", Signature("Bcast", message.count, message.array.dtype, root=root),
+                  message if self.Get_rank() == root else None,
+                  lambda a, ctx: a.bcast(ctx, message.array, root),
+                  lambda: MPI.Intracomm.Bcast(self, buf, root))
+
+    # -- shared machinery ---------------------------------------------------
+
+    def _choose(self, collective: str, sized: Message, commutative: bool, *messages) -> str:
+        """The algorithm for this call; ``mpi`` for datatypes mpicoll leaves to MPI."""
+        if not all(m is None or m.native for m in (sized, *messages)):
+            return "mpi"
+        if self.algorithm != "auto":
+            return self.algorithm
+        return auto.choose(collective, sized.nbytes, self.Get_size(), commutative)
+
+    def _run(self, name: str, collective: str, signature: Signature, contribution: Message | None,
+             run_algorithm, run_mpi) -> None:
+        context = self._context_for(collective)
+        if config.debug() or self.__dict__["_checks_left"] > 0:
+            self.__dict__["_checks_left"] -= 1
+            check_call(context.comm, signature, None if contribution is None else contribution.array)
+        if name == "mpi":
+            run_mpi()
+        else:
+            run_algorithm(algorithms.get(name), context)
+
+
+def _array(message: Message | None) -> np.ndarray | None:
+    return None if message is None else message.array
+
+
+def _check_datatypes(send: Message, recv: Message, collective: str) -> None:
+    if send.datatype != recv.datatype and send.array.dtype != recv.array.dtype:
+        raise ValueError(f"{collective}: sendbuf holds {send.array.dtype} elements but recvbuf "
+                         f"{recv.array.dtype}; pass buffers of one datatype")
+    if np.may_share_memory(send.array, recv.array) and send.count and recv.count:
+        raise ValueError(f"{collective}: sendbuf and recvbuf overlap; pass MPI.IN_PLACE as sendbuf instead")
+
+
+def _same_shape(send: Message | None, recv: Message, collective: str) -> None:
+    if send is None:
+        return
+    _check_datatypes(send, recv, collective)
+    if send.count != recv.count:
+        raise ValueError(f"{collective}: sendbuf has {send.count} elements but recvbuf {recv.count}; "
+                         "they must match")
+
+
+_REDUCTIONS: dict[tuple[int, int], Reduction] = {}
+
+
+def _reduction(op: MPI.Op, message: Message) -> Reduction:
+    """The Reduction for (op, datatype), cached for predefined ops."""
+    if not isinstance(op, MPI.Op):
+        raise TypeError(f"op must be an MPI.Op such as MPI.SUM, got {op!r}")
+    if not op.is_predefined:
+        return Reduction(op, message.datatype, message.array.dtype)
+    key = (op.handle, message.datatype.handle)
+    reduction = _REDUCTIONS.get(key)
+    if reduction is None or reduction.dtype != message.array.dtype:
+        reduction = _REDUCTIONS[key] = Reduction(op, message.datatype, message.array.dtype)
+    return reduction

@@ -1,0 +1,52 @@
+"""Settings read from the environment, so one launch line can tune every rank alike.
+
+=========================  =======================================================
+``MPICOLL_DEBUG=1``        cross-rank checks of count, datatype, op and root on
+                           every call, and a finiteness check of float inputs
+``MPICOLL_TIMEOUT=S``      seconds a rank waits for a peer inside mpicoll's own
+                           algorithms before raising CollectiveTimeout (default
+                           300; 0 waits forever)
+``MPICOLL_SEGMENT=BYTES``  pipeline segment of the ring algorithm (default 256K)
+``MPICOLL_AUTO_<COLL>``    the ``auto`` choice for one collective, e.g.
+                           ``MPICOLL_AUTO_ALLREDUCE=mpi:512K,ring`` (see auto.py)
+=========================  =======================================================
+
+Every rank must see the same values (mpiexec forwards the environment).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["debug", "timeout", "segment_bytes", "parse_bytes"]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'256K' -> 262144; plain integers are bytes."""
+    text = text.strip().upper()
+    digits = text.rstrip("KMGIB")
+    unit = text[len(digits):]
+    if not digits or unit not in _UNITS:
+        raise ValueError(f"not a byte count: {text!r} (use e.g. 4096, 256K, 16M)")
+    return int(float(digits) * _UNITS[unit])
+
+
+def debug() -> bool:
+    return os.environ.get("MPICOLL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def timeout() -> float:
+    value = float(os.environ.get("MPICOLL_TIMEOUT", "300"))
+    if value < 0:
+        raise ValueError(f"MPICOLL_TIMEOUT must be >= 0 seconds, got {value}")
+    return value
+
+
+def segment_bytes() -> int:
+    value = parse_bytes(os.environ.get("MPICOLL_SEGMENT", "256K"))
+    if value <= 0:
+        raise ValueError(f"MPICOLL_SEGMENT must be positive, got {value}")
+    return value

@@ -1,0 +1,56 @@
+"""Exceptions mpicoll raises, each naming the ranks and values involved."""
+
+from __future__ import annotations
+
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "NonFiniteError"]
+
+
+class MpicollError(RuntimeError):
+    """Base of mpicoll's own errors."""
+
+
+class MismatchError(MpicollError, ValueError):
+    """Ranks called the same collective with different counts, datatypes, ops or roots.
+
+    Raised on every rank of the communicator with the same message, so no rank
+    is left waiting for the others.  ``per_rank`` maps each rank to what it passed.
+    """
+
+    def __init__(self, collective: str, per_rank: dict[int, str]):
+        self.collective = collective
+        self.per_rank = per_rank
+        groups: dict[str, list[int]] = {}
+        for rank, value in sorted(per_rank.items()):
+            groups.setdefault(value, []).append(rank)
+        lines = [f"  ranks {_ranks(ranks)}: {value}" for value, ranks in groups.items()]
+        super().__init__(
+            f"{collective}: ranks disagree on the call; every rank must pass the same "
+            "count, datatype, op and root:\n" + "\n".join(lines)
+        )
+
+
+class CollectiveTimeout(MpicollError, TimeoutError):
+    """A peer did not take part in a collective within the timeout (dead, hung or desynchronised)."""
+
+    def __init__(self, collective: str, rank: int, peers, seconds: float):
+        self.collective, self.rank, self.peers, self.seconds = collective, rank, sorted(set(peers)), seconds
+        super().__init__(
+            f"{collective}: rank {rank} waited {seconds:g} s for rank(s) {_ranks(self.peers)}, which "
+            "never took part (dead, hung, or calling a different collective). Raise MPICOLL_TIMEOUT "
+            "if a peer is just slow; this communicator is no longer usable."
+        )
+
+
+class NonFiniteError(MpicollError, FloatingPointError):
+    """Debug mode found NaN or Inf in a contribution; names the ranks that sent them."""
+
+    def __init__(self, collective: str, ranks):
+        self.collective, self.ranks = collective, sorted(ranks)
+        super().__init__(
+            f"{collective}: NaN or Inf in the contribution of rank(s) {_ranks(self.ranks)} "
+            "(MPICOLL_DEBUG checks finiteness; unset it to let non-finite values through)"
+        )
+
+
+def _ranks(ranks) -> str:
+    return ", ".join(str(r) for r in ranks)

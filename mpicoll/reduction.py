@@ -1,0 +1,105 @@
+"""Combine two contributions of a reduction, in the order MPI defines.
+
+Every algorithm reduces through :meth:`Reduction.combine`, ``out = left (op)
+right`` with ``left`` the contribution of the lower ranks.  Predefined ops on
+numpy types run as one numpy ufunc pass (three operands, no temporary);
+everything else (user ops from ``MPI.Op.Create``, MAXLOC/MINLOC on pair
+types, types numpy does not know) goes through ``MPI.Op.Reduce_local``, so
+MPI's own definition of the op is the one applied.
+
+Float MIN and MAX follow numpy: a NaN in any contribution gives NaN, so a
+diverged replica is visible rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["Reduction", "ReductionError", "op_name"]
+
+_INTEGER = "iu"
+_NUMERIC = "iufc"
+
+# op -> (ufunc, numpy kinds MPI defines it for, extra ufunc keywords)
+_UFUNCS = {
+    "SUM": (np.add, _NUMERIC, {}),
+    "PROD": (np.multiply, _NUMERIC, {}),
+    "MIN": (np.minimum, "iuf", {}),
+    "MAX": (np.maximum, "iuf", {}),
+    "LAND": (np.logical_and, _INTEGER + "b", {"casting": "unsafe"}),
+    "LOR": (np.logical_or, _INTEGER + "b", {"casting": "unsafe"}),
+    "LXOR": (np.logical_xor, _INTEGER + "b", {"casting": "unsafe"}),
+    "BAND": (np.bitwise_and, _INTEGER + "b", {}),
+    "BOR": (np.bitwise_or, _INTEGER + "b", {}),
+    "BXOR": (np.bitwise_xor, _INTEGER + "b", {}),
+}
+_PREDEFINED = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR",
+               "MAXLOC", "MINLOC", "REPLACE", "NO_OP")
+
+
+class ReductionError(TypeError):
+    """The op is not defined for the datatype (MPI's rules)."""
+
+
+def op_name(op: MPI.Op) -> str:
+    """MPI's name for a predefined op ("SUM"), or "user op" for one from MPI.Op.Create."""
+    for name in _PREDEFINED:
+        if op == getattr(MPI, name, MPI.OP_NULL):
+            return name
+    return "user op"
+
+
+class Reduction:
+    """``out = left (op) right`` for one op and one element type."""
+
+    def __init__(self, op: MPI.Op, datatype: MPI.Datatype, dtype: np.dtype):
+        if op == MPI.OP_NULL:
+            raise ReductionError("MPI.OP_NULL is not a reduction")
+        self.op = op
+        self.datatype = datatype
+        self.dtype = np.dtype(dtype)
+        self.name = op_name(op)
+        self.commutative = bool(op.Is_commutative())
+        entry = _UFUNCS.get(self.name)
+        if entry is not None and self.dtype.kind in entry[1] and self.dtype.fields is None:
+            self._ufunc, _, self._keywords = entry
+        else:
+            self._ufunc = None
+            if op.is_predefined:
+                self._check_mpi_defines_it()
+
+    def _check_mpi_defines_it(self):
+        """Ask MPI once, on one element, whether the predefined op applies to this datatype."""
+        probe = np.zeros(1, self.dtype)
+        try:
+            self.op.Reduce_local([probe, 1, self.datatype], [probe.copy(), 1, self.datatype])
+        except MPI.Exception as error:
+            raise ReductionError(
+                f"MPI.{self.name} is not defined for {self.dtype} elements: {error.Get_error_string()}"
+            ) from None
+
+    def combine(self, left: np.ndarray, right: np.ndarray, out: np.ndarray) -> None:
+        """Store ``left (op) right`` in ``out``; ``out`` may be either operand."""
+        if self._ufunc is not None:
+            self._ufunc(left, right, out=out, **self._keywords)
+            return
+        count = out.size
+        if count == 0:
+            return
+        out_is_left = _same_memory(out, left)
+        if out_is_left and not self.commutative:
+            result = right.copy()
+            self.op.Reduce_local([left, count, self.datatype], [result, count, self.datatype])
+            out[...] = result
+            return
+        if out_is_left:  # commutative: right (op) left is the same value
+            left, right = right, left
+        elif not _same_memory(out, right):
+            out[...] = right
+        # Reduce_local(inbuf, inoutbuf) stores inbuf (op) inoutbuf in inoutbuf.
+        self.op.Reduce_local([left, count, self.datatype], [out, count, self.datatype])
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
