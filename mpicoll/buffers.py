@@ -102,8 +102,31 @@ def _raw_bytes(buf, writable: bool) -> tuple[np.ndarray, str | None]:
     return flat.view(np.uint8), code
 
 
+_PLAIN: dict[str, MPI.Datatype] = {}
+
+
+def _plain_array(array: np.ndarray, writable: bool) -> Message | None:
+    """The common case, quickly: a C-contiguous numpy array of a type MPI names."""
+    if not array.flags.c_contiguous or (writable and not array.flags.writeable):
+        return None
+    code = array.dtype.char
+    datatype = _PLAIN.get(code)
+    if datatype is None:
+        if code in ("V", "O", "S", "U", "M", "m") or array.dtype.fields is not None:
+            return None
+        try:
+            datatype = _PLAIN[code] = MPI.Datatype.fromcode(code)
+        except (ValueError, KeyError):
+            return None
+    return Message(array.reshape(-1), datatype)
+
+
 def read_message(spec, *, writable: bool = False, role: str = "buffer") -> Message:
     """Interpret one mpi4py buffer specification (not IN_PLACE) as a :class:`Message`."""
+    if type(spec) is np.ndarray:
+        message = _plain_array(spec, writable)
+        if message is not None:
+            return message
     buf, count, displ, datatype = _split_spec(spec)
     raw, code = _raw_bytes(buf, writable)
     if datatype is None:

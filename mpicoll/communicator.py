@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, config
+from . import algorithms
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from .checks import Signature, check_call
@@ -35,6 +35,7 @@ class Communicator(MPI.Intracomm):
     """
 
     algorithm = "auto"   # also the value for communicators mpi4py builds from this one
+    _straight_to_mpi: dict[str, float] = {}   # per collective: numpy calls below this many bytes skip checks
 
     def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -76,6 +77,8 @@ class Communicator(MPI.Intracomm):
     # -- the collectives ----------------------------------------------------
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        if type(recvbuf) is np.ndarray and recvbuf.nbytes < self._straight_to_mpi.get("allreduce", 0):
+            return _mpi_allreduce(self, sendbuf, recvbuf, op)
         recv = read_message(recvbuf, writable=True, role="recvbuf")
         send = None if is_in_place(sendbuf) else read_message(sendbuf, role="sendbuf")
         _same_shape(send, recv, "Allreduce")
@@ -108,6 +111,8 @@ class Communicator(MPI.Intracomm):
                   lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
 
     def Allgather(self, sendbuf, recvbuf) -> None:
+        if type(recvbuf) is np.ndarray and recvbuf.nbytes < self._straight_to_mpi.get("allgather", 0):
+            return _mpi_allgather(self, sendbuf, recvbuf)
         size = self.Get_size()
         recv = read_message(recvbuf, writable=True, role="recvbuf")
         if recv.count % size:
@@ -128,6 +133,8 @@ class Communicator(MPI.Intracomm):
                   lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
 
     def Bcast(self, buf, root: int = 0) -> None:
+        if type(buf) is np.ndarray and buf.nbytes < self._straight_to_mpi.get("bcast", 0):
+            return _mpi_bcast(self, buf, root)
         message = read_message(buf, writable=self.Get_rank() != root, role="buf")
         size = self.Get_size()
         if not 0 <= root < size:
@@ -151,13 +158,29 @@ class Communicator(MPI.Intracomm):
     def _run(self, name: str, collective: str, signature: Signature, contribution: Message | None,
              run_algorithm, run_mpi) -> None:
         context = self._context_for(collective)
-        if config.debug() or self.__dict__["_checks_left"] > 0:
+        if context.debug or self.__dict__["_checks_left"] > 0:
             self.__dict__["_checks_left"] -= 1
             check_call(context.comm, signature, None if contribution is None else contribution.array)
+            if not context.debug and self.algorithm == "auto":
+                self._straight_to_mpi = _mpi_limits()
         if name == "mpi":
             run_mpi()
         else:
             run_algorithm(algorithms.get(name), context)
+
+
+_mpi_allreduce = MPI.Intracomm.Allreduce
+_mpi_allgather = MPI.Intracomm.Allgather
+_mpi_bcast = MPI.Intracomm.Bcast
+
+
+def _mpi_limits() -> dict[str, float]:
+    """For each collective, the size below which ``auto`` always hands plain arrays to MPI."""
+    limits = {}
+    for collective in ("allreduce", "allgather", "bcast"):
+        first, limit = auto.rule(collective)[0]
+        limits[collective] = limit if first == "mpi" else 0
+    return limits
 
 
 def _array(message: Message | None) -> np.ndarray | None:

@@ -10,6 +10,7 @@ Every wait has a deadline: a dead or hung peer becomes a
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -24,6 +25,20 @@ _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
 
 
+def _ranks_per_core(comm: MPI.Intracomm) -> float:
+    """Ranks of ``comm`` on this node per core this process may run on (> 1: oversubscribed)."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        ranks = local.Get_size()
+    finally:
+        local.Free()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return ranks / cores
+
+
 class Context:
     """A private duplicate of a communicator plus the services algorithms share."""
 
@@ -32,8 +47,12 @@ class Context:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = config.timeout()
+        self.debug = config.debug()
         self.segment_bytes = config.segment_bytes()
         self.collective = "collective"
+        # Oversubscribed ranks yield the core while they wait: the peer they
+        # wait for may need it to make progress.
+        self.spin_seconds = 0.0 if _ranks_per_core(self.comm) > 1 else _SPIN_SECONDS
         self._scratch: dict[str, np.ndarray] = {}
         self._broken: str | None = None
 
@@ -100,7 +119,11 @@ class Context:
             now = time.perf_counter()
             if now > deadline:
                 self._give_up(requests, peers)
-            if now - start > _SPIN_SECONDS:
+            if now - start < self.spin_seconds:
+                continue
+            if now - start < 10 * self.spin_seconds + 1e-3:
+                os.sched_yield()
+            else:
                 nap = min(_MAX_NAP, nap * 2 or 1e-6)
                 time.sleep(nap)
 

@@ -94,8 +94,6 @@ def reduce_scatter(ctx: Context, send: np.ndarray, partial: np.ndarray, bounds: 
     cut = not reduction.commutative
     starts_partials = cut and r == 0          # rank 0 receives nothing when the ring is cut
     step = segment_elements(ctx, partial)
-    widest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    landing = [ctx.scratch("ring.a", widest, partial.dtype), ctx.scratch("ring.b", widest, partial.dtype)]
 
     def chunk_segments(c):
         return segments(bounds[c], bounds[c + 1], step)
@@ -103,48 +101,72 @@ def reduce_scatter(ctx: Context, send: np.ndarray, partial: np.ndarray, bounds: 
     def destination(chunk):
         return chunk if cut and r == p - 1 else right
 
-    def tag():
-        return _TAG_HIGH if cut and r == p - 1 else _TAG_RING
-
-    def post_receives(k):
-        if starts_partials or k > p - 2:
-            return []
-        c, buf = (r - k - 2) % p, landing[k % 2]
-        return [ctx.irecv(buf[s.start - bounds[c]: s.stop - bounds[c]], left, _TAG_RING)
-                for s in chunk_segments(c)]
+    tag = _TAG_HIGH if cut and r == p - 1 else _TAG_RING
+    # Step k reduces chunk (r-k-2); its result is sent at step k+1.  Incoming
+    # segments land in a few cache-sized slots, reused in turn, so the data
+    # crosses memory once on its way to the reduction.
+    plan = [(k, s) for k in range(p - 1) for s in chunk_segments((r - k - 2) % p)]
+    landing = LandingSlots(ctx, partial.dtype, step, [] if starts_partials else plan, left, _TAG_RING)
 
     high = []
     if cut and r < p - 1:
         high_part = ctx.scratch("ring.high", bounds[r + 1] - bounds[r], partial.dtype)
         high = [ctx.irecv(high_part[s.start - bounds[r]: s.stop - bounds[r]], p - 1, _TAG_HIGH)
                 for s in chunk_segments(r)]
-    pending = {0: post_receives(0), 1: post_receives(1)}
     first = (r - 1) % p
-    sends = [ctx.isend(send[s], destination(first), tag()) for s in chunk_segments(first)]
+    sends = [ctx.isend(send[s], destination(first), tag) for s in chunk_segments(first)]
     peers = [destination(first)] * len(sends)
 
-    for k in range(p - 1):
-        # Invariant: this step reduces chunk (r-k-2); its result is sent at step k+1.
-        if k >= 1:
-            pending[k + 1] = post_receives(k + 1)   # into the landing buffer step k-1 freed
-        c = (r - k - 2) % p
-        received = pending.pop(k)
-        for i, s in enumerate(chunk_segments(c)):
-            if starts_partials:
-                partial[s] = send[s]
-            else:
-                ctx.wait(received[i], left)
-                arrived = landing[k % 2][s.start - bounds[c]: s.stop - bounds[c]]
-                reduction.combine(arrived, send[s], out=partial[s])
-            if k < p - 2:
-                sends.append(ctx.isend(partial[s], destination(c), tag()))
-                peers.append(destination(c))
+    for k, s in plan:
+        if starts_partials:
+            partial[s] = send[s]
+        else:
+            reduction.combine(landing.next(), send[s], out=partial[s])
+            landing.release()
+        if k < p - 2:
+            chunk = (r - k - 2) % p
+            sends.append(ctx.isend(partial[s], destination(chunk), tag))
+            peers.append(destination(chunk))
 
     if high:
         ctx.waitall(high, p - 1)
         mine = partial[bounds[r]: bounds[r + 1]]
         reduction.combine(mine, high_part, out=mine)
     return sends, peers
+
+
+class LandingSlots:
+    """Receive a planned sequence of segments from one peer into a few reused slots.
+
+    ``next()`` waits for the next segment and returns it; ``release()`` hands
+    its slot to the segment ``len(slots)`` places later in the plan.
+    """
+
+    SLOTS = 4
+
+    def __init__(self, ctx: Context, dtype, width: int, plan: list, source: int, tag: int):
+        self.ctx, self.source, self.tag = ctx, source, tag
+        self.sizes = [s.stop - s.start for _, s in plan]
+        slots = min(self.SLOTS, len(plan))
+        memory = ctx.scratch("ring.landing", slots * width, dtype)
+        self.slots = [memory[i * width: (i + 1) * width] for i in range(slots)]
+        self.requests = [self._post(i) for i in range(slots)]
+        self.position = 0
+
+    def _post(self, index: int):
+        slot = self.slots[index % len(self.slots)]
+        return self.ctx.irecv(slot[: self.sizes[index]], self.source, self.tag)
+
+    def next(self) -> np.ndarray:
+        i = self.position
+        self.ctx.wait(self.requests[i % len(self.slots)], self.source)
+        return self.slots[i % len(self.slots)][: self.sizes[i]]
+
+    def release(self) -> None:
+        i = self.position
+        self.position += 1
+        if i + len(self.slots) < len(self.sizes):
+            self.requests[i % len(self.slots)] = self._post(i + len(self.slots))
 
 
 def allgather_in_place(ctx: Context, buf: np.ndarray, bounds: list[int]) -> None:

@@ -1,0 +1,193 @@
+"""``mpicoll bench``: every algorithm against MPI's own collective, side by side, in one run.
+
+In the manner of nccl-tests and the OSU benchmarks: for each message size,
+each algorithm runs ``warmup`` untimed calls, then timed calls interleaved
+with the other algorithms (so drift in the machine hits all alike).  A call's
+time is the slowest rank's; the reported time is the median over calls.
+
+    algbw = bytes / time
+    busbw = algbw * 2(p-1)/p     (allreduce: the bytes each rank must move,
+                                  comparable across rank counts)
+
+``mpi`` is ``MPI_Allreduce`` called straight through mpi4py, the peer every
+ratio is taken against; the mpicoll algorithms (``auto`` included) run
+through :class:`~mpicoll.Communicator`, so their times include the Python
+layer.  The first timed call of every algorithm is checked against ``mpi``'s
+result, so a fast wrong answer cannot hide in the table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import algorithms
+from .communicator import Communicator
+from .config import parse_bytes
+
+__all__ = ["run", "default_sizes", "format_bytes"]
+
+PEER = "mpi"
+
+
+def default_sizes() -> list[int]:
+    """8 B to 64 MiB in steps of 4x."""
+    return [8 << (2 * i) for i in range(13)]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'8,1K,64M' or a range '8:64M' (powers of 4 between the ends)."""
+    if ":" in text:
+        low, high = (parse_bytes(part) for part in text.split(":"))
+        sizes = []
+        while low <= high:
+            sizes.append(low)
+            low *= 4
+        return sizes
+    return [parse_bytes(part) for part in text.split(",")]
+
+
+def _calls(comm: MPI.Intracomm, names: list[str]):
+    """One function per algorithm: (sendbuf, recvbuf) -> None."""
+    calls = {}
+    for name in names:
+        if name == PEER:
+            calls[name] = lambda s, r, c=comm: MPI.Intracomm.Allreduce(c, s, r, MPI.SUM)
+        else:
+            calls[name] = Communicator(comm, algorithm=name).Allreduce
+    return calls
+
+
+def _iterations(nbytes: int, iters: int, min_iters: int) -> int:
+    return max(min_iters, min(iters, iters * (1 << 20) // max(nbytes, 1)))
+
+
+def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None) -> list[dict]:
+    """Time every (algorithm, size); returns one record per pair (on every rank)."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    dtype = np.dtype(dtype)
+    calls = _calls(comm, names)
+    records = []
+    rng = np.random.default_rng(1234 + rank)
+    for nbytes in sizes:
+        count = max(1, nbytes // dtype.itemsize)
+        send = (rng.standard_normal(count) if dtype.kind in "fc" else rng.integers(0, 100, count)).astype(dtype)
+        outputs = {name: np.empty_like(send) for name in names}
+        for name in names:
+            for _ in range(warmup):
+                calls[name](send, outputs[name])
+        reference = np.empty_like(send)
+        MPI.Intracomm.Allreduce(comm, send, reference, MPI.SUM)
+        for name in names:
+            if not np.allclose(outputs[name], reference, rtol=1e-3, atol=1e-3 * p):
+                raise AssertionError(f"bench: {name} gave a wrong allreduce at {nbytes} bytes")
+        n = _iterations(count * dtype.itemsize, iters, min_iters)
+        times = np.empty((len(names), n))
+        for i in range(n):
+            for j, name in enumerate(names):
+                comm.Barrier()
+                start = time.perf_counter()
+                calls[name](send, outputs[name])
+                times[j, i] = time.perf_counter() - start
+        comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+        row = []
+        for j, name in enumerate(names):
+            seconds = float(np.median(times[j]))
+            algbw = count * dtype.itemsize / seconds / 1e9
+            row.append({"algorithm": name, "bytes": count * dtype.itemsize, "ranks": p, "dtype": dtype.name,
+                        "time_s": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (p - 1) / p,
+                        "iters": n})
+        peer = next((r for r in row if r["algorithm"] == PEER), None)
+        for record in row:
+            record["ratio_to_mpi"] = peer["time_s"] / record["time_s"] if peer else None
+        records.extend(row)
+        if report is not None and rank == 0:
+            report(row)
+    return records
+
+
+def table_header(names: list[str]) -> str:
+    cells = "".join(f"{name:>22}" for name in names)
+    return f"{'size':>10}{cells}\n{'':>10}" + "".join(f"{'us  busbw  x' + PEER:>22}" for _ in names)
+
+
+def table_row(row: list[dict]) -> str:
+    cells = []
+    for r in row:
+        ratio = f"{r['ratio_to_mpi']:.2f}" if r["ratio_to_mpi"] is not None else "-"
+        cells.append(f"{r['time_s'] * 1e6:>10.1f} {r['busbw_gbps']:>6.2f} {ratio:>5}")
+    return f"{format_bytes(row[0]['bytes']):>10}" + "".join(f"{c:>22}" for c in cells)
+
+
+def plot(records: list[dict], path: str) -> None:
+    """busbw against message size, one line per algorithm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7.5, 4.5))
+    for name in dict.fromkeys(r["algorithm"] for r in records):
+        mine = [r for r in records if r["algorithm"] == name]
+        axes.plot([r["bytes"] for r in mine], [r["busbw_gbps"] for r in mine], marker="o", markersize=3,
+                  label=name, linestyle="--" if name == PEER else "-")
+    first = records[0]
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("message size (bytes)")
+    axes.set_ylabel("bus bandwidth (GB/s)")
+    axes.set_title(f"allreduce, {first['ranks']} ranks, {first['dtype']}")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def summary(records: list[dict]) -> str:
+    """The overhead of the Python layer at the smallest size (auto, which hands tiny calls to MPI)."""
+    smallest = min(r["bytes"] for r in records)
+    at = {r["algorithm"]: r for r in records if r["bytes"] == smallest}
+    if "auto" in at and PEER in at:
+        extra = (at["auto"]["time_s"] - at[PEER]["time_s"]) * 1e6
+        return (f"per-call overhead of the Python layer at {smallest} B: {extra:+.1f} us "
+                f"(auto {at['auto']['time_s'] * 1e6:.1f} us vs mpi {at[PEER]['time_s'] * 1e6:.1f} us)")
+    return ""
+
+
+def run(args) -> int:
+    comm = MPI.COMM_WORLD
+    names = args.algorithms.split(",") if args.algorithms else [*algorithms.REGISTRY, "auto"]
+    names = [PEER] + [n for n in dict.fromkeys(names) if n != PEER]
+    for name in names[1:]:
+        if name != "auto":
+            algorithms.get(name)
+    sizes = parse_sizes(args.sizes) if args.sizes else default_sizes()
+    out = sys.stdout
+    if comm.Get_rank() == 0:
+        print(f"# mpicoll bench: allreduce, {comm.Get_size()} ranks, {args.dtype}, "
+              f"{MPI.Get_library_version().splitlines()[0].strip()}", file=out)
+        print(table_header(names), file=out, flush=True)
+    records = measure(comm, names, sizes, args.dtype, args.iters, args.min_iters, args.warmup,
+                      report=lambda row: print(table_row(row), file=out, flush=True))
+    if comm.Get_rank() == 0:
+        line = summary(records)
+        if line:
+            print(f"# {line}", file=out)
+        if args.output:
+            with open(args.output, "w") as handle:
+                json.dump(records, handle, indent=1)
+            print(f"# wrote {args.output}", file=out)
+        if args.plot:
+            plot(records, args.plot)
+            print(f"# wrote {args.plot}", file=out)
+    return 0

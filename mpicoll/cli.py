@@ -1,0 +1,63 @@
+"""The ``mpicoll`` command: ``mpicoll bench`` and ``mpicoll info`` (run them under mpiexec)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="allreduce of every algorithm against MPI's own, side by side",
+        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench --sizes 8:64M")
+    bench.add_argument("--sizes", help="'8,1K,64M' or a range '8:64M' (x4 steps); default 8 B to 64 MiB")
+    bench.add_argument("--algorithms", help="comma-separated; default: all, and auto (mpi always runs)")
+    bench.add_argument("--dtype", default="float32", help="numpy dtype of the elements (default float32)")
+    bench.add_argument("--iters", type=int, default=50, help="timed calls per size up to 1 MiB (default 50)")
+    bench.add_argument("--min-iters", type=int, default=7, help="timed calls at least, at any size (default 7)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm (default 3)")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per (algorithm, size)")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw bus bandwidth against size")
+
+
+def _info_parser(commands) -> None:
+    commands.add_parser("info", help="versions, MPI library, and the auto rules in force")
+
+
+def info() -> int:
+    import mpi4py
+    import numpy
+    from mpi4py import MPI
+
+    import mpicoll
+    from .algorithms import auto
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(f"mpicoll    {mpicoll.__version__}")
+        print(f"mpi4py     {mpi4py.__version__}")
+        print(f"numpy      {numpy.__version__}")
+        print(f"MPI        {MPI.Get_library_version().splitlines()[0].strip()} (standard {'.'.join(map(str, MPI.Get_version()))})")
+        print(f"ranks      {MPI.COMM_WORLD.Get_size()}")
+        for collective in auto.DEFAULT_RULES:
+            rule = ", ".join(f"{name} below {limit:.0f} B" if limit != float("inf") else name
+                             for name, limit in auto.rule(collective))
+            print(f"auto       {collective}: {rule}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpicoll", description="MPI collectives for distributed SGD.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _bench_parser(commands)
+    _info_parser(commands)
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import run
+        return run(args)
+    return info()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
