@@ -6,7 +6,12 @@
 ``MPICOLL_TIMEOUT=S``      seconds a rank waits for a peer inside mpicoll's own
                            algorithms before raising CollectiveTimeout (default
                            300; 0 waits forever)
-``MPICOLL_SEGMENT=BYTES``  pipeline segment of the ring algorithm (default 256K)
+``MPICOLL_SEGMENT=BYTES``  pipeline segment of the ring algorithm (default 1M)
+``MPICOLL_TRANSPORT=T``    how mpicoll's algorithms move data: ``shared``
+                           (one-sided, through a shared-memory window; only
+                           when all ranks share a node), ``p2p`` (MPI
+                           point-to-point), or ``auto`` (the default: shared
+                           when possible)
 ``MPICOLL_AUTO_<COLL>``    the ``auto`` choice for one collective, e.g.
                            ``MPICOLL_AUTO_ALLREDUCE=mpi:512K,ring`` (see auto.py)
 =========================  =======================================================
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["debug", "timeout", "segment_bytes", "parse_bytes"]
+__all__ = ["debug", "timeout", "segment_bytes", "transport", "parse_bytes"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -46,7 +51,14 @@ def timeout() -> float:
 
 
 def segment_bytes() -> int:
-    value = parse_bytes(os.environ.get("MPICOLL_SEGMENT", "256K"))
+    value = parse_bytes(os.environ.get("MPICOLL_SEGMENT", "1M"))
     if value <= 0:
         raise ValueError(f"MPICOLL_SEGMENT must be positive, got {value}")
+    return value
+
+
+def transport() -> str:
+    value = os.environ.get("MPICOLL_TRANSPORT", "auto").strip().lower()
+    if value not in ("auto", "shared", "p2p"):
+        raise ValueError(f"MPICOLL_TRANSPORT must be auto, shared or p2p, got {value!r}")
     return value

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from . import config
 from .errors import CollectiveTimeout, MismatchError
+from .shared import SharedRegions
 
 __all__ = ["Context"]
 
@@ -25,18 +26,19 @@ _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
 
 
-def _ranks_per_core(comm: MPI.Intracomm) -> float:
-    """Ranks of ``comm`` on this node per core this process may run on (> 1: oversubscribed)."""
+def _ranks_on_this_node(comm: MPI.Intracomm) -> int:
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        ranks = local.Get_size()
+        return local.Get_size()
     finally:
         local.Free()
+
+
+def _cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 1
-    return ranks / cores
+        return os.cpu_count() or 1
 
 
 class Context:
@@ -50,9 +52,22 @@ class Context:
         self.debug = config.debug()
         self.segment_bytes = config.segment_bytes()
         self.collective = "collective"
+        local = _ranks_on_this_node(self.comm)
         # Oversubscribed ranks yield the core while they wait: the peer they
         # wait for may need it to make progress.
-        self.spin_seconds = 0.0 if _ranks_per_core(self.comm) > 1 else _SPIN_SECONDS
+        self.spin_seconds = 0.0 if local > _cores() else _SPIN_SECONDS
+        # Measured (docs/benchmarks.md): with a core per rank, point-to-point
+        # wins (MPICH's single-copy CMA lands data in cache-sized slots);
+        # with more ranks than cores, CMA's kernel copies cost CPU time the
+        # ranks do not have, and reading neighbours' shared memory in place
+        # wins.  Every rank of a node sees the same counts, so all agree.
+        self.transport = config.transport()
+        if self.transport == "auto":
+            self.transport = "shared" if local == self.size and local > _cores() else "p2p"
+        elif self.transport == "shared" and local != self.size:
+            raise ValueError(f"MPICOLL_TRANSPORT=shared needs all {self.size} ranks on one node; "
+                             f"this node has {local} of them (use p2p or auto)")
+        self._shared: SharedRegions | None = None
         self._scratch: dict[str, np.ndarray] = {}
         self._broken: str | None = None
 
@@ -62,6 +77,9 @@ class Context:
         if comm != MPI.COMM_NULL:
             comm.Free()
         self._scratch.clear()
+        if self._shared is not None:
+            self._shared.free()
+            self._shared = None
 
     def begin(self, collective: str) -> None:
         """Mark the start of one call (for error messages); refuse if a peer was lost before."""
@@ -82,6 +100,12 @@ class Context:
             buf = np.empty(max(nbytes, 64), np.uint8)
             self._scratch[name] = buf
         return buf[:nbytes].view(dtype)
+
+    def shared_regions(self) -> SharedRegions:
+        """Every rank's shared-memory region (only when ``transport == "shared"``)."""
+        if self._shared is None:
+            self._shared = SharedRegions(self.comm)
+        return self._shared
 
     # -- messages -----------------------------------------------------------
 
