@@ -35,8 +35,8 @@ PEER = "mpi"
 
 
 def default_sizes() -> list[int]:
-    """8 B to 64 MiB in steps of 4x."""
-    return [8 << (2 * i) for i in range(13)]
+    """8 B, then 16 B to 64 MiB in steps of 4x."""
+    return [8] + [16 << (2 * i) for i in range(12)]
 
 
 def format_bytes(n: float) -> str:
@@ -48,13 +48,16 @@ def format_bytes(n: float) -> str:
 
 
 def parse_sizes(text: str) -> list[int]:
-    """'8,1K,64M' or a range '8:64M' (powers of 4 between the ends)."""
+    """'8,1K,64M', or a range 'LOW:HIGH' (x4 steps) or 'LOW:HIGH:FACTOR'."""
     if ":" in text:
-        low, high = (parse_bytes(part) for part in text.split(":"))
+        low, high, *factor = text.split(":")
+        low, high, factor = parse_bytes(low), parse_bytes(high), float(factor[0]) if factor else 4.0
+        if low <= 0 or factor <= 1:
+            raise ValueError(f"--sizes {text!r}: need LOW > 0 and FACTOR > 1")
         sizes = []
         while low <= high:
-            sizes.append(low)
-            low *= 4
+            sizes.append(int(low))
+            low *= factor
         return sizes
     return [parse_bytes(part) for part in text.split(",")]
 

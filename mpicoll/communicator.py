@@ -35,7 +35,6 @@ class Communicator(MPI.Intracomm):
     """
 
     algorithm = "auto"   # also the value for communicators mpi4py builds from this one
-    _straight_to_mpi: dict[str, float] = {}   # per collective: numpy calls below this many bytes skip checks
 
     def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -77,8 +76,6 @@ class Communicator(MPI.Intracomm):
     # -- the collectives ----------------------------------------------------
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
-        if type(recvbuf) is np.ndarray and recvbuf.nbytes < self._straight_to_mpi.get("allreduce", 0):
-            return _mpi_allreduce(self, sendbuf, recvbuf, op)
         recv = read_message(recvbuf, writable=True, role="recvbuf")
         send = None if is_in_place(sendbuf) else read_message(sendbuf, role="sendbuf")
         _same_shape(send, recv, "Allreduce")
@@ -111,8 +108,6 @@ class Communicator(MPI.Intracomm):
                   lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
 
     def Allgather(self, sendbuf, recvbuf) -> None:
-        if type(recvbuf) is np.ndarray and recvbuf.nbytes < self._straight_to_mpi.get("allgather", 0):
-            return _mpi_allgather(self, sendbuf, recvbuf)
         size = self.Get_size()
         recv = read_message(recvbuf, writable=True, role="recvbuf")
         if recv.count % size:
@@ -133,8 +128,6 @@ class Communicator(MPI.Intracomm):
                   lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
 
     def Bcast(self, buf, root: int = 0) -> None:
-        if type(buf) is np.ndarray and buf.nbytes < self._straight_to_mpi.get("bcast", 0):
-            return _mpi_bcast(self, buf, root)
         message = read_message(buf, writable=self.Get_rank() != root, role="buf")
         size = self.Get_size()
         if not 0 <= root < size:
@@ -144,6 +137,20 @@ class Communicator(MPI.Intracomm):
                   message if self.Get_rank() == root else None,
                   lambda a, ctx: a.bcast(ctx, message.array, root),
                   lambda: MPI.Intracomm.Bcast(self, buf, root))
+
+    def _hand_small_calls_to_mpi(self) -> None:
+        """Shadow the collectives with closures that send small numpy calls straight to MPI.
+
+        ``auto`` runs MPI's own collective below a size threshold anyway; once
+        the first call has been checked across ranks, skipping the parsing for
+        those calls keeps mpicoll's cost at a fraction of a microsecond, so
+        ``auto`` is as fast as MPI where MPI is the right choice.
+        """
+        for name in ("Allreduce", "Allgather", "Bcast"):
+            first, limit = auto.rule(name.lower())[0]
+            if first == "mpi":
+                self.__dict__[name] = _straight_to_mpi(name, getattr(MPI.Intracomm, name).__get__(self),
+                                                       getattr(Communicator, name).__get__(self), limit)
 
     # -- shared machinery ---------------------------------------------------
 
@@ -162,25 +169,33 @@ class Communicator(MPI.Intracomm):
             self.__dict__["_checks_left"] -= 1
             check_call(context.comm, signature, None if contribution is None else contribution.array)
             if not context.debug and self.algorithm == "auto":
-                self._straight_to_mpi = _mpi_limits()
+                self._hand_small_calls_to_mpi()
         if name == "mpi":
             run_mpi()
         else:
             run_algorithm(algorithms.get(name), context)
 
 
-_mpi_allreduce = MPI.Intracomm.Allreduce
-_mpi_allgather = MPI.Intracomm.Allgather
-_mpi_bcast = MPI.Intracomm.Bcast
-
-
-def _mpi_limits() -> dict[str, float]:
-    """For each collective, the size below which ``auto`` always hands plain arrays to MPI."""
-    limits = {}
-    for collective in ("allreduce", "allgather", "bcast"):
-        first, limit = auto.rule(collective)[0]
-        limits[collective] = limit if first == "mpi" else 0
-    return limits
+def _straight_to_mpi(name: str, mpi_call, checked_call, limit: float):
+    """``name``, calling MPI directly for numpy buffers under ``limit`` bytes."""
+    ndarray = np.ndarray
+    if name == "Allreduce":
+        def collective(sendbuf, recvbuf, op=MPI.SUM):
+            if type(recvbuf) is ndarray and recvbuf.nbytes < limit:
+                return mpi_call(sendbuf, recvbuf, op)
+            return checked_call(sendbuf, recvbuf, op)
+    elif name == "Allgather":
+        def collective(sendbuf, recvbuf):
+            if type(recvbuf) is ndarray and recvbuf.nbytes < limit:
+                return mpi_call(sendbuf, recvbuf)
+            return checked_call(sendbuf, recvbuf)
+    else:
+        def collective(buf, root=0):
+            if type(buf) is ndarray and buf.nbytes < limit:
+                return mpi_call(buf, root)
+            return checked_call(buf, root)
+    collective.__doc__ = getattr(Communicator, name).__doc__
+    return collective
 
 
 def _array(message: Message | None) -> np.ndarray | None:

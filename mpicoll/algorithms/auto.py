@@ -21,8 +21,8 @@ from ..config import parse_bytes
 __all__ = ["choose", "rule", "DEFAULT_RULES"]
 
 DEFAULT_RULES = {
-    "allreduce": "mpi:256K,ring",
-    "reduce_scatter_block": "mpi:256K,ring",
+    "allreduce": "mpi:1M,ring",
+    "reduce_scatter_block": "mpi:1M,ring",
     "allgather": "mpi",
     "bcast": "mpi",
 }
