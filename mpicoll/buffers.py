@@ -55,7 +55,7 @@ def numpy_dtype(datatype: MPI.Datatype) -> np.dtype:
         dtype = dtlib.to_numpy_dtype(datatype)
     except (ValueError, TypeError, KeyError):
         return np.dtype((np.void, datatype.size))
-    if dtype.itemsize != datatype.size:
+    if dtype.itemsize != datatype.size or dtype.subdtype is not None:
         return np.dtype((np.void, datatype.size))
     return dtype
 

@@ -19,7 +19,7 @@ from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from .checks import Signature, check_call
 from .context import Context
-from .reduction import Reduction
+from .reduction import Reduction, op_name
 
 __all__ = ["Communicator"]
 
@@ -59,10 +59,27 @@ class Communicator(MPI.Intracomm):
         base = MPI.Intracomm.Dup(self) if info is None else MPI.Intracomm.Dup(self, info)
         return Communicator(MPI.Intracomm(base), algorithm=self.algorithm)
 
-    def Free(self) -> None:
+    def close(self) -> None:
+        """Release mpicoll's private duplicate, scratch and shared memory; the communicator stays valid.
+
+        Called by ``Free()`` and on leaving a ``with`` block; a later
+        collective call sets them up again.
+        """
         context = self.__dict__.pop("_context", None)
         if context is not None:
             context.free()
+        for name in ("Allreduce", "Allgather", "Bcast"):
+            self.__dict__.pop(name, None)
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def Free(self) -> None:
+        """Free the communicator, as mpi4py does, and mpicoll's resources with it."""
+        self.close()
         MPI.Intracomm.Free(self)
 
     def _context_for(self, collective: str) -> Context:
@@ -79,9 +96,9 @@ class Communicator(MPI.Intracomm):
         recv = read_message(recvbuf, writable=True, role="recvbuf")
         send = None if is_in_place(sendbuf) else read_message(sendbuf, role="sendbuf")
         _same_shape(send, recv, "Allreduce")
-        reduction = _reduction(op, recv)
-        name = self._choose("allreduce", recv, reduction.commutative, send)
-        self._run(name, "Allreduce", Signature("Allreduce", recv.count, recv.array.dtype, reduction.name),
+        reduction = _reduction(op, recv, send)
+        name = self._choose("allreduce", recv, reduction, send)
+        self._run(name, "Allreduce", Signature("Allreduce", recv.count, recv.array.dtype, op_name(op)),
                   recv if send is None else send,
                   lambda a, ctx: a.allreduce(ctx, _array(send), recv.array, reduction),
                   lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, op))
@@ -100,10 +117,10 @@ class Communicator(MPI.Intracomm):
             if send.count != recv.count * size:
                 raise ValueError(f"Reduce_scatter_block: sendbuf has {send.count} elements, expected "
                                  f"recvbuf's {recv.count} times the {size} ranks = {recv.count * size}")
-        reduction = _reduction(op, recv)
-        name = self._choose("reduce_scatter_block", send, reduction.commutative, send, recv)
+        reduction = _reduction(op, recv, send)
+        name = self._choose("reduce_scatter_block", send, reduction, recv)
         self._run(name, "Reduce_scatter_block",
-                  Signature("Reduce_scatter_block", recv.count, recv.array.dtype, reduction.name), send,
+                  Signature("Reduce_scatter_block", recv.count, recv.array.dtype, op_name(op)), send,
                   lambda a, ctx: a.reduce_scatter_block(ctx, send.array, recv.array, reduction),
                   lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
 
@@ -120,7 +137,7 @@ class Communicator(MPI.Intracomm):
             if send.count != block:
                 raise ValueError(f"Allgather: sendbuf has {send.count} elements, but recvbuf holds "
                                  f"{recv.count} = {size} ranks x {block}")
-        name = self._choose("allgather", recv, True, send)
+        name = self._choose("allgather", recv, None, send)
         mine = recv.array[self.Get_rank() * block: (self.Get_rank() + 1) * block] if send is None else send.array
         self._run(name, "Allgather", Signature("Allgather", block, recv.array.dtype),
                   Message(mine, recv.datatype),
@@ -132,7 +149,7 @@ class Communicator(MPI.Intracomm):
         size = self.Get_size()
         if not 0 <= root < size:
             raise ValueError(f"Bcast: root {root} is not a rank of this {size}-rank communicator")
-        name = self._choose("bcast", message, True)
+        name = self._choose("bcast", message, None)
         self._run(name, "Bcast", Signature("Bcast", message.count, message.array.dtype, root=root),
                   message if self.Get_rank() == root else None,
                   lambda a, ctx: a.bcast(ctx, message.array, root),
@@ -154,12 +171,13 @@ class Communicator(MPI.Intracomm):
 
     # -- shared machinery ---------------------------------------------------
 
-    def _choose(self, collective: str, sized: Message, commutative: bool, *messages) -> str:
+    def _choose(self, collective: str, sized: Message, reduction: Reduction | None, *messages) -> str:
         """The algorithm for this call; ``mpi`` for datatypes mpicoll leaves to MPI."""
         if not all(m is None or m.native for m in (sized, *messages)):
             return "mpi"
         if self.algorithm != "auto":
             return self.algorithm
+        commutative = reduction is None or reduction.commutative
         return auto.choose(collective, sized.nbytes, self.Get_size(), commutative)
 
     def _run(self, name: str, collective: str, signature: Signature, contribution: Message | None,
@@ -222,10 +240,12 @@ def _same_shape(send: Message | None, recv: Message, collective: str) -> None:
 _REDUCTIONS: dict[tuple[int, int], Reduction] = {}
 
 
-def _reduction(op: MPI.Op, message: Message) -> Reduction:
-    """The Reduction for (op, datatype), cached for predefined ops."""
+def _reduction(op: MPI.Op, message: Message, other: Message | None = None) -> Reduction | None:
+    """The Reduction for (op, datatype), cached for predefined ops; None where MPI reduces."""
     if not isinstance(op, MPI.Op):
         raise TypeError(f"op must be an MPI.Op such as MPI.SUM, got {op!r}")
+    if not (message.native and (other is None or other.native)):
+        return None
     if not op.is_predefined:
         return Reduction(op, message.datatype, message.array.dtype)
     key = (op.handle, message.datatype.handle)

@@ -1,0 +1,33 @@
+"""mpicoll: MPI collectives for distributed SGD (ring, parallel and automatic allreduce, ...)."""
+
+import pathlib
+import re
+
+from setuptools import find_packages, setup
+
+HERE = pathlib.Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "mpicoll" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="mpicoll",
+    version=VERSION,
+    description="MPI collective communication for distributed SGD: a drop-in mpi4py communicator",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mpicoll", "mpicoll.*"]),
+    install_requires=["mpi4py>=4.0", "numpy>=1.23"],
+    extras_require={
+        # The MPICH wheel: an MPI for machines that have none.  On a cluster,
+        # leave it out and mpi4py uses the system's MPI.
+        "mpich": ["mpich"],
+        "plot": ["matplotlib"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["mpicoll = mpicoll.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: System :: Distributed Computing",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

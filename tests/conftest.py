@@ -1,0 +1,74 @@
+"""Test harness for runs under ``mpiexec -n N python -m pytest --with-mpi``.
+
+- Only rank 0 reports to the terminal (and writes --junitxml); other ranks
+  print just their own failures, prefixed with their rank, to stderr.
+- A watchdog per test: a test that runs past MPICOLL_TEST_TIMEOUT seconds
+  (default 120) prints which rank is stuck in which test, with every
+  thread's traceback, and aborts the whole job instead of hanging CI.
+- ``everywhere(ok, message)`` fails a test on every rank when it fails on
+  any, naming the ranks, so ranks never drift apart into different tests.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+TEST_TIMEOUT = float(os.environ.get("MPICOLL_TEST_TIMEOUT", "120"))
+
+# Peers that stop answering in mpicoll's own algorithms should fail a test
+# quickly, well inside the watchdog's limit.
+os.environ.setdefault("MPICOLL_TIMEOUT", "60")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if RANK > 0:
+        sys.stdout = open(os.devnull, "w")
+        config.option.xmlpath = None
+
+
+def pytest_runtest_logreport(report):
+    # A failure on every rank (``everywhere``) is reported by rank 0 alone.
+    if RANK > 0 and report.failed and "failed on rank(s)" not in report.longreprtext:
+        sys.stderr.write(f"[rank {RANK}] FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+@pytest.fixture(autouse=True)
+def watchdog(request):
+    """Abort the job, saying which rank is stuck where, if a test never ends."""
+
+    def stuck():
+        sys.stderr.write(f"\n[rank {RANK}] stuck in {request.node.nodeid} for {TEST_TIMEOUT:g} s "
+                         f"(MPICOLL_TEST_TIMEOUT); tracebacks follow, then the job is aborted\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        MPI.COMM_WORLD.Abort(70)
+
+    timer = threading.Timer(TEST_TIMEOUT, stuck)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
+
+
+def everywhere(ok: bool, message: str = "", comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
+    """Assert ``ok`` on every rank at once: all ranks fail if any does, naming the failing ranks."""
+    failures = comm.allgather(None if ok else message)
+    bad = {rank: text for rank, text in enumerate(failures) if text is not None}
+    if bad:
+        lines = "\n".join(f"  rank {rank}: {text}" for rank, text in bad.items())
+        pytest.fail(f"failed on rank(s) {sorted(bad)}:\n{lines}", pytrace=False)
+
+
+def shared_seed(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
+    """Fresh entropy, the same on every rank (so a failure can name one seed to replay)."""
+    return comm.bcast(int(np.random.SeedSequence().entropy % (1 << 63)) if comm.Get_rank() == 0 else None)

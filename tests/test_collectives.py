@@ -1,0 +1,319 @@
+"""Every algorithm against MPI's own collective, on fresh random data, at any rank count.
+
+Run under mpiexec: ``mpiexec -n 4 python -m pytest --with-mpi tests/test_collectives.py``.
+Each test loops over its cases and fails on every rank at once (``everywhere``),
+listing the cases that went wrong and the seed that reproduces them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpicoll
+from conftest import everywhere, shared_seed
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+P, RANK = WORLD.Get_size(), WORLD.Get_rank()
+
+# (id, algorithm, environment): the ring is run over both of its transports,
+# with small segments so that small test buffers still take the pipelined path.
+VARIANTS = [
+    ("ring-p2p", "ring", {"MPICOLL_TRANSPORT": "p2p", "MPICOLL_SEGMENT": "1K"}),
+    ("ring-shared", "ring", {"MPICOLL_TRANSPORT": "shared", "MPICOLL_SEGMENT": "1K"}),
+    ("parallel", "parallel", {}),
+    ("recursive_doubling", "recursive_doubling", {}),
+    ("mpi", "mpi", {}),
+    ("auto", "auto", {"MPICOLL_AUTO_ALLREDUCE": "mpi:64,ring", "MPICOLL_AUTO_REDUCE_SCATTER_BLOCK": "mpi:64,ring",
+                      "MPICOLL_AUTO_ALLGATHER": "mpi:64,ring", "MPICOLL_AUTO_BCAST": "mpi:64,ring"}),
+]
+
+SIZES = sorted({0, 1, max(P - 1, 0), P + 1, 17, 1000})
+
+REDUCTIONS = [  # (dtype, ops)
+    ("float32", ["SUM", "PROD", "MIN", "MAX"]),
+    ("float64", ["SUM", "PROD", "MIN", "MAX"]),
+    ("float16", ["SUM", "MAX"]),
+    ("complex128", ["SUM", "PROD"]),
+    ("int32", ["SUM", "PROD", "MIN", "MAX", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR"]),
+    ("int64", ["SUM", "MAX"]),
+    ("uint8", ["SUM", "MIN", "BXOR"]),
+    ("int16", ["SUM", "BOR"]),
+    ("bool", ["LAND", "LOR", "LXOR"]),
+    ("longdouble", ["SUM"]),
+]
+
+
+@pytest.fixture(params=VARIANTS, ids=[v[0] for v in VARIANTS])
+def comm(request, monkeypatch):
+    _, algorithm, environment = request.param
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    communicator = mpicoll.Communicator(WORLD, algorithm=algorithm)
+    communicator.Barrier()
+    with communicator:
+        yield communicator
+
+
+def make(rng, dtype, count, op="SUM"):
+    """Random data suited to the op: no overflow, products near 1, small integers."""
+    dtype = np.dtype(dtype)
+    if dtype == bool:
+        return rng.integers(0, 2, count).astype(bool)
+    if dtype.kind in "iu":
+        high = 3 if op == "PROD" else min(100, np.iinfo(dtype).max // max(P, 1))
+        return rng.integers(0, high + 1, count).astype(dtype)
+    if op == "PROD":
+        values = rng.uniform(0.5, 1.5, count)
+    else:
+        values = rng.standard_normal(count)
+    if dtype.kind == "c":
+        values = values + 1j * (rng.uniform(0.5, 1.5, count) if op == "PROD" else rng.standard_normal(count))
+    return values.astype(dtype)
+
+
+def close(result, reference, dtype) -> bool:
+    dtype = np.dtype(dtype)
+    if dtype.kind in "fc":
+        tolerance = {2: 2e-2, 4: 1e-5, 8: 1e-5, 16: 1e-12, 32: 1e-12}[dtype.itemsize] * P
+        return bool(np.allclose(result, reference, rtol=tolerance, atol=tolerance))
+    return bool(np.array_equal(result, reference))
+
+
+def digest(array) -> str:
+    """A hash of the value bits (long double's padding bytes carry no value and are skipped)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.kind in "fc" and array.dtype.itemsize > 8 * (2 if array.dtype.kind == "c" else 1):
+        bits = np.finfo(array.dtype).nexp + np.finfo(array.dtype).nmant + 1
+        array = array.view(np.uint8).reshape(-1, array.dtype.itemsize // (2 if array.dtype.kind == "c" else 1))
+        array = array[:, : (bits + 7) // 8]
+    return hashlib.sha1(array.tobytes()).hexdigest()
+
+
+class Cases:
+    """Collects failures and per-case result digests; judges them together on every rank."""
+
+    def __init__(self, seed):
+        self.seed, self.failures, self.digests, self.names = seed, [], [], []
+
+    def check(self, name, ok, result=None):
+        if not ok:
+            self.failures.append(name)
+        if result is not None:
+            self.names.append(name)
+            self.digests.append(digest(result))
+
+    def judge(self):
+        everyone = WORLD.allgather(self.digests)
+        drift = [self.names[i] for i in range(len(self.names)) if len({d[i] for d in everyone}) > 1]
+        everywhere(not self.failures, f"seed {self.seed}: wrong result in {self.failures[:8]}")
+        everywhere(not drift, f"seed {self.seed}: ranks hold different bits in {drift[:8]}")
+
+
+def test_allreduce_matches_mpi(comm):
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    cases = Cases(seed)
+    for dtype, ops in REDUCTIONS:
+        for op_name in ops:
+            op = getattr(MPI, op_name)
+            for count in SIZES:
+                send = make(rng, dtype, count, op_name)
+                kept = send.copy()
+                reference = np.empty_like(send)
+                WORLD.Allreduce(send, reference, op)
+                result = np.full_like(send, 7)
+                comm.Allreduce(send, result, op)
+                name = f"{dtype} {op_name} n={count}"
+                cases.check(name, close(result, reference, dtype), result)
+                cases.check(name + " (send buffer written)", np.array_equal(send, kept))
+                in_place = send.copy()
+                comm.Allreduce(MPI.IN_PLACE, in_place, op)
+                cases.check(name + " in place", close(in_place, reference, dtype), in_place)
+    cases.judge()
+
+
+def test_allreduce_large_buffer(comm):
+    """A few MiB with an odd count: many segments, uneven chunks."""
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    cases = Cases(seed)
+    for dtype in ("float32", "int64"):
+        send = make(rng, dtype, 3 * 2**20 // np.dtype(dtype).itemsize + 7)
+        reference = np.empty_like(send)
+        WORLD.Allreduce(send, reference)
+        result = np.empty_like(send)
+        comm.Allreduce(send, result)
+        cases.check(f"{dtype} n={send.size}", close(result, reference, dtype), result)
+    cases.judge()
+
+
+def test_allreduce_non_commutative_user_ops(comm):
+    """User ops that only rank order gets right: projections, and composition of affine maps."""
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    cases = Cases(seed)
+
+    def first(inbuf, inoutbuf, datatype):
+        np.frombuffer(inoutbuf, np.float64)[:] = np.frombuffer(inbuf, np.float64)
+
+    def compose(inbuf, inoutbuf, datatype):
+        # (a1, b1) o (a2, b2) = (a1 a2, a1 b2 + b1): x -> a1 (a2 x + b2) + b1, lower rank outside
+        left = np.frombuffer(inbuf, np.float64).reshape(-1, 2)
+        right = np.frombuffer(inoutbuf, np.float64).reshape(-1, 2)
+        right[:, 1] = left[:, 0] * right[:, 1] + left[:, 1]
+        right[:, 0] = left[:, 0] * right[:, 0]
+
+    projection = MPI.Op.Create(first, commute=False)
+    affine = MPI.Op.Create(compose, commute=False)
+    pair = MPI.DOUBLE.Create_contiguous(2).Commit()
+    try:
+        for count in SIZES:
+            send = rng.standard_normal(count)
+            everyone = np.array(WORLD.allgather(send))
+            result = np.empty_like(send)
+            comm.Allreduce(send, result, projection)
+            cases.check(f"first-of n={count}", np.array_equal(result, everyone[0]), result)
+
+            maps = np.column_stack([rng.uniform(0.5, 1.5, count), rng.standard_normal(count)])
+            everyone = np.array(WORLD.allgather(maps))
+            expected = everyone[-1].copy()
+            for q in range(P - 2, -1, -1):     # fold in rank order, right to left
+                expected[:, 1] = everyone[q][:, 0] * expected[:, 1] + everyone[q][:, 1]
+                expected[:, 0] = everyone[q][:, 0] * expected[:, 0]
+            composed = np.empty_like(maps)
+            comm.Allreduce([maps, count, pair], [composed, count, pair], affine)
+            cases.check(f"affine n={count}", np.allclose(composed, expected, rtol=1e-12), composed)
+            in_place = maps.copy()
+            comm.Allreduce(MPI.IN_PLACE, [in_place, count, pair], affine)
+            cases.check(f"affine in place n={count}", np.allclose(in_place, expected, rtol=1e-12), in_place)
+    finally:
+        pair.Free()
+        projection.Free()
+        affine.Free()
+    cases.judge()
+
+
+def test_reduce_scatter_block_matches_mpi(comm):
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    cases = Cases(seed)
+    for dtype, ops in REDUCTIONS[:5]:
+        for op_name in ops[:2]:
+            op = getattr(MPI, op_name)
+            for block in (0, 1, 2, 17, 300):
+                send = make(rng, dtype, block * P, op_name)
+                kept = send.copy()
+                reference = np.empty(block, send.dtype)
+                WORLD.Reduce_scatter_block(send, reference, op)
+                result = np.empty(block, send.dtype)
+                comm.Reduce_scatter_block(send, result, op)
+                name = f"{dtype} {op_name} block={block}"
+                cases.check(name, close(result, reference, dtype))
+                cases.check(name + " (send buffer written)", np.array_equal(send, kept))
+                in_place = send.copy()
+                comm.Reduce_scatter_block(MPI.IN_PLACE, in_place, op)
+                cases.check(name + " in place", close(in_place[:block], reference, dtype))
+    cases.judge()
+
+
+def test_allgather_matches_mpi(comm):
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    cases = Cases(seed)
+    for dtype in ("float64", "int8", "complex64", "bool"):
+        for block in (0, 1, 3, 17, 1000):
+            send = make(rng, dtype, block)
+            reference = np.empty(block * P, send.dtype)
+            WORLD.Allgather(send, reference)
+            result = np.empty_like(reference)
+            comm.Allgather(send, result)
+            cases.check(f"{dtype} block={block}", np.array_equal(result, reference), result)
+            in_place = np.zeros_like(reference)
+            in_place[RANK * block:(RANK + 1) * block] = send
+            comm.Allgather(MPI.IN_PLACE, in_place)
+            cases.check(f"{dtype} block={block} in place", np.array_equal(in_place, reference), in_place)
+    cases.judge()
+
+
+def test_bcast_from_every_root(comm):
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    cases = Cases(seed)
+    for root in range(P):
+        for dtype in ("float32", "int64", "uint8"):
+            for count in (0, 1, 17, 5000):
+                data = make(rng, dtype, count)
+                reference = data.copy()
+                WORLD.Bcast(reference, root)
+                comm.Bcast(data, root)
+                cases.check(f"root={root} {dtype} n={count}", np.array_equal(data, reference), data)
+    cases.judge()
+
+
+def test_buffer_specifications_like_mpi4py(comm):
+    """Every form mpi4py accepts gives mpi4py's answer."""
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    cases = Cases(seed)
+    data = rng.standard_normal(12)
+    reference = np.empty(12)
+    WORLD.Allreduce(data, reference)
+
+    out = np.empty(12)
+    comm.Allreduce([data, MPI.DOUBLE], [out, MPI.DOUBLE])
+    cases.check("[buf, datatype]", close(out, reference, "float64"))
+    out = np.empty(12)
+    comm.Allreduce([data, "d"], [out, "d"])
+    cases.check("[buf, typecode]", close(out, reference, "float64"))
+    part = np.empty(5)
+    comm.Allreduce((data, 5, MPI.DOUBLE), (part, 5, MPI.DOUBLE))
+    cases.check("(buf, count, datatype)", close(part, reference[:5], "float64"))
+    part_ref = np.empty(4)
+    WORLD.Allreduce([data, (4, 3), MPI.DOUBLE], part_ref)
+    comm.Allreduce([data, (4, 3), MPI.DOUBLE], part[:4])
+    cases.check("[buf, (count, displ), datatype]", close(part[:4], part_ref, "float64"))
+    in_place = data.copy()
+    comm.Allreduce(None, in_place)
+    cases.check("None means in place", close(in_place, reference, "float64"))
+    fortran = np.asfortranarray(data.reshape(3, 4))
+    out2 = np.empty((3, 4), order="F")
+    comm.Allreduce(fortran, out2)
+    ref2 = np.empty((3, 4), order="F")
+    WORLD.Allreduce(fortran, ref2)
+    cases.check("Fortran-ordered arrays", close(out2, ref2, "float64"))
+    flags = bytearray(rng.integers(0, 256, 9, dtype=np.uint8).tobytes())
+    got, want = bytearray(9), bytearray(9)
+    comm.Allreduce(bytes(flags), got, MPI.BOR)
+    WORLD.Allreduce(bytes(flags), want, MPI.BOR)
+    cases.check("bytes and bytearray", got == want)
+    # pair types: MAXLOC over (value, rank)
+    pairs = np.zeros(6, dtype=[("value", "f4"), ("index", "i4")])
+    pairs["value"] = rng.standard_normal(6)
+    pairs["index"] = RANK
+    got, want = np.empty_like(pairs), np.empty_like(pairs)
+    comm.Allreduce([pairs, MPI.FLOAT_INT], [got, MPI.FLOAT_INT], MPI.MAXLOC)
+    WORLD.Allreduce([pairs, MPI.FLOAT_INT], [want, MPI.FLOAT_INT], MPI.MAXLOC)
+    cases.check("MAXLOC on FLOAT_INT", got.tobytes() == want.tobytes(), got)
+    # padded pair types and strided datatypes are handed to MPI unchanged
+    pairs = np.zeros(5, dtype=np.dtype([("value", "f8"), ("index", "i4")], align=True))
+    pairs["value"] = rng.standard_normal(5)
+    pairs["index"] = RANK
+    got, want = np.empty_like(pairs), np.empty_like(pairs)
+    comm.Allreduce([pairs, MPI.DOUBLE_INT], [got, MPI.DOUBLE_INT], MPI.MINLOC)
+    WORLD.Allreduce([pairs, MPI.DOUBLE_INT], [want, MPI.DOUBLE_INT], MPI.MINLOC)
+    cases.check("MINLOC on DOUBLE_INT (padded)", np.array_equal(got, want))
+    vector = MPI.DOUBLE.Create_vector(3, 1, 2).Commit()
+    try:
+        got, want = data[:6].copy(), data[:6].copy()
+        comm.Bcast([got, 1, vector], root=P - 1)
+        WORLD.Bcast([want, 1, vector], root=P - 1)
+        cases.check("strided vector datatype", np.array_equal(got, want))
+    finally:
+        vector.Free()
+    cases.judge()
