@@ -15,8 +15,6 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-from mpi4py import MPI
-
 from .errors import MismatchError, NonFiniteError
 
 __all__ = ["Signature", "check_call"]
@@ -45,13 +43,19 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def check_call(comm: MPI.Intracomm, signature: Signature, contribution: np.ndarray | None = None) -> None:
-    """Raise on every rank if the ranks' signatures differ or a float contribution is not finite."""
+def check_call(context, signature: Signature, contribution: np.ndarray | None = None) -> None:
+    """Raise on every rank if the ranks' signatures differ or a float contribution is not finite.
+
+    ``context`` is the communicator's :class:`~mpicoll.context.Context`: the
+    exchange is nonblocking and waited on with its deadline, so a rank that
+    never arrives is named instead of hanging the others.
+    """
+    comm = context.comm
     nonfinite = int(contribution is not None and contribution.dtype.kind in "fc"
                     and not bool(np.isfinite(contribution).all()))
     mine = np.array(signature.codes() + [nonfinite], np.int64)
-    everyone = np.empty((comm.Get_size(), mine.size), np.int64)
-    comm.Allgather(mine, everyone)
+    everyone = np.zeros((comm.Get_size(), mine.size), np.int64)
+    context.waitall([comm.Iallgather(mine, everyone)], context.others())
     if (everyone[:, :-1] != everyone[0, :-1]).any():
         described = comm.allgather(str(signature))
         raise MismatchError(signature.collective, dict(enumerate(described)))

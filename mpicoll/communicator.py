@@ -185,7 +185,7 @@ class Communicator(MPI.Intracomm):
         context = self._context_for(collective)
         if context.debug or self.__dict__["_checks_left"] > 0:
             self.__dict__["_checks_left"] -= 1
-            check_call(context.comm, signature, None if contribution is None else contribution.array)
+            check_call(context, signature, None if contribution is None else contribution.array)
             if not context.debug and self.algorithm == "auto":
                 self._hand_small_calls_to_mpi()
         if name == "mpi":

@@ -44,14 +44,18 @@ def _cores() -> int:
 class Context:
     """A private duplicate of a communicator plus the services algorithms share."""
 
-    def __init__(self, comm: MPI.Intracomm):
-        self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+    def __init__(self, comm: MPI.Intracomm, collective: str = "collective"):
         self.timeout = config.timeout()
         self.debug = config.debug()
+        self.collective = collective
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.spin_seconds = _SPIN_SECONDS
+        self.comm = comm
+        self._broken: str | None = None
+        # Duplicating is a blocking collective: first make sure every rank is here.
+        self.rendezvous()
+        self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
         self.segment_bytes = config.segment_bytes()
-        self.collective = "collective"
         local = _ranks_on_this_node(self.comm)
         # Oversubscribed ranks yield the core while they wait: the peer they
         # wait for may need it to make progress.
@@ -69,7 +73,6 @@ class Context:
                              f"this node has {local} of them (use p2p or auto)")
         self._shared: SharedRegions | None = None
         self._scratch: dict[str, np.ndarray] = {}
-        self._broken: str | None = None
 
     def free(self) -> None:
         """Release the private communicator and the scratch memory."""
@@ -104,8 +107,16 @@ class Context:
     def shared_regions(self) -> SharedRegions:
         """Every rank's shared-memory region (only when ``transport == "shared"``)."""
         if self._shared is None:
-            self._shared = SharedRegions(self.comm)
+            self._shared = SharedRegions(self.comm, before_growing=self.rendezvous)
         return self._shared
+
+    def others(self) -> list[int]:
+        return [q for q in range(self.size) if q != self.rank]
+
+    def rendezvous(self) -> None:
+        """Return once every rank has arrived (a barrier with the deadline): call before
+        a blocking MPI collective, which would otherwise hang on a lost peer."""
+        self.waitall([self.comm.Ibarrier()], self.others())
 
     # -- messages -----------------------------------------------------------
 
@@ -154,10 +165,16 @@ class Context:
     def _give_up(self, requests: list, peers) -> None:
         if isinstance(peers, int):
             peers = [peers] * len(requests)
-        stuck = [peer for request, peer in zip(requests, peers) if not request.Test()]
+        if len(requests) == 1 and len(peers) > 1:     # a collective request: one or more of peers is missing
+            stuck, some = list(peers), True
+        else:
+            stuck, some = [peer for request, peer in zip(requests, peers) if not request.Test()], False
         for request in requests:
             if request != MPI.REQUEST_NULL:
-                request.Cancel()
-        error = CollectiveTimeout(self.collective, self.rank, stuck, self.timeout)
+                try:
+                    request.Cancel()
+                except MPI.Exception:       # collective requests cannot be cancelled
+                    pass
+        error = CollectiveTimeout(self.collective, self.rank, stuck, self.timeout, some_of=some)
         self._broken = str(error)
         raise error

@@ -32,12 +32,13 @@ class MismatchError(MpicollError, ValueError):
 class CollectiveTimeout(MpicollError, TimeoutError):
     """A peer did not take part in a collective within the timeout (dead, hung or desynchronised)."""
 
-    def __init__(self, collective: str, rank: int, peers, seconds: float):
+    def __init__(self, collective: str, rank: int, peers, seconds: float, some_of: bool = False):
         self.collective, self.rank, self.peers, self.seconds = collective, rank, sorted(set(peers)), seconds
+        who = f"one or more of rank(s) {_ranks(self.peers)}" if some_of else f"rank(s) {_ranks(self.peers)}"
         super().__init__(
-            f"{collective}: rank {rank} waited {seconds:g} s for rank(s) {_ranks(self.peers)}, which "
-            "never took part (dead, hung, or calling a different collective). Raise MPICOLL_TIMEOUT "
-            "if a peer is just slow; this communicator is no longer usable."
+            f"{collective}: rank {rank} waited {seconds:g} s for {who}, which never took part "
+            "(dead, hung, or calling a different collective). Raise MPICOLL_TIMEOUT if a peer "
+            "is just slow; this communicator is no longer usable."
         )
 
 

@@ -31,8 +31,9 @@ def spans_one_node(comm: MPI.Intracomm) -> bool:
 class SharedRegions:
     """One shared region per rank of ``comm`` (which must span one node)."""
 
-    def __init__(self, comm: MPI.Intracomm):
+    def __init__(self, comm: MPI.Intracomm, before_growing=lambda: None):
         self.comm = comm
+        self._before_growing = before_growing
         self._window = MPI.WIN_NULL
         self._nbytes = 0
         self._views: list[np.ndarray] = []
@@ -49,6 +50,7 @@ class SharedRegions:
         return [view[:nbytes].view(dtype) for view in self._views]
 
     def _allocate(self, nbytes: int) -> None:
+        self._before_growing()   # allocation blocks until all ranks join: check they are here
         self.free()
         window = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
         window.Lock_all(MPI.MODE_NOCHECK)

@@ -1,0 +1,127 @@
+"""Bad calls fail on every rank together, with the ranks and values named; lost peers time out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpicoll
+from conftest import everywhere
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+P, RANK = WORLD.Get_size(), WORLD.Get_rank()
+
+
+def raised(call) -> BaseException | None:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test inspects whatever came out
+        return error
+    return None
+
+
+@pytest.fixture
+def debug(monkeypatch):
+    monkeypatch.setenv("MPICOLL_DEBUG", "1")
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "auto"])
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_counts_raise_on_every_rank(debug, algorithm):
+    with mpicoll.Communicator(WORLD, algorithm=algorithm) as comm:
+        count = 10 + (RANK == P - 1)
+        error = raised(lambda: comm.Allreduce(np.ones(count), np.empty(count)))
+        everywhere(isinstance(error, mpicoll.MismatchError), f"got {error!r}")
+        text = str(error)
+        everywhere(f"ranks {P - 1}: Allreduce(count=11" in text and "count=10" in text, text)
+        # still usable afterwards
+        out = np.empty(4)
+        comm.Allreduce(np.ones(4), out)
+        everywhere(np.array_equal(out, np.full(4, P)), str(out))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_dtype_op_and_root_are_named(debug):
+    with mpicoll.Communicator(WORLD, algorithm="ring") as comm:
+        dtype = np.float32 if RANK == 0 else np.float64
+        error = raised(lambda: comm.Allreduce(np.ones(6, dtype), np.empty(6, dtype)))
+        everywhere(isinstance(error, mpicoll.MismatchError) and "float32" in str(error)
+                   and "float64" in str(error), repr(error))
+        op = MPI.MAX if RANK == 0 else MPI.SUM
+        error = raised(lambda: comm.Allreduce(np.ones(6), np.empty(6), op))
+        everywhere(isinstance(error, mpicoll.MismatchError) and "op=MAX" in str(error), repr(error))
+        root = 0 if RANK == 0 else 1
+        error = raised(lambda: comm.Bcast(np.ones(6), root=root))
+        everywhere(isinstance(error, mpicoll.MismatchError) and "root=1" in str(error), repr(error))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_first_call_is_checked_without_debug(monkeypatch):
+    monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
+    with mpicoll.Communicator(WORLD) as comm:
+        count = 3 if RANK == 0 else 5
+        error = raised(lambda: comm.Allreduce(np.ones(count), np.empty(count)))
+        everywhere(isinstance(error, mpicoll.MismatchError), repr(error))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_nan_contribution_is_named_in_debug_mode(debug):
+    with mpicoll.Communicator(WORLD, algorithm="ring") as comm:
+        data = np.ones(8)
+        if RANK == 1:
+            data[3] = np.nan
+        error = raised(lambda: comm.Allreduce(data, np.empty(8)))
+        everywhere(isinstance(error, mpicoll.NonFiniteError) and "rank(s) 1 " in str(error), repr(error))
+
+
+def test_local_errors_say_what_to_do():
+    with mpicoll.Communicator(WORLD, algorithm="ring") as comm:
+        cases = [
+            (lambda: comm.Allreduce(np.ones(4), np.empty(5)), ValueError, "must match"),
+            (lambda: comm.Allreduce(np.ones(4, np.float32), np.empty(4)), ValueError, "one datatype"),
+            (lambda: comm.Allreduce(np.ones(8)[::2], np.empty(4)), BufferError, "not contiguous"),
+            (lambda: comm.Allreduce(np.ones(4, complex), np.empty(4, complex), MPI.MAX), mpicoll.ReductionError,
+             "not defined for complex128"),
+            (lambda: comm.Allreduce(np.ones(4), np.empty(4), MPI.BAND), mpicoll.ReductionError, "float64"),
+            (lambda: comm.Reduce_scatter_block(np.ones(3 * P + 1), np.empty(3)), ValueError, "times the"),
+            (lambda: comm.Allgather(np.ones(2), np.empty(2 * P + 1)), ValueError, "Allgather: "),
+            (lambda: comm.Bcast(np.ones(2), root=P), ValueError, "not a rank"),
+            (lambda: mpicoll.Communicator(WORLD, algorithm="rung"), ValueError, "Unrecognized algorithm"),
+        ]
+        problems = []
+        for i, (call, kind, words) in enumerate(cases):
+            error = raised(call)
+            if not isinstance(error, kind) or words not in str(error):
+                problems.append(f"case {i}: expected {kind.__name__} with {words!r}, got {error!r}")
+        read_only = np.ones(4)
+        read_only.setflags(write=False)
+        error = raised(lambda: comm.Allreduce(np.ones(4), read_only))
+        if not isinstance(error, BufferError) or "read-only" not in str(error):
+            problems.append(f"read-only recvbuf: got {error!r}")
+        everywhere(not problems, "; ".join(problems))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_absent_peer_times_out_naming_it(monkeypatch):
+    """The last rank never joins: every other rank raises CollectiveTimeout naming it."""
+    monkeypatch.setenv("MPICOLL_TIMEOUT", "1.5")
+    comm = mpicoll.Communicator(WORLD, algorithm="ring")
+    comm.Allreduce(np.ones(4), np.empty(4))        # sets up the channel on every rank
+    error = None
+    if RANK != P - 1:
+        error = raised(lambda: comm.Allreduce(np.ones(1000), np.empty(1000)))
+    WORLD.Barrier()
+    if RANK != P - 1:
+        ok = isinstance(error, mpicoll.CollectiveTimeout) and f"rank(s) {P - 1}" in str(error)
+        ok = ok or (P > 2 and isinstance(error, mpicoll.CollectiveTimeout))  # others may wait on a waiting peer
+    else:
+        ok = True
+    everywhere(ok, repr(error))
+    if RANK != P - 1:
+        again = raised(lambda: comm.Allreduce(np.ones(4), np.empty(4)))
+        everywhere(isinstance(again, RuntimeError) and "unusable" in str(again), repr(again))
+    else:
+        everywhere(True)
