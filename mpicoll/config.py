@@ -34,9 +34,10 @@ def parse_bytes(text: str) -> int:
     text = text.strip().upper()
     digits = text.rstrip("KMGIB")
     unit = text[len(digits):]
-    if not digits or unit not in _UNITS:
-        raise ValueError(f"not a byte count: {text!r} (use e.g. 4096, 256K, 16M)")
-    return int(float(digits) * _UNITS[unit])
+    try:
+        return int(float(digits) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise ValueError(f"not a byte count: {text!r} (use e.g. 4096, 256K, 16M)") from None
 
 
 def debug() -> bool:

@@ -46,11 +46,16 @@ def pytest_runtest_logreport(report):
 def watchdog(request):
     """Abort the job, saying which rank is stuck where, if a test never ends."""
 
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
     def stuck():
-        sys.stderr.write(f"\n[rank {RANK}] stuck in {request.node.nodeid} for {TEST_TIMEOUT:g} s "
-                         f"(MPICOLL_TEST_TIMEOUT); tracebacks follow, then the job is aborted\n")
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if capture is not None:              # let the message reach the terminal, not the capture
+            capture.suspend_global_capture(in_=False)
+        err = sys.stderr
+        err.write(f"\n[rank {RANK}] stuck in {request.node.nodeid} for {TEST_TIMEOUT:g} s "
+                  f"(MPICOLL_TEST_TIMEOUT); tracebacks follow, then the job is aborted\n")
+        err.flush()
+        faulthandler.dump_traceback(file=err, all_threads=True)
         MPI.COMM_WORLD.Abort(70)
 
     timer = threading.Timer(TEST_TIMEOUT, stuck)

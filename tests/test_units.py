@@ -1,0 +1,155 @@
+"""Single-process tests of the pieces: buffer parsing, reductions, auto rules, settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpicoll import ReductionError
+from mpicoll.algorithms import auto, get, names
+from mpicoll.algorithms.base import balanced_bounds, segments
+from mpicoll.buffers import is_in_place, read_message
+from mpicoll.config import parse_bytes
+from mpicoll.reduction import Reduction, op_name
+
+
+class TestReadMessage:
+    def test_views_share_the_callers_memory(self):
+        data = np.arange(6.0)
+        message = read_message(data, writable=True)
+        message.array[0] = 42
+        assert data[0] == 42 and message.count == 6 and message.datatype == MPI.DOUBLE
+
+    @pytest.mark.parametrize("spec, count, first", [
+        (lambda a: [a, MPI.DOUBLE], 10, 0.0),
+        (lambda a: [a, "d"], 10, 0.0),
+        (lambda a: (a, 4, MPI.DOUBLE), 4, 0.0),
+        (lambda a: [a, (3, 5), MPI.DOUBLE], 3, 5.0),
+        (lambda a: [a.view(np.uint8), MPI.DOUBLE], 10, 0.0),
+    ])
+    def test_specification_forms(self, spec, count, first):
+        message = read_message(spec(np.arange(10.0)))
+        assert message.count == count and message.array[0] == first and message.array.dtype == np.float64
+
+    def test_untyped_buffers_use_their_format(self):
+        assert read_message(bytearray(8)).datatype == MPI.Datatype.fromcode("B")
+        assert read_message(memoryview(np.zeros(3, np.int32))).count == 3
+
+    def test_fortran_order_is_read_in_memory_order(self):
+        data = np.asfortranarray(np.arange(6.0).reshape(2, 3))
+        assert list(read_message(data).array) == list(data.ravel(order="F"))
+
+    def test_in_place_markers(self):
+        assert is_in_place(MPI.IN_PLACE) and is_in_place(None) and not is_in_place(np.zeros(1))
+
+    @pytest.mark.parametrize("spec, error, words", [
+        (np.zeros(8)[::2], BufferError, "not contiguous"),
+        ([np.zeros(4), 5, MPI.DOUBLE], ValueError, "need 40 bytes"),
+        ([np.zeros(5, np.uint8), MPI.DOUBLE], ValueError, "whole number"),
+        ([np.zeros(4), 2, 3, MPI.DOUBLE, 1], ValueError, "5-item"),
+        ([np.zeros(4), object()], TypeError, "MPI.Datatype"),
+    ])
+    def test_bad_specifications(self, spec, error, words):
+        with pytest.raises(error, match=words):
+            read_message(spec)
+
+    def test_read_only_receive_buffer(self):
+        with pytest.raises(BufferError, match="read-only"):
+            read_message(bytes(8), writable=True)
+
+    def test_padded_and_strided_datatypes_are_not_native(self):
+        assert not read_message([np.zeros(4), MPI.DOUBLE_INT]).native or MPI.DOUBLE_INT.size == MPI.DOUBLE_INT.extent
+        vector = MPI.DOUBLE.Create_vector(2, 1, 2).Commit()
+        try:
+            assert not read_message([np.zeros(6), 1, vector]).native
+        finally:
+            vector.Free()
+
+
+class TestReduction:
+    CASES = [(op, dtype) for op, dtypes in {
+        "SUM": "f d e F D i l B h g", "PROD": "f d F i", "MIN": "f d i B e", "MAX": "f d i B",
+        "LAND": "i B ?", "LOR": "i ?", "LXOR": "l ?", "BAND": "i B", "BOR": "h L", "BXOR": "i B",
+    }.items() for dtype in dtypes.split()]
+
+    @pytest.mark.parametrize("op, code", CASES)
+    def test_matches_mpis_own_local_reduction(self, op, code):
+        rng = np.random.default_rng()
+        dtype = np.dtype(code)
+        datatype = MPI.Datatype.fromcode(code)
+        left, right = (rng.integers(0, 5, 33) if dtype.kind in "iub?" else rng.uniform(0.5, 2, 33)).astype(dtype), \
+            (rng.integers(0, 5, 33) if dtype.kind in "iub?" else rng.uniform(0.5, 2, 33)).astype(dtype)
+        out = np.empty_like(left)
+        Reduction(getattr(MPI, op), datatype, dtype).combine(left, right, out)
+        reference = right.copy()
+        getattr(MPI, op).Reduce_local([left, datatype], [reference, datatype])
+        assert np.array_equal(out, reference)
+
+    @pytest.mark.parametrize("op, code", [("MAX", "D"), ("BAND", "d"), ("SUM", "?"), ("LAND", "f")])
+    def test_ops_mpi_does_not_define_are_refused(self, op, code):
+        with pytest.raises(ReductionError, match="not defined"):
+            Reduction(getattr(MPI, op), MPI.Datatype.fromcode(code), np.dtype(code))
+
+    def test_non_commutative_user_op_keeps_operand_order(self):
+        def minus(inbuf, inoutbuf, datatype):   # inout = in - inout
+            a, b = np.frombuffer(inbuf), np.frombuffer(inoutbuf)
+            b[:] = a - b
+        op = MPI.Op.Create(minus, commute=False)
+        try:
+            reduction = Reduction(op, MPI.DOUBLE, np.dtype("d"))
+            left, right = np.array([5.0, 7.0]), np.array([1.0, 2.0])
+            for out in (np.empty(2), left, right):
+                l, r = left.copy(), right.copy()
+                target = l if out is left else r if out is right else out
+                reduction.combine(l, r, target)
+                assert list(target) == [4.0, 5.0]
+            assert not reduction.commutative and op_name(op) == "user op"
+        finally:
+            op.Free()
+
+    def test_nan_propagates_through_min_and_max(self):
+        reduction = Reduction(MPI.MIN, MPI.DOUBLE, np.dtype("d"))
+        out = np.empty(2)
+        reduction.combine(np.array([np.nan, 1.0]), np.array([0.0, 2.0]), out)
+        assert np.isnan(out[0]) and out[1] == 1.0
+
+
+class TestAuto:
+    def test_defaults_pick_mpi_small_and_ring_large(self):
+        assert auto.choose("allreduce", 8, 4) == "mpi"
+        assert auto.choose("allreduce", 64 << 20, 4) == "ring"
+        assert auto.choose("allreduce", 64 << 20, 1) == "mpi"
+        assert auto.choose("allreduce", 64 << 20, 4, commutative=False) == "mpi"
+
+    def test_environment_overrides(self, monkeypatch):
+        monkeypatch.setenv("MPICOLL_AUTO_ALLREDUCE", "recursive_doubling:4K, parallel:1M, ring")
+        assert [auto.choose("allreduce", n, 4) for n in (8, 4096, 1 << 20)] == \
+            ["recursive_doubling", "parallel", "ring"]
+
+    @pytest.mark.parametrize("rule, words", [("ring:1M", "no limit"), ("rung", "unknown"), ("mpi:lots,ring", "byte")])
+    def test_bad_rules_are_explained(self, monkeypatch, rule, words):
+        monkeypatch.setenv("MPICOLL_AUTO_BCAST", rule)
+        with pytest.raises(ValueError, match=words):
+            auto.choose("bcast", 8, 4)
+
+    def test_registry(self):
+        assert set(names()) == {"ring", "parallel", "recursive_doubling", "mpi", "auto"}
+        assert get("ring").name == "ring"
+        with pytest.raises(ValueError, match="Unrecognized algorithm: 'rung'"):
+            get("rung")
+
+
+def test_chunks_and_segments_cover_everything_once():
+    for count in (0, 1, 3, 10, 1001):
+        for parts in (1, 2, 3, 7):
+            bounds = balanced_bounds(count, parts)
+            sizes = np.diff(bounds)
+            assert bounds[0] == 0 and bounds[-1] == count and sizes.max() - sizes.min() <= 1
+            pieces = [s for a, b in zip(bounds, bounds[1:]) for s in segments(a, b, 4)]
+            assert sum(s.stop - s.start for s in pieces) == count
+
+
+@pytest.mark.parametrize("text, value", [("4096", 4096), ("256K", 262144), ("16M", 16 << 20), ("1GiB", 1 << 30)])
+def test_byte_counts(text, value):
+    assert parse_bytes(text) == value
