@@ -69,7 +69,9 @@ def _calls(comm: MPI.Intracomm, names: list[str]):
         if name == PEER:
             calls[name] = lambda s, r, c=comm: MPI.Intracomm.Allreduce(c, s, r, MPI.SUM)
         else:
-            calls[name] = Communicator(comm, algorithm=name).Allreduce
+            wrapped = Communicator(comm, algorithm=name)
+            # looked up per call, as user code does (auto installs a faster method after its first call)
+            calls[name] = lambda s, r, c=wrapped: c.Allreduce(s, r)
     return calls
 
 

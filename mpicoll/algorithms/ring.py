@@ -40,6 +40,7 @@ import numpy as np
 from ..context import Context
 from ..reduction import Reduction
 from .base import Algorithm, balanced_bounds, block_bounds, segment_elements, segments
+from .ring_shared import shared_reduce_scatter
 
 __all__ = ["Ring"]
 
@@ -173,85 +174,6 @@ class LandingSlots:
         self.position += 1
         if i + len(self.slots) < len(self.sizes):
             self.requests[i % len(self.slots)] = self._post(i + len(self.slots))
-
-
-_NOTHING = np.empty(0, np.uint8)
-
-
-def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], reduction: Reduction, *,
-                          gather_into: np.ndarray | None = None, keep_into: np.ndarray | None = None) -> None:
-    """The ring's reduce-scatter through shared memory, then this rank's chunk or all chunks out.
-
-    Same steps as :func:`reduce_scatter`, but each rank keeps its partials in
-    its own shared region and its right neighbour reduces straight out of
-    it: a zero-byte message says "segment ready", nothing is copied.  Then
-    either ``keep_into`` receives this rank's chunk, or ``gather_into``
-    receives every chunk, each read from its owner's region as soon as the
-    owner says it is final (shared memory needs no forwarding around the ring).
-    """
-    p, r = ctx.size, ctx.rank
-    left, right = (r - 1) % p, (r + 1) % p
-    cut = not reduction.commutative
-    starts_partials = cut and r == 0
-    shared = ctx.shared_regions()
-    regions = shared.regions(send.size, send.dtype)
-    mine = regions[r]
-    step = segment_elements(ctx, send)
-    others = [(r + i) % p for i in range(1, p)]
-
-    def chunk_segments(c):
-        return segments(bounds[c], bounds[c + 1], step)
-
-    def destination(chunk):
-        return chunk if cut and r == p - 1 else right
-
-    tag = _TAG_HIGH if cut and r == p - 1 else _TAG_RING
-    notes, peers = [], []
-
-    def ready(chunk):
-        shared.sync()
-        notes.append(ctx.isend(_NOTHING, destination(chunk), tag))
-        peers.append(destination(chunk))
-
-    def await_from(source, note_tag):
-        ctx.wait(ctx.irecv(_NOTHING, source, note_tag), source)
-        shared.sync()
-
-    first = (r - 1) % p
-    for s in chunk_segments(first):
-        mine[s] = send[s]
-        ready(first)
-    for k in range(p - 1):
-        # Invariant: step k reduces chunk (r-k-2), reading the left neighbour's partial in place.
-        c = (r - k - 2) % p
-        for s in chunk_segments(c):
-            if starts_partials:
-                mine[s] = send[s]
-            else:
-                await_from(left, _TAG_RING)
-                reduction.combine(regions[left][s], send[s], out=mine[s])
-            if k < p - 2:
-                ready(c)
-    own = slice(bounds[r], bounds[r + 1])
-    if cut and r < p - 1:
-        for s in chunk_segments(r):
-            await_from(p - 1, _TAG_HIGH)
-            reduction.combine(mine[s], regions[p - 1][s], out=mine[s])
-
-    if keep_into is not None:
-        keep_into[...] = mine[own]
-    else:
-        shared.sync()
-        notes += [ctx.isend(_NOTHING, q, _TAG_GATHER) for q in others]
-        peers += others
-        gather_into[own] = mine[own]
-        for q in others:
-            await_from(q, _TAG_GATHER)
-            chunk = slice(bounds[q], bounds[q + 1])
-            gather_into[chunk] = regions[q][chunk]
-    ctx.waitall(notes, peers)
-    # No rank may reuse its region while another still reads it.
-    ctx.waitall([ctx.comm.Ibarrier()], others)
 
 
 def allgather_in_place(ctx: Context, buf: np.ndarray, bounds: list[int]) -> None:
