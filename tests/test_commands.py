@@ -57,12 +57,14 @@ def test_dead_rank_is_named_by_its_neighbour(tmp_path):
     """A rank killed mid-run: the survivors raise CollectiveTimeout instead of hanging."""
     script = tmp_path / "dead.py"
     script.write_text(textwrap.dedent("""
-        import os, numpy as np
+        import os, time, numpy as np
         from mpi4py import MPI
         import mpicoll
         world = MPI.COMM_WORLD
         comm = mpicoll.Communicator(world, algorithm="ring")
         comm.Allreduce(np.ones(50000), np.empty(50000))
+        world.Barrier()
+        time.sleep(0.5)   # let the launcher's own traffic with every rank settle
         if world.rank == world.size - 1:
             os.kill(os.getpid(), 9)
         try:

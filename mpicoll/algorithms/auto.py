@@ -21,8 +21,8 @@ from ..config import parse_bytes
 __all__ = ["choose", "rule", "DEFAULT_RULES"]
 
 DEFAULT_RULES = {
-    "allreduce": "mpi:1M,ring",
-    "reduce_scatter_block": "mpi:1M,ring",
+    "allreduce": "mpi:2M,ring",
+    "reduce_scatter_block": "mpi:2M,ring",
     "allgather": "mpi",
     "bcast": "mpi",
 }
