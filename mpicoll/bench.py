@@ -140,25 +140,29 @@ def table_row(row: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """busbw against message size, one line per algorithm."""
+    """Bus bandwidth, and speed relative to MPI, against message size: one line per algorithm."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7.5, 4.5))
+    figure, (bandwidth, ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in dict.fromkeys(r["algorithm"] for r in records):
         mine = [r for r in records if r["algorithm"] == name]
-        axes.plot([r["bytes"] for r in mine], [r["busbw_gbps"] for r in mine], marker="o", markersize=3,
-                  label=name, linestyle="--" if name == PEER else "-")
+        style = dict(marker="o", markersize=3, label=name, linestyle="--" if name == PEER else "-")
+        bandwidth.plot([r["bytes"] for r in mine], [r["busbw_gbps"] for r in mine], **style)
+        ratio.plot([r["bytes"] for r in mine], [r["ratio_to_mpi"] or 0 for r in mine], **style)
     first = records[0]
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("message size (bytes)")
-    axes.set_ylabel("bus bandwidth (GB/s)")
-    axes.set_title(f"allreduce, {first['ranks']} ranks, {first['dtype']}")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
+    for axes in (bandwidth, ratio):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("message size (bytes)")
+        axes.grid(True, which="both", alpha=0.3)
+    bandwidth.set_ylabel("bus bandwidth (GB/s)")
+    ratio.set_ylabel("speed relative to MPI_Allreduce (x)")
+    ratio.set_yscale("log", base=2)
+    bandwidth.legend()
+    figure.suptitle(f"allreduce, {first['ranks']} ranks, {first['dtype']}")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)
 
 
 def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> tuple[float, float]:
