@@ -96,10 +96,12 @@ def digest(array) -> str:
 
 
 class Cases:
-    """Collects failures and per-case result digests; judges them together on every rank."""
+    """Fresh random data for one test; collects failures and result digests, judged on every rank together."""
 
-    def __init__(self, seed):
-        self.seed, self.failures, self.digests, self.names = seed, [], [], []
+    def __init__(self):
+        self.seed = shared_seed()
+        self.rng = np.random.default_rng([self.seed, RANK])
+        self.failures, self.digests, self.names = [], [], []
 
     def check(self, name, ok, result=None):
         if not ok:
@@ -116,9 +118,8 @@ class Cases:
 
 
 def test_allreduce_matches_mpi(comm):
-    seed = shared_seed()
-    rng = np.random.default_rng([seed, RANK])
-    cases = Cases(seed)
+    cases = Cases()
+    rng = cases.rng
     for dtype, ops in REDUCTIONS:
         for op_name in ops:
             op = getattr(MPI, op_name)
@@ -140,9 +141,8 @@ def test_allreduce_matches_mpi(comm):
 
 def test_allreduce_large_buffer(comm):
     """A few MiB with an odd count: many segments, uneven chunks."""
-    seed = shared_seed()
-    rng = np.random.default_rng([seed, RANK])
-    cases = Cases(seed)
+    cases = Cases()
+    rng = cases.rng
     for dtype in ("float32", "int64"):
         send = make(rng, dtype, 3 * 2**20 // np.dtype(dtype).itemsize + 7)
         reference = np.empty_like(send)
@@ -155,9 +155,8 @@ def test_allreduce_large_buffer(comm):
 
 def test_allreduce_non_commutative_user_ops(comm):
     """User ops that only rank order gets right: projections, and composition of affine maps."""
-    seed = shared_seed()
-    rng = np.random.default_rng([seed, RANK])
-    cases = Cases(seed)
+    cases = Cases()
+    rng = cases.rng
 
     def first(inbuf, inoutbuf, datatype):
         np.frombuffer(inoutbuf, np.float64)[:] = np.frombuffer(inbuf, np.float64)
@@ -200,9 +199,8 @@ def test_allreduce_non_commutative_user_ops(comm):
 
 
 def test_reduce_scatter_block_matches_mpi(comm):
-    seed = shared_seed()
-    rng = np.random.default_rng([seed, RANK])
-    cases = Cases(seed)
+    cases = Cases()
+    rng = cases.rng
     for dtype, ops in REDUCTIONS[:5]:
         for op_name in ops[:2]:
             op = getattr(MPI, op_name)
@@ -223,17 +221,18 @@ def test_reduce_scatter_block_matches_mpi(comm):
 
 
 def test_allgather_matches_mpi(comm):
-    seed = shared_seed()
-    rng = np.random.default_rng([seed, RANK])
-    cases = Cases(seed)
+    cases = Cases()
+    rng = cases.rng
     for dtype in ("float64", "int8", "complex64", "bool"):
         for block in (0, 1, 3, 17, 1000):
             send = make(rng, dtype, block)
             reference = np.empty(block * P, send.dtype)
             WORLD.Allgather(send, reference)
             result = np.empty_like(reference)
+            kept = send.copy()
             comm.Allgather(send, result)
             cases.check(f"{dtype} block={block}", np.array_equal(result, reference), result)
+            cases.check(f"{dtype} block={block} (send buffer written)", np.array_equal(send, kept))
             in_place = np.zeros_like(reference)
             in_place[RANK * block:(RANK + 1) * block] = send
             comm.Allgather(MPI.IN_PLACE, in_place)
@@ -242,9 +241,8 @@ def test_allgather_matches_mpi(comm):
 
 
 def test_bcast_from_every_root(comm):
-    seed = shared_seed()
-    rng = np.random.default_rng([seed, RANK])
-    cases = Cases(seed)
+    cases = Cases()
+    rng = cases.rng
     for root in range(P):
         for dtype in ("float32", "int64", "uint8"):
             for count in (0, 1, 17, 5000):
@@ -258,9 +256,8 @@ def test_bcast_from_every_root(comm):
 
 def test_buffer_specifications_like_mpi4py(comm):
     """Every form mpi4py accepts gives mpi4py's answer."""
-    seed = shared_seed()
-    rng = np.random.default_rng([seed, RANK])
-    cases = Cases(seed)
+    cases = Cases()
+    rng = cases.rng
     data = rng.standard_normal(12)
     reference = np.empty(12)
     WORLD.Allreduce(data, reference)
