@@ -44,6 +44,10 @@ REDUCTIONS = [  # (dtype, ops)
     ("int64", ["SUM", "MAX"]),
     ("uint8", ["SUM", "MIN", "BXOR"]),
     ("int16", ["SUM", "BOR"]),
+    ("int8", ["SUM", "BAND"]),
+    ("uint16", ["MAX", "BXOR"]),
+    ("uint64", ["SUM", "MIN"]),
+    ("complex64", ["SUM"]),
     ("bool", ["LAND", "LOR", "LXOR"]),
     ("longdouble", ["SUM"]),
 ]

@@ -36,6 +36,12 @@ class TestReadMessage:
         assert read_message(bytearray(8)).datatype == MPI.Datatype.fromcode("B")
         assert read_message(memoryview(np.zeros(3, np.int32))).count == 3
 
+    def test_mpi_buffer_objects(self):
+        memory = MPI.buffer.allocate(16)
+        message = read_message([memory, MPI.INT], writable=True)
+        message.array[:] = [1, 2, 3, 4]
+        assert message.count == 4 and np.frombuffer(memory, np.int32).tolist() == [1, 2, 3, 4]
+
     def test_fortran_order_is_read_in_memory_order(self):
         data = np.asfortranarray(np.arange(6.0).reshape(2, 3))
         assert list(read_message(data).array) == list(data.ravel(order="F"))
