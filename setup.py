@@ -15,14 +15,22 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["mpicoll", "mpicoll.*"]),
+    # The CUDA sources in the top-level kernels/ folder ship as package data of mpicoll.
+    packages=[*find_packages(include=["mpicoll", "mpicoll.*"]), "mpicoll.kernels"],
+    package_dir={"mpicoll.kernels": "kernels"},
+    package_data={"mpicoll.kernels": ["*.cu", "*.cuh"]},
     install_requires=["mpi4py>=4.0", "numpy>=1.23"],
     extras_require={
         # The MPICH wheel: an MPI for machines that have none.  On a cluster,
         # leave it out and mpi4py uses the system's MPI.
         "mpich": ["mpich"],
         "plot": ["matplotlib"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "matplotlib"],
+        # Fused CPU kernels; without them the kernel layer runs on numpy.
+        "numba": ["numba>=0.59"],
+        # Device arrays: CuPy (pick the wheel for your CUDA, e.g. cupy-cuda12x) and Numba's CUDA target.
+        "gpu": ["cupy", "numba>=0.59", "numba-cuda"],
+        # The tests also run the Numba CUDA kernels under Numba's CUDA simulator.
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "matplotlib", "numba>=0.59", "numba-cuda"],
     },
     entry_points={"console_scripts": ["mpicoll = mpicoll.cli:main"]},
     classifiers=[

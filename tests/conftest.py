@@ -16,6 +16,10 @@ import os
 import sys
 import threading
 
+# Without a GPU, Numba's CUDA kernels run in its simulator (set before numba is imported).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
 import numpy as np
 import pytest
 from mpi4py import MPI

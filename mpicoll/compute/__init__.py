@@ -1,0 +1,202 @@
+"""One kernel layer for every kind of array: reductions and fused optimizer updates.
+
+Each function takes arrays of one kind and runs the backend that fits them:
+
+==============  ==============================================  =====================================
+backend         arrays                                          how
+==============  ==============================================  =====================================
+``numpy``       numpy arrays when Numba is absent, float16 on   numpy ufuncs (the reference
+                the CPU, non-contiguous arrays                  definitions)
+``numba``       contiguous numpy arrays                         fused ``njit(parallel=True)`` loops:
+                                                                one pass over memory
+``cupy``        CuPy arrays; any CUDA array                     ``kernels/*.cu`` compiled once by
+                (``__cuda_array_interface__``, DLPack) when     CuPy's NVRTC
+                CuPy is installed
+``numba-cuda``  Numba device arrays; CUDA arrays when CuPy is   ``numba.cuda.jit`` kernels
+                absent
+==============  ==============================================  =====================================
+
+``MPICOLL_KERNELS=numpy`` keeps numpy arrays on the reference backend.  All
+updates happen in place; scalars are passed to the kernels in the arrays'
+compute precision (float32 for float16 and float32 arrays, float64 for float64).
+
+The updates (Zheng et al. 2017 for DC-ASGD; Dean et al. 2012 for Adagrad in Downpour):
+
+- ``dcasgd``: ``w <- w - lr * (g + lam * g*g*(w - w_bak))``, optionally ``w_bak <- w``
+- ``dcasgd_adaptive``: ``m <- beta*m + (1-beta)*g*g``, ``lam = lam0 / sqrt(m + eps)``, then dcasgd
+- ``sgd``: ``w <- w - (lr / tau) * g`` (tau: staleness)
+- ``adagrad``: ``h <- h + g*g``, ``w <- w - lr * g / (sqrt(h) + eps)``
+- ``scaled_accumulate``: ``x <- a*x + b*y`` (push-sum mixing)
+- ``reduce``: ``out = a (op) b`` for sum, prod, min, max (NaN propagates through min and max)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+
+__all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad",
+           "backend_for", "backends", "set_threads", "REDUCIBLE", "FLOATS"]
+
+FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+REDUCIBLE = FLOATS + tuple(np.dtype(t) for t in (np.int32, np.int64, np.complex64, np.complex128))
+_MODULES = {"numpy": "numpy_kernels", "numba": "numba_kernels", "cupy": "cupy_kernels",
+            "numba-cuda": "numba_cuda_kernels"}
+_loaded: dict[str, object] = {}
+_missing: dict[str, str] = {}
+
+
+def _backend(name: str):
+    """The backend module, imported on first use; None (with the reason kept) if it cannot load."""
+    if name in _loaded:
+        return _loaded[name]
+    if name in _missing:
+        return None
+    try:
+        module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    except Exception as error:  # noqa: BLE001 - any import failure means "not available here"
+        _missing[name] = f"{type(error).__name__}: {error}"
+        return None
+    _loaded[name] = module
+    return module
+
+
+def backends() -> dict[str, str]:
+    """Every backend with "available" or the reason it is not (for ``mpicoll info``)."""
+    report = {}
+    for name in _MODULES:
+        report[name] = "available" if _backend(name) is not None else _missing.get(name, "not importable")
+    return report
+
+
+def set_threads(count: int) -> None:
+    """Threads for the Numba CPU loops (with several ranks per node, share the cores out)."""
+    if _backend("numba") is not None:
+        import numba
+        numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
+
+
+def _is_numba_device_array(array) -> bool:
+    return type(array).__module__.startswith("numba") and hasattr(array, "copy_to_host")
+
+
+def _as_device_array(array):
+    """(backend, array) for CUDA arrays of any library, zero-copy."""
+    if type(array).__module__.startswith("cupy"):
+        return "cupy", array
+    if _is_numba_device_array(array):
+        return "numba-cuda", array
+    cupy = _backend("cupy") and importlib.import_module("cupy")
+    if hasattr(array, "__cuda_array_interface__"):
+        if cupy:
+            return "cupy", cupy.asarray(array)
+        if _backend("numba-cuda") is not None:
+            from numba import cuda
+            return "numba-cuda", cuda.as_cuda_array(array)
+    if hasattr(array, "__dlpack_device__") and array.__dlpack_device__()[0] == 2 and cupy:  # kDLCUDA
+        return "cupy", cupy.from_dlpack(array)
+    return None, array
+
+
+def backend_for(array) -> str:
+    """The backend that would run for ``array``."""
+    name, array = _as_device_array(array)
+    if name is not None:
+        if _backend(name) is None:
+            raise RuntimeError(f"{type(array).__name__} arrays need the {name} backend: {_missing.get(name)}")
+        return name
+    array = np.asarray(array)
+    if (os.environ.get("MPICOLL_KERNELS", "").lower() == "numpy" or array.dtype == np.float16
+            or not array.flags.c_contiguous or _backend("numba") is None):
+        return "numpy"
+    return "numba"
+
+
+def _prepare(kinds: tuple, arrays: dict, names_in_place=()):
+    """Check arrays agree (size, dtype, kind); return (backend module, flat arrays, dtype)."""
+    first_name, first = next(iter(arrays.items()))
+    backend = backend_for(first)
+    prepared = {}
+    for name, array in arrays.items():
+        _, array = _as_device_array(array)
+        if backend in ("numpy", "numba"):
+            array = np.asarray(array)
+        prepared[name] = array
+    dtype = np.dtype(prepared[first_name].dtype)
+    if dtype not in kinds:
+        raise TypeError(f"{first_name} has dtype {dtype}; this kernel takes {', '.join(map(str, kinds))}")
+    for name, array in prepared.items():
+        if np.dtype(array.dtype) != dtype or array.shape != prepared[first_name].shape:
+            raise ValueError(f"{name} has shape {array.shape} and dtype {array.dtype}; expected "
+                             f"{prepared[first_name].shape} and {dtype} like {first_name}")
+        if name in names_in_place and backend in ("numpy", "numba") and not array.flags.writeable:
+            raise ValueError(f"{name} is read-only; it is updated in place")
+        if backend != "numpy" and backend_for(array) != backend:
+            raise TypeError(f"{name} is a {type(array).__name__}, {first_name} a {type(prepared[first_name]).__name__}: "
+                            "pass arrays of one kind (all on the host, or all on the device)")
+    if backend != "numpy":
+        prepared = {name: array.reshape(-1) for name, array in prepared.items()}
+    return _backend(backend), prepared, dtype
+
+
+def _scalar(dtype: np.dtype, value: float):
+    """A scalar in the compute precision of ``dtype`` arrays."""
+    return np.float64(value) if dtype == np.float64 else np.float32(value)
+
+
+def reduce(a, b, out=None, op: str = "sum"):
+    """``out = a (op) b`` elementwise (``out`` defaults to ``a``: ``a`` is reduced in place); returns out."""
+    out = a if out is None else out
+    op = op.lower()
+    if op not in ("sum", "prod", "min", "max"):
+        raise ValueError(f"Unrecognized op: {op!r}; the kernels reduce with sum, prod, min or max")
+    backend, arrays, dtype = _prepare(REDUCIBLE, {"out": out, "a": a, "b": b}, ("out",))
+    if dtype.kind == "c" and op in ("min", "max"):
+        raise TypeError(f"{op} is not defined for complex numbers")
+    backend.reduce(arrays["out"], arrays["a"], arrays["b"], op)
+    return out
+
+
+def scaled_accumulate(x, y, a: float, b: float):
+    """``x <- a*x + b*y`` in place (push-sum mixing of parameters and weights); returns x."""
+    backend, arrays, dtype = _prepare(FLOATS, {"x": x, "y": y}, ("x",))
+    backend.scaled_accumulate(arrays["x"], arrays["y"], _scalar(dtype, a), _scalar(dtype, b))
+    return x
+
+
+def dcasgd(w, g, w_bak, lr: float, lam: float, *, refresh_backup: bool = False):
+    """The fused DC-ASGD step, in place on ``w`` (and ``w_bak`` if ``refresh_backup``); returns w."""
+    backend, arrays, dtype = _prepare(FLOATS, {"w": w, "g": g, "w_bak": w_bak}, ("w", "w_bak"))
+    backend.dcasgd(arrays["w"], arrays["g"], arrays["w_bak"], _scalar(dtype, lr), _scalar(dtype, lam),
+                   bool(refresh_backup))
+    return w
+
+
+def dcasgd_adaptive(w, g, w_bak, m, lr: float, lam0: float, *, beta: float = 0.95, eps: float = 1e-7,
+                    refresh_backup: bool = False):
+    """The fused DC-ASGD-a step: updates ``m`` (mean square of g), ``w`` and optionally ``w_bak``; returns w."""
+    if not 0 <= beta < 1:
+        raise ValueError(f"beta must be in [0, 1), got {beta}")
+    backend, arrays, dtype = _prepare(FLOATS, {"w": w, "g": g, "w_bak": w_bak, "m": m}, ("w", "w_bak", "m"))
+    s = lambda v: _scalar(dtype, v)  # noqa: E731
+    backend.dcasgd_adaptive(arrays["w"], arrays["g"], arrays["w_bak"], arrays["m"], s(lr), s(lam0), s(beta), s(eps),
+                            bool(refresh_backup))
+    return w
+
+
+def sgd(w, g, lr: float, tau: float = 1.0):
+    """``w <- w - (lr / tau) * g`` in place (tau: the gradient's staleness, >= 1); returns w."""
+    if tau <= 0:
+        raise ValueError(f"tau must be positive, got {tau}")
+    backend, arrays, dtype = _prepare(FLOATS, {"w": w, "g": g}, ("w",))
+    backend.sgd(arrays["w"], arrays["g"], _scalar(dtype, lr), _scalar(dtype, tau))
+    return w
+
+
+def adagrad(w, g, h, lr: float, eps: float = 1e-8):
+    """``h <- h + g*g``, ``w <- w - lr * g / (sqrt(h) + eps)`` in place; returns w."""
+    backend, arrays, dtype = _prepare(FLOATS, {"w": w, "g": g, "h": h}, ("w", "h"))
+    backend.adagrad(arrays["w"], arrays["g"], arrays["h"], _scalar(dtype, lr), _scalar(dtype, eps))
+    return w

@@ -1,0 +1,58 @@
+"""The reference backend: plain numpy, in the arrays' own precision.
+
+Every other backend is tested against these definitions (and these against
+float64 formulas).  Used for numpy arrays when Numba is absent, for float16
+on the CPU, and for arrays that are not contiguous.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_REDUCE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+def reduce(out, a, b, op):
+    _REDUCE[op](a, b, out=out)
+
+
+def scaled_accumulate(x, y, a, b):
+    x *= a
+    x += b * y
+
+
+def dcasgd(w, g, w_bak, lr, lam, refresh):
+    # w - lr * (g + lam * g*g*(w - w_bak)), built in one temporary
+    step = w - w_bak
+    step *= g
+    step *= g
+    step *= lam
+    step += g
+    step *= lr
+    w -= step
+    if refresh:
+        w_bak[...] = w
+
+
+def dcasgd_adaptive(w, g, w_bak, m, lr, lam0, beta, eps, refresh):
+    m *= beta
+    m += (1 - beta) * g * g
+    lam = lam0 / np.sqrt(m + eps)
+    step = w - w_bak
+    step *= g
+    step *= g
+    step *= lam
+    step += g
+    step *= lr
+    w -= step
+    if refresh:
+        w_bak[...] = w
+
+
+def sgd(w, g, lr, tau):
+    w -= (lr / tau) * g
+
+
+def adagrad(w, g, h, lr, eps):
+    h += g * g
+    w -= lr * g / (np.sqrt(h) + eps)
