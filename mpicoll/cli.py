@@ -1,4 +1,4 @@
-"""The ``mpicoll`` command: ``mpicoll bench`` and ``mpicoll info`` (run them under mpiexec)."""
+"""The ``mpicoll`` command: ``bench`` and ``info`` (under mpiexec), ``bench-kernels`` (one process)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm (default 3)")
     bench.add_argument("--output", metavar="FILE.json", help="write one record per (algorithm, size)")
     bench.add_argument("--plot", metavar="FILE.png", help="draw bus bandwidth against size")
+
+
+def _bench_kernels_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-kernels", help="every kernel and backend against the device's copy bandwidth",
+        description="Single process: mpicoll bench-kernels --threads 1,2 --output kernels.json")
+    bench.add_argument("--elements", type=int, default=16 * 2**20, help="array length (default 16M)")
+    bench.add_argument("--dtype", default="float32", help="float16, float32 or float64 (default float32)")
+    bench.add_argument("--backends", default="numpy,numba,cupy,numba-cuda",
+                       help="comma-separated (default: all; those not available here are skipped with the reason)")
+    bench.add_argument("--threads", help="Numba thread counts to run, e.g. 1,2 (default: Numba's own)")
+    bench.add_argument("--iters", type=int, default=10, help="timed calls per kernel (default 10)")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per (kernel, backend, threads)")
 
 
 def _info_parser(commands) -> None:
@@ -51,10 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpicoll", description="MPI collectives for distributed SGD.")
     commands = parser.add_subparsers(dest="command", required=True)
     _bench_parser(commands)
+    _bench_kernels_parser(commands)
     _info_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .bench import run
+        return run(args)
+    if args.command == "bench-kernels":
+        from .bench_kernels import run
         return run(args)
     return info()
 
