@@ -1,7 +1,8 @@
 """The array API: collectives that take an array and return one, like torch.distributed and Horovod.
 
 Any numpy array works (any shape, any memory layout: a non-contiguous input
-is packed once, a non-contiguous ``out`` is filled from a packed result).
+is packed once, a non-contiguous ``out`` is filled from a packed result);
+``allreduce`` also takes contiguous device arrays (see :mod:`mpicoll.device`).
 ``comm`` defaults to ``MPI.COMM_WORLD``; a plain mpi4py communicator is
 wrapped in a :class:`~mpicoll.Communicator` once and the wrapper reused, so
 pass the same communicator object from every rank, in the same order.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from . import device
 from .communicator import Communicator
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "resolve_op"]
@@ -65,11 +67,32 @@ def _finish(result: np.ndarray, copy_into: np.ndarray | None) -> np.ndarray:
     return copy_into
 
 
-def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None) -> np.ndarray:
+def _device_empty(x, shape=None):
+    """An uninitialised device array of ``x``'s library and dtype."""
+    library, x = device.as_device_array(x)
+    shape = x.shape if shape is None else shape
+    if library == "cupy":
+        import cupy
+        return cupy.empty(shape, x.dtype)
+    from numba import cuda
+    return cuda.device_array(shape, x.dtype)
+
+
+def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
     """The elementwise reduction of ``x`` over all ranks (same shape and dtype as ``x``).
 
-    ``out`` may be ``x`` itself to reduce in place.
+    ``out`` may be ``x`` itself to reduce in place.  Device arrays (CuPy, Numba,
+    any ``__cuda_array_interface__`` or DLPack CUDA array) give device arrays,
+    reduced on the GPU.
     """
+    if device.is_device_array(x):
+        communicator = _communicator(comm, algorithm)
+        if out is x:
+            communicator.Allreduce(MPI.IN_PLACE, x, resolve_op(op))
+            return x
+        out = _device_empty(x) if out is None else out
+        communicator.Allreduce(x, out, resolve_op(op))
+        return out
     x = np.asarray(x)
     communicator = _communicator(comm, algorithm)
     op = resolve_op(op)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms
+from . import algorithms, device
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from .checks import Signature, check_call
@@ -93,6 +93,8 @@ class Communicator(MPI.Intracomm):
     # -- the collectives ----------------------------------------------------
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        if device.is_device_array(recvbuf):
+            return self._on_device("Allreduce", sendbuf, recvbuf, op=op)
         recv = read_message(recvbuf, writable=True, role="recvbuf")
         send = None if is_in_place(sendbuf) else read_message(sendbuf, role="sendbuf")
         _same_shape(send, recv, "Allreduce")
@@ -104,6 +106,8 @@ class Communicator(MPI.Intracomm):
                   lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, op))
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        if device.is_device_array(recvbuf):
+            return self._on_device("Reduce_scatter_block", sendbuf, recvbuf, op=op)
         size = self.Get_size()
         whole = read_message(recvbuf, writable=True, role="recvbuf")
         if is_in_place(sendbuf):
@@ -125,6 +129,8 @@ class Communicator(MPI.Intracomm):
                   lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
 
     def Allgather(self, sendbuf, recvbuf) -> None:
+        if device.is_device_array(recvbuf):
+            return self._on_device("Allgather", sendbuf, recvbuf)
         size = self.Get_size()
         recv = read_message(recvbuf, writable=True, role="recvbuf")
         if recv.count % size:
@@ -145,6 +151,8 @@ class Communicator(MPI.Intracomm):
                   lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
 
     def Bcast(self, buf, root: int = 0) -> None:
+        if device.is_device_array(buf):
+            return self._on_device("Bcast", None, buf, root=root)
         message = read_message(buf, writable=self.Get_rank() != root, role="buf")
         size = self.Get_size()
         if not 0 <= root < size:
@@ -168,6 +176,41 @@ class Communicator(MPI.Intracomm):
             if first == "mpi":
                 self.__dict__[name] = _straight_to_mpi(name, getattr(MPI.Intracomm, name).__get__(self),
                                                        getattr(Communicator, name).__get__(self), limit)
+
+    def _on_device(self, collective: str, sendbuf, recvbuf, op: MPI.Op | None = None, root: int = -1) -> None:
+        """A collective on CUDA arrays: MPI moves bytes (directly or staged), the GPU reduces."""
+        size = self.Get_size()
+        recv = _flat_device(recvbuf, "recvbuf" if collective != "Bcast" else "buf")
+        send = None if is_in_place(sendbuf) else _flat_device(sendbuf, "sendbuf")
+        dtype = np.dtype(recv.dtype)
+        if send is not None and np.dtype(send.dtype) != dtype:
+            raise ValueError(f"{collective}: sendbuf holds {send.dtype} elements but recvbuf {dtype}")
+        expected = {"Allreduce": recv.size, "Reduce_scatter_block": recv.size * size,
+                    "Allgather": recv.size // size}.get(collective)
+        if send is not None and send.size != expected:
+            raise ValueError(f"{collective}: sendbuf has {send.size} elements, expected {expected}")
+        if collective == "Allgather" and recv.size % size:
+            raise ValueError(f"Allgather: recvbuf has {recv.size} elements, not a multiple of the {size} ranks")
+        if collective == "Bcast" and not 0 <= root < size:
+            raise ValueError(f"Bcast: root {root} is not a rank of this {size}-rank communicator")
+        reduction = None
+        if op is not None:
+            reduction = Reduction(op, MPI.Datatype.fromcode(dtype.char), dtype)
+            if collective == "Reduce_scatter_block" and send is None:
+                send, recv = recv, recv[: recv.size // size]
+        count = {"Allgather": recv.size // size}.get(collective, recv.size)
+        context = self._context_for(collective)
+        if context.debug or self.__dict__["_checks_left"] > 0:
+            self.__dict__["_checks_left"] -= 1
+            check_call(context, Signature(collective, count, dtype, op_name(op) if op else "-", root))
+        if collective == "Allreduce":
+            device.allreduce(context, send, recv, reduction)
+        elif collective == "Reduce_scatter_block":
+            device.reduce_scatter_block(context, send, recv, reduction)
+        elif collective == "Allgather":
+            device.allgather(context, send, recv)
+        else:
+            device.bcast(context, recv, root)
 
     # -- shared machinery ---------------------------------------------------
 
@@ -214,6 +257,16 @@ def _straight_to_mpi(name: str, mpi_call, checked_call, limit: float):
             return checked_call(buf, root)
     collective.__doc__ = getattr(Communicator, name).__doc__
     return collective
+
+
+def _flat_device(obj, role: str):
+    """A 1-D view of a contiguous device array (CuPy or Numba)."""
+    _, array = device.as_device_array(obj)
+    contiguous = array.flags.c_contiguous if hasattr(array, "flags") else array.is_c_contiguous()
+    if not contiguous:
+        raise BufferError(f"{role}: device array of shape {array.shape} is not contiguous; pass a contiguous "
+                          "array (cupy.ascontiguousarray) or use mpicoll.allreduce(), which accepts any layout")
+    return array.reshape(-1) if array.ndim != 1 else array
 
 
 def _array(message: Message | None) -> np.ndarray | None:

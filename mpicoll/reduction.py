@@ -16,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from . import compute
+from .compute import numpy_kernels
+
 __all__ = ["Reduction", "ReductionError", "op_name"]
 
 _INTEGER = "iu"
@@ -62,6 +65,10 @@ class Reduction:
         self.name = op_name(op)
         self.commutative = bool(op.Is_commutative())
         entry = _UFUNCS.get(self.name)
+        # sum, prod, min and max on the kernel layer's types run its host reduction (device
+        # buffers take its GPU reductions in mpicoll.device); the other ufunc ops stay here
+        self._kernel = self.name.lower() if (self.name in ("SUM", "PROD", "MIN", "MAX")
+                                             and self.dtype in compute.REDUCIBLE) else None
         if entry is not None and self.dtype.kind in entry[1] and self.dtype.fields is None:
             self._ufunc, _, self._keywords = entry
         else:
@@ -81,6 +88,9 @@ class Reduction:
 
     def combine(self, left: np.ndarray, right: np.ndarray, out: np.ndarray) -> None:
         """Store ``left (op) right`` in ``out``; ``out`` may be either operand."""
+        if self._kernel is not None:
+            numpy_kernels.reduce(out, left, right, self._kernel)
+            return
         if self._ufunc is not None:
             self._ufunc(left, right, out=out, **self._keywords)
             return

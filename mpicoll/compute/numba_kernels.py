@@ -2,7 +2,8 @@
 
 Compiled on first use (and cached on disk).  Each update reads and writes
 every array exactly once, against numpy's chain of temporaries: DC-ASGD as a
-numpy expression moves about five times the bytes.
+numpy expression moves about five times the bytes.  Plain reductions are not
+here: numpy's ufunc already makes one pass, and faster (see ``reduce``).
 """
 
 from __future__ import annotations
@@ -11,39 +12,6 @@ import numpy as np
 from numba import njit, prange
 
 _OPTIONS = dict(parallel=True, cache=True, nogil=True)
-
-
-@njit(**_OPTIONS)
-def _sum(out, a, b):
-    for i in prange(out.size):
-        out[i] = a[i] + b[i]
-
-
-@njit(**_OPTIONS)
-def _prod(out, a, b):
-    for i in prange(out.size):
-        out[i] = a[i] * b[i]
-
-
-@njit(**_OPTIONS)
-def _min(out, a, b):
-    for i in prange(out.size):
-        x, y = a[i], b[i]
-        out[i] = x + y if (x != x or y != y) else (y if y < x else x)
-
-
-@njit(**_OPTIONS)
-def _max(out, a, b):
-    for i in prange(out.size):
-        x, y = a[i], b[i]
-        out[i] = x + y if (x != x or y != y) else (y if y > x else x)
-
-
-_REDUCE = {"sum": _sum, "prod": _prod, "min": _min, "max": _max}
-
-
-def reduce(out, a, b, op):
-    _REDUCE[op](out, a, b)
 
 
 @njit(**_OPTIONS)
