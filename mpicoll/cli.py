@@ -36,7 +36,28 @@ def _bench_kernels_parser(commands) -> None:
 
 
 def _info_parser(commands) -> None:
-    commands.add_parser("info", help="versions, MPI library, and the auto rules in force")
+    commands.add_parser("info", help="versions, MPI library, auto rules, kernel backends, GPU and CUDA-awareness")
+
+
+def _gpu() -> str:
+    """The GPU this process would use, or why there is none."""
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count:
+            name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+            return f"{count} device(s), first: {name.decode() if isinstance(name, bytes) else name} (CuPy)"
+    except Exception:  # noqa: BLE001 - no CuPy or no driver: try Numba
+        pass
+    try:
+        from numba import config, cuda
+        if config.ENABLE_CUDASIM:
+            return "none (Numba's CUDA simulator is on: NUMBA_ENABLE_CUDASIM=1)"
+        if cuda.is_available():
+            return f"{len(cuda.gpus)} device(s), first: {cuda.get_current_device().name.decode()} (Numba)"
+    except Exception:  # noqa: BLE001
+        pass
+    return "none found"
 
 
 def info() -> int:
@@ -45,6 +66,7 @@ def info() -> int:
     from mpi4py import MPI
 
     import mpicoll
+    from . import compute, device
     from .algorithms import auto
 
     if MPI.COMM_WORLD.Get_rank() == 0:
@@ -57,6 +79,13 @@ def info() -> int:
             rule = ", ".join(f"{name} below {limit:.0f} B" if limit != float("inf") else name
                              for name, limit in auto.rule(collective))
             print(f"auto       {collective}: {rule}")
+        for backend, state in compute.backends().items():
+            print(f"kernels    {backend}: {state}")
+        print(f"GPU        {_gpu()}")
+        aware, reason = device.cuda_aware()
+        mode = "device buffers straight to MPI" if aware else "staged through pinned host buffers"
+        print(f"CUDA-aware {'yes' if aware else 'no'} ({reason}); device arrays: {mode}; "
+              "MPICOLL_CUDA_AWARE=0|1 forces")
     return 0
 
 

@@ -52,6 +52,7 @@ def test_info_reports_mpi_and_auto_rules():
     result = launch(2, "-m", "mpicoll", "info")
     assert result.returncode == 0, result.stderr
     assert "mpi4py" in result.stdout and "ranks      2" in result.stdout and "allreduce: mpi below" in result.stdout
+    assert "kernels    numpy: available" in result.stdout and "CUDA-aware " in result.stdout and "GPU " in result.stdout
 
 
 def test_dead_rank_is_named_by_its_neighbour(tmp_path):
@@ -161,3 +162,23 @@ def test_slurm_script_runs_the_benchmark_outside_slurm(tmp_path):
     records = json.loads(prefix.with_suffix(".json").read_text())
     assert {r["ranks"] for r in records} == {2} and len(records) == 2 * 5
     assert prefix.with_suffix(".png").exists()
+
+
+def test_bench_kernels_reports_bandwidth_against_copy(tmp_path):
+    out = tmp_path / "kernels.json"
+    result = subprocess.run([sys.executable, "-m", "mpicoll", "bench-kernels", "--elements", "100003", "--iters", "2",
+                             "--threads", "1", "--backends", "numpy,numba,cupy", "--output", str(out)],
+                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = json.loads(out.read_text())
+    for record in records:
+        assert {"kernel", "backend", "elements", "dtype", "time_s", "gbps", "fraction_of_copy"} <= set(record)
+        assert record["elements"] == 100003 and record["time_s"] > 0 and record["gbps"] > 0
+    numpy_rows = {r["kernel"]: r for r in records if r["backend"] == "numpy"}
+    assert numpy_rows["copy"]["fraction_of_copy"] == pytest.approx(1.0)
+    assert {"dcasgd", "dcasgd_adaptive", "adagrad", "sgd", "scaled_accumulate", "reduce_sum"} <= set(numpy_rows)
+    if "numba" in result.stdout.split("skipped")[0]:
+        assert any(r["backend"] == "numba" and r["kernel"] == "dcasgd" for r in records)
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:
+        assert "# cupy: skipped" in result.stdout
