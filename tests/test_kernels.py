@@ -224,3 +224,14 @@ def test_read_only_targets_are_refused():
 def test_backend_report_names_every_backend():
     report = compute.backends()
     assert set(report) == {"numpy", "numba", "cupy", "numba-cuda"} and report["numpy"] == "available"
+
+
+@pytest.mark.parametrize("variable, value, ranks", [("MPI_LOCALNRANKS", "3", 3),
+                                                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "4", 4),
+                                                    ("SLURM_NTASKS_PER_NODE", "2(x3)", 2)])
+def test_ranks_per_node_come_from_the_launcher(monkeypatch, variable, value, ranks):
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    assert compute.ranks_on_this_node() == 1
+    monkeypatch.setenv(variable, value)
+    assert compute.ranks_on_this_node() == ranks

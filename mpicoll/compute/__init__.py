@@ -38,7 +38,7 @@ import os
 import numpy as np
 
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad",
-           "backend_for", "backends", "set_threads", "REDUCIBLE", "FLOATS"]
+           "backend_for", "backends", "set_threads", "ranks_on_this_node", "REDUCIBLE", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 REDUCIBLE = FLOATS + tuple(np.dtype(t) for t in (np.int32, np.int64, np.complex64, np.complex128))
@@ -46,6 +46,18 @@ _MODULES = {"numpy": "numpy_kernels", "numba": "numba_kernels", "cupy": "cupy_ke
             "numba-cuda": "numba_cuda_kernels"}
 _loaded: dict[str, object] = {}
 _missing: dict[str, str] = {}
+
+
+_LOCAL_RANKS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_on_this_node() -> int:
+    """How many ranks the launcher started on this node (MPICH, Open MPI or Slurm say so); 1 if unknown."""
+    for variable in _LOCAL_RANKS:
+        value = os.environ.get(variable, "").split("(")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def _backend(name: str):
@@ -60,6 +72,10 @@ def _backend(name: str):
         _missing[name] = f"{type(error).__name__}: {error}"
         return None
     _loaded[name] = module
+    if name == "numba" and "NUMBA_NUM_THREADS" not in os.environ:
+        # Ranks sharing a node share its cores: each gets its part, not all of them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        set_threads(max(1, cores // ranks_on_this_node()))
     return module
 
 
@@ -72,7 +88,11 @@ def backends() -> dict[str, str]:
 
 
 def set_threads(count: int) -> None:
-    """Threads for the Numba CPU loops (with several ranks per node, share the cores out)."""
+    """Threads for the Numba CPU loops.
+
+    By default each rank gets the node's cores divided by the ranks the launcher put
+    on the node (``NUMBA_NUM_THREADS`` overrides), so ranks do not fight over cores.
+    """
     if _backend("numba") is not None:
         import numba
         numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
