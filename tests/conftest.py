@@ -81,3 +81,26 @@ def everywhere(ok: bool, message: str = "", comm: MPI.Intracomm = MPI.COMM_WORLD
 def shared_seed(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     """Fresh entropy, the same on every rank (so a failure can name one seed to replay)."""
     return comm.bcast(int(np.random.SeedSequence().entropy % (1 << 63)) if comm.Get_rank() == 0 else None)
+
+
+def numba_cuda_or_skip():
+    """numba.cuda when it can run kernels here (a GPU, or the simulator), else skip the test."""
+    pytest.importorskip("numba", reason="the numba extra is not installed")
+    try:
+        from numba import cuda
+    except ImportError as error:
+        pytest.skip(f"numba's CUDA target is not installed: {error}")
+    if not cuda.is_available():
+        pytest.skip("no CUDA device and NUMBA_ENABLE_CUDASIM is unset")
+    return cuda
+
+
+def cupy_or_skip():
+    """cupy when it has a CUDA device here, else skip the test (with the reason)."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (the gpu extra)")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("CuPy found no CUDA device")
+    except cupy.cuda.runtime.CUDARuntimeError as error:
+        pytest.skip(f"CuPy found no CUDA device: {error}")
+    return cupy

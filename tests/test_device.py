@@ -13,27 +13,16 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll import device
-from conftest import everywhere, shared_seed
+from conftest import cupy_or_skip, everywhere, numba_cuda_or_skip, shared_seed
 
 WORLD = MPI.COMM_WORLD
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 
 
-def numba_cuda():
-    pytest.importorskip("numba", reason="the numba extra is not installed")
-    try:
-        from numba import cuda
-    except ImportError as error:
-        pytest.skip(f"numba's CUDA target is not installed: {error}")
-    if not cuda.is_available():
-        pytest.skip("no CUDA device and NUMBA_ENABLE_CUDASIM is unset")
-    return cuda
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", ["auto", "ring"])
 def test_device_collectives_match_mpi_on_host_copies(algorithm):
-    cuda = numba_cuda()
+    cuda = numba_cuda_or_skip()
     seed = shared_seed()
     rng = np.random.default_rng([seed, RANK])
     problems = []
@@ -81,7 +70,7 @@ def test_device_collectives_match_mpi_on_host_copies(algorithm):
 
 @pytest.mark.mpi
 def test_device_errors_are_explained():
-    cuda = numba_cuda()
+    cuda = numba_cuda_or_skip()
     problems = []
     with mpicoll.Communicator(WORLD) as comm:
         for call, kind, words in [
@@ -116,11 +105,6 @@ def test_cuda_awareness_is_detected_and_can_be_forced(monkeypatch):
 
 
 def test_cupy_allreduce_where_a_gpu_exists():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (the gpu extra)")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            pytest.skip("CuPy found no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError as error:
-        pytest.skip(f"CuPy found no CUDA device: {error}")
+    cupy = cupy_or_skip()
     x = cupy.arange(10, dtype=cupy.float32)
     assert cupy.array_equal(mpicoll.allreduce(x), x * WORLD.Get_size())

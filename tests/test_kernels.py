@@ -13,6 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from conftest import cupy_or_skip, numba_cuda_or_skip
 from mpicoll import compute, kernels
 
 CPU_SIZES = (0, 1, 31, 10**6 + 3)
@@ -151,13 +152,7 @@ def test_cpu_backends_match_the_float64_reference(backend, monkeypatch):
 
 def test_numba_cuda_kernels_match_the_reference():
     """On a GPU if there is one, else in Numba's CUDA simulator."""
-    pytest.importorskip("numba", reason="the numba extra is not installed")
-    try:
-        from numba import cuda
-    except ImportError as error:
-        pytest.skip(f"numba's CUDA target is not installed: {error}")
-    if not cuda.is_available():
-        pytest.skip("no CUDA device and the simulator is off (NUMBA_ENABLE_CUDASIM unset)")
+    cuda = numba_cuda_or_skip()
     rng = np.random.default_rng()
     to_device, to_host = cuda.to_device, lambda array: array.copy_to_host()
     probe = to_device(np.zeros(4, np.float32))
@@ -168,12 +163,7 @@ def test_numba_cuda_kernels_match_the_reference():
 
 
 def test_cupy_kernels_match_the_reference():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (the gpu extra)")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            pytest.skip("CuPy found no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError as error:
-        pytest.skip(f"CuPy found no CUDA device: {error}")
+    cupy = cupy_or_skip()
     rng = np.random.default_rng()
     failures = check_all(rng, CPU_SIZES, DTYPES, cupy.asarray, cupy.asnumpy)
     failures += check_reductions(rng, CPU_SIZES, REDUCIBLE, cupy.asarray, cupy.asnumpy)

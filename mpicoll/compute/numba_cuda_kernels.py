@@ -10,7 +10,12 @@ import math
 
 from numba import cuda
 
+from . import formulas
+
 from numba import config
+
+_compensated = cuda.jit(device=True)(formulas.compensated)
+_mean_square = cuda.jit(device=True)(formulas.mean_square)
 
 # The simulator runs every thread as a Python thread: small blocks keep tests quick,
 # and the grid-stride loops cover any size with any launch.
@@ -71,8 +76,7 @@ def scaled_accumulate(x, y, a, b):
 @cuda.jit
 def _dcasgd(w, g, w_bak, lr, lam, refresh):
     for i in range(cuda.grid(1), w.size, cuda.gridsize(1)):
-        wi, gi = w[i], g[i]
-        updated = wi - lr * (gi + lam * gi * gi * (wi - w_bak[i]))
+        updated = _compensated(w[i], g[i], w_bak[i], lr, lam)
         w[i] = updated
         if refresh:
             w_bak[i] = updated
@@ -85,10 +89,8 @@ def dcasgd(w, g, w_bak, lr, lam, refresh):
 @cuda.jit
 def _dcasgd_adaptive(w, g, w_bak, m, lr, lam0, beta, rest, eps, refresh):
     for i in range(cuda.grid(1), w.size, cuda.gridsize(1)):
-        wi, gi = w[i], g[i]
-        mi = beta * m[i] + rest * gi * gi
-        lam = lam0 / math.sqrt(mi + eps)
-        updated = wi - lr * (gi + lam * gi * gi * (wi - w_bak[i]))
+        mi = _mean_square(m[i], g[i], beta, rest)
+        updated = _compensated(w[i], g[i], w_bak[i], lr, lam0 / math.sqrt(mi + eps))
         m[i] = mi
         w[i] = updated
         if refresh:

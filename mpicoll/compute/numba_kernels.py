@@ -11,7 +11,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import formulas
+
 _OPTIONS = dict(parallel=True, cache=True, nogil=True)
+_compensated = njit(inline="always", cache=True)(formulas.compensated)
+_mean_square = njit(inline="always", cache=True)(formulas.mean_square)
 
 
 @njit(**_OPTIONS)
@@ -23,8 +27,7 @@ def scaled_accumulate(x, y, a, b):
 @njit(**_OPTIONS)
 def dcasgd(w, g, w_bak, lr, lam, refresh):
     for i in prange(w.size):
-        wi, gi = w[i], g[i]
-        updated = wi - lr * (gi + lam * gi * gi * (wi - w_bak[i]))
+        updated = _compensated(w[i], g[i], w_bak[i], lr, lam)
         w[i] = updated
         if refresh:
             w_bak[i] = updated
@@ -33,10 +36,8 @@ def dcasgd(w, g, w_bak, lr, lam, refresh):
 @njit(**_OPTIONS)
 def _dcasgd_adaptive(w, g, w_bak, m, lr, lam0, beta, rest, eps, refresh):
     for i in prange(w.size):
-        wi, gi = w[i], g[i]
-        mi = beta * m[i] + rest * gi * gi
-        lam = lam0 / np.sqrt(mi + eps)
-        updated = wi - lr * (gi + lam * gi * gi * (wi - w_bak[i]))
+        mi = _mean_square(m[i], g[i], beta, rest)
+        updated = _compensated(w[i], g[i], w_bak[i], lr, lam0 / np.sqrt(mi + eps))
         m[i] = mi
         w[i] = updated
         if refresh:

@@ -21,8 +21,8 @@ def scaled_accumulate(x, y, a, b):
     x += b * y
 
 
-def dcasgd(w, g, w_bak, lr, lam, refresh):
-    # w - lr * (g + lam * g*g*(w - w_bak)), built in one temporary
+def _compensated(w, g, w_bak, lr, lam):
+    """w <- w - lr * (g + lam * g*g*(w - w_bak)), built in one temporary."""
     step = w - w_bak
     step *= g
     step *= g
@@ -30,6 +30,10 @@ def dcasgd(w, g, w_bak, lr, lam, refresh):
     step += g
     step *= lr
     w -= step
+
+
+def dcasgd(w, g, w_bak, lr, lam, refresh):
+    _compensated(w, g, w_bak, lr, lam)
     if refresh:
         w_bak[...] = w
 
@@ -37,16 +41,7 @@ def dcasgd(w, g, w_bak, lr, lam, refresh):
 def dcasgd_adaptive(w, g, w_bak, m, lr, lam0, beta, eps, refresh):
     m *= beta
     m += (1 - beta) * g * g
-    lam = lam0 / np.sqrt(m + eps)
-    step = w - w_bak
-    step *= g
-    step *= g
-    step *= lam
-    step += g
-    step *= lr
-    w -= step
-    if refresh:
-        w_bak[...] = w
+    dcasgd(w, g, w_bak, lr, lam0 / np.sqrt(m + eps), refresh)
 
 
 def sgd(w, g, lr, tau):
