@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import cupy_or_skip, numba_cuda_or_skip
-from mpicoll import compute, kernels
+from mpicoll import compute
+from mpicoll.compute import sources
 
 CPU_SIZES = (0, 1, 31, 10**6 + 3)
 SIMULATOR_SIZES = (0, 1, 31, 10**4 + 3)   # the simulator runs each element in Python
@@ -170,12 +171,12 @@ def test_cupy_kernels_match_the_reference():
     assert not failures, failures
 
 
-@pytest.mark.parametrize("source", kernels.SOURCES)
+@pytest.mark.parametrize("source", sources.SOURCES)
 def test_cuda_sources_compile(source, tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not on the PATH")
-    result = subprocess.run([nvcc, "-std=c++17", "-c", str(kernels.directory() / source), "-o",
+    result = subprocess.run([nvcc, "-std=c++17", "-c", str(sources.directory() / source), "-o",
                              str(tmp_path / "out.o")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
 

@@ -12,7 +12,7 @@ import functools
 import cupy
 import numpy as np
 
-from .. import kernels
+from . import sources
 
 THREADS = 256
 _C_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float", np.dtype(np.float64): "double",
@@ -28,8 +28,8 @@ def _module(source: str) -> cupy.RawModule:
         names += ["reduce_complex_prod<float>", "reduce_complex_prod<double>"]
     else:
         names = [f"{k}<{t}>" for k in _OPTIMIZERS for t in ("__half", "float", "double")]
-    return cupy.RawModule(code=kernels.source(source), name_expressions=names,
-                          options=("-std=c++17", f"-I{kernels.directory()}"))
+    return cupy.RawModule(code=sources.source(source), name_expressions=names,
+                          options=("-std=c++17", f"-I{sources.directory()}"))
 
 
 def _kernel(source: str, name: str):
