@@ -73,6 +73,7 @@ class Context:
                              f"this node has {local} of them (use p2p or auto)")
         self._shared: SharedRegions | None = None
         self._scratch: dict[str, np.ndarray] = {}
+        self.device_buffers: dict = {}     # pinned host and device scratch of mpicoll.device
 
     def free(self) -> None:
         """Release the private communicator and the scratch memory."""
@@ -80,6 +81,7 @@ class Context:
         if comm != MPI.COMM_NULL:
             comm.Free()
         self._scratch.clear()
+        self.device_buffers.clear()
         if self._shared is not None:
             self._shared.free()
             self._shared = None

@@ -151,8 +151,8 @@ class _Buffers:
     """Grow-only pinned host buffers and device scratch, kept on the communicator's context."""
 
     def __init__(self, ctx: Context, arrays: _Arrays):
-        self.ctx, self.arrays = ctx, arrays
-        self.store = ctx.__dict__.setdefault("_device_buffers", {})
+        self.arrays = arrays
+        self.store = ctx.device_buffers
 
     def get(self, name: str, count: int, dtype, pinned: bool):
         dtype = np.dtype(dtype)

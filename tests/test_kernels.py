@@ -158,8 +158,8 @@ def test_numba_cuda_kernels_match_the_reference():
     to_device, to_host = cuda.to_device, lambda array: array.copy_to_host()
     probe = to_device(np.zeros(4, np.float32))
     assert compute.backend_for(probe) == "numba-cuda"
-    failures = check_all(rng, SIMULATOR_SIZES, (np.float32, np.float64), to_device, to_host)
-    failures += check_reductions(rng, SIMULATOR_SIZES, (np.float32, np.float64, np.int32, np.int64), to_device, to_host)
+    failures = check_all(rng, SIMULATOR_SIZES, DTYPES, to_device, to_host)
+    failures += check_reductions(rng, SIMULATOR_SIZES, REDUCIBLE, to_device, to_host)
     assert not failures, failures
 
 
