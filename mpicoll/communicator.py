@@ -31,7 +31,8 @@ class Communicator(MPI.Intracomm):
     ``parallel``, ``recursive_doubling``, ``mpi``) or ``auto``, which picks
     one per call by collective and size.  Construction is local; the private
     channel the algorithms use is duplicated on the first collective call,
-    which all ranks make together.  ``Free()`` releases both.
+    which all ranks make together.  ``close()`` (or leaving a ``with`` block)
+    releases that channel and keeps the communicator; ``Free()`` frees both.
     """
 
     algorithm = "auto"   # also the value for communicators mpi4py builds from this one
@@ -82,12 +83,21 @@ class Communicator(MPI.Intracomm):
         self.close()
         MPI.Intracomm.Free(self)
 
-    def _context_for(self, collective: str) -> Context:
+    def _checked_context(self, signature: Signature, contribution: np.ndarray | None = None) -> Context:
+        """The private context for one call, after the cross-rank check when one is due.
+
+        Due on a communicator's first call (the call sequence is the same on
+        every rank, so all check together) and on every call in debug mode.
+        """
         context = self.__dict__.get("_context")
-        if context is None:
+        first = context is None
+        if first:
             context = self.__dict__["_context"] = Context(self)
-            self.__dict__["_checks_left"] = 1
-        context.begin(collective)
+        context.begin(signature.collective)
+        if first or context.debug:
+            check_call(context, signature, contribution)
+            if first and not context.debug and self.algorithm == "auto":
+                self._hand_small_calls_to_mpi()
         return context
 
     # -- the collectives ----------------------------------------------------
@@ -100,7 +110,7 @@ class Communicator(MPI.Intracomm):
         _same_shape(send, recv, "Allreduce")
         reduction = _reduction(op, recv, send)
         name = self._choose("allreduce", recv, reduction, send)
-        self._run(name, "Allreduce", Signature("Allreduce", recv.count, recv.array.dtype, op_name(op)),
+        self._run(name, Signature("Allreduce", recv.count, recv.array.dtype, op_name(op)),
                   recv if send is None else send,
                   lambda a, ctx: a.allreduce(ctx, _array(send), recv.array, reduction),
                   lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, op))
@@ -123,8 +133,7 @@ class Communicator(MPI.Intracomm):
                                  f"recvbuf's {recv.count} times the {size} ranks = {recv.count * size}")
         reduction = _reduction(op, recv, send)
         name = self._choose("reduce_scatter_block", send, reduction, recv)
-        self._run(name, "Reduce_scatter_block",
-                  Signature("Reduce_scatter_block", recv.count, recv.array.dtype, op_name(op)), send,
+        self._run(name, Signature("Reduce_scatter_block", recv.count, recv.array.dtype, op_name(op)), send,
                   lambda a, ctx: a.reduce_scatter_block(ctx, send.array, recv.array, reduction),
                   lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
 
@@ -145,7 +154,7 @@ class Communicator(MPI.Intracomm):
                                  f"{recv.count} = {size} ranks x {block}")
         name = self._choose("allgather", recv, None, send)
         mine = recv.array[self.Get_rank() * block: (self.Get_rank() + 1) * block] if send is None else send.array
-        self._run(name, "Allgather", Signature("Allgather", block, recv.array.dtype),
+        self._run(name, Signature("Allgather", block, recv.array.dtype),
                   Message(mine, recv.datatype),
                   lambda a, ctx: a.allgather(ctx, _array(send), recv.array),
                   lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
@@ -158,7 +167,7 @@ class Communicator(MPI.Intracomm):
         if not 0 <= root < size:
             raise ValueError(f"Bcast: root {root} is not a rank of this {size}-rank communicator")
         name = self._choose("bcast", message, None)
-        self._run(name, "Bcast", Signature("Bcast", message.count, message.array.dtype, root=root),
+        self._run(name, Signature("Bcast", message.count, message.array.dtype, root=root),
                   message if self.Get_rank() == root else None,
                   lambda a, ctx: a.bcast(ctx, message.array, root),
                   lambda: MPI.Intracomm.Bcast(self, buf, root))
@@ -199,10 +208,7 @@ class Communicator(MPI.Intracomm):
             if collective == "Reduce_scatter_block" and send is None:
                 send, recv = recv, recv[: recv.size // size]
         count = {"Allgather": recv.size // size}.get(collective, recv.size)
-        context = self._context_for(collective)
-        if context.debug or self.__dict__["_checks_left"] > 0:
-            self.__dict__["_checks_left"] -= 1
-            check_call(context, Signature(collective, count, dtype, op_name(op) if op else "-", root))
+        context = self._checked_context(Signature(collective, count, dtype, op_name(op) if op else "-", root))
         if collective == "Allreduce":
             device.allreduce(context, send, recv, reduction)
         elif collective == "Reduce_scatter_block":
@@ -223,14 +229,9 @@ class Communicator(MPI.Intracomm):
         commutative = reduction is None or reduction.commutative
         return auto.choose(collective, sized.nbytes, self.Get_size(), commutative)
 
-    def _run(self, name: str, collective: str, signature: Signature, contribution: Message | None,
-             run_algorithm, run_mpi) -> None:
-        context = self._context_for(collective)
-        if context.debug or self.__dict__["_checks_left"] > 0:
-            self.__dict__["_checks_left"] -= 1
-            check_call(context, signature, None if contribution is None else contribution.array)
-            if not context.debug and self.algorithm == "auto":
-                self._hand_small_calls_to_mpi()
+    def _run(self, name: str, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
+        """Check the call if due, then run algorithm ``name`` (``mpi``: the library's own call)."""
+        context = self._checked_context(signature, None if contribution is None else contribution.array)
         if name == "mpi":
             run_mpi()
         else:
