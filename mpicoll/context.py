@@ -148,6 +148,25 @@ class Context:
                                "the ranks passed different counts (MPICOLL_DEBUG=1 names them)"}) from None
             raise
 
+    def waitany(self, requests: list, peers: list[int]) -> int:
+        """Index of a completed request (REQUEST_NULL entries are skipped), within the deadline."""
+        start = time.perf_counter()
+        nap = 0.0
+        while True:
+            index, done = MPI.Request.Testany(requests)
+            if done and index != MPI.UNDEFINED:
+                return index
+            now = time.perf_counter()
+            if self.timeout and now - start > self.timeout:
+                self._give_up([r for r in requests if r != MPI.REQUEST_NULL],
+                              [p for r, p in zip(requests, peers) if r != MPI.REQUEST_NULL])
+            if now - start > self.spin_seconds:
+                if now - start < 10 * self.spin_seconds + 1e-3:
+                    os.sched_yield()
+                else:
+                    nap = min(_MAX_NAP, nap * 2 or 1e-6)
+                    time.sleep(nap)
+
     def _wait_with_deadline(self, requests: list, peers) -> None:
         start = time.perf_counter()
         deadline = start + self.timeout

@@ -1,0 +1,75 @@
+"""Parameter-server training over MPI: sharded servers, pluggable update rules.
+
+    from mpi4py import MPI
+    from mpicoll import ps
+
+    server = ps.ParameterServer(MPI.COMM_WORLD, init=w0, rule=ps.DCASGD(lr=0.1, lam=0.04), servers=1)
+    if server.is_server:
+        stats = server.serve()                 # returns when every worker has closed
+    else:
+        w = server.client.pull()
+        for batch in batches:
+            w = server.client.exchange(gradient(w, batch))
+        server.client.close()
+    final = server.gather_weights()            # the full vector, on every rank
+
+Run with ``mpiexec -n S+W``: the first S ranks serve one shard each.  See
+:mod:`mpicoll.ps.rules` for the rules (sync, softsync, async, dcasgd, downpour).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from ..context import Context
+from .client import Client
+from .layout import Layout
+from .rules import DCASGD, Async, Downpour, Rule, SoftSync, Sync, make
+from .server import ServerStats, serve
+
+__all__ = ["ParameterServer", "Layout", "Client", "ServerStats", "Rule", "Sync", "SoftSync", "Async", "DCASGD",
+           "Downpour", "make"]
+
+
+class ParameterServer:
+    """One rank's part in a parameter-server job: a server of one shard, or a worker with a client.
+
+    Collective: every rank of ``comm`` constructs it with the same ``init``
+    (only the servers' slices are used) and ``servers``; each server rank
+    needs its own ``rule`` instance.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, init: np.ndarray, rule: Rule, *, servers: int | list[int] = 1):
+        init = np.ascontiguousarray(init).reshape(-1)
+        if init.dtype not in (np.float32, np.float64):
+            raise TypeError(f"parameters must be float32 or float64, got {init.dtype}")
+        self.layout = Layout.split(comm, init.size, servers)
+        self.context = Context(comm)
+        self.rule = rule
+        self.is_server = self.layout.is_server
+        self.weights = init[self.layout.shard(self.layout.rank)].copy() if self.is_server else None
+        self.client = None if self.is_server else Client(self.context, self.layout, init.dtype)
+        self.stats: ServerStats | None = None
+
+    def serve(self) -> ServerStats:
+        """Run this server's loop until every worker has closed; returns its statistics."""
+        if not self.is_server:
+            raise RuntimeError(f"rank {self.layout.rank} is a worker: use .client")
+        self.stats = serve(self.context, self.layout, self.rule, self.weights)
+        return self.stats
+
+    def gather_weights(self) -> np.ndarray:
+        """The servers' current full parameter vector, on every rank (collective)."""
+        dtype = self.weights.dtype if self.is_server else self.client.weights.dtype
+        full = np.empty(self.layout.size, dtype)
+        for server in self.layout.servers:
+            part = full[self.layout.shard(server)]
+            if self.layout.rank == server:
+                part[...] = self.weights
+            self.context.waitall([self.context.comm.Ibcast(part, server)], [server])
+        return full
+
+    def close(self) -> None:
+        """Release the private communicator (after serving or after the client closed)."""
+        self.context.free()

@@ -1,0 +1,31 @@
+"""The messages between workers and servers, point to point.
+
+A worker's request is a small header ``[kind, version]`` (version: how many
+updates its weights of that shard had seen), followed, for the kinds that carry
+one, by the gradient slice for that server.  A server's answer is a header
+``[version]`` followed by the shard's weights.  Messages between two ranks on
+one tag arrive in order, so a header and its payload always pair up.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Kind", "TAG_REQUEST", "TAG_GRADIENT", "TAG_ANSWER", "TAG_WEIGHTS"]
+
+TAG_REQUEST, TAG_GRADIENT, TAG_ANSWER, TAG_WEIGHTS = 71, 72, 73, 74
+
+
+class Kind(enum.IntEnum):
+    EXCHANGE = 1    # a gradient; send me the weights after it
+    PUSH = 2        # a gradient; no answer wanted
+    PULL = 3        # no gradient; send me the current weights
+    DONE = 4        # this worker has finished
+
+    @property
+    def carries_gradient(self) -> bool:
+        return self in (Kind.EXCHANGE, Kind.PUSH)
+
+    @property
+    def wants_weights(self) -> bool:
+        return self in (Kind.EXCHANGE, Kind.PULL)

@@ -1,0 +1,192 @@
+"""Update rules: how a server turns the gradients that reach it into new weights.
+
+One instance per shard, shared by every transport.  The server calls
+``on_gradient(worker, version, g)`` for each gradient (``version``: how many
+updates the worker's weights had seen) and sends fresh weights to the workers
+the rule returns, if they are waiting for them.
+
+=============  ================================================================
+``Sync``       wait for a gradient from every active worker, apply their mean,
+               answer everyone (hard-synchronous SGD)
+``SoftSync``   apply the mean of the first K gradients computed on the current
+               weights; a gradient computed on older weights arriving after its
+               round closed is dropped as stale (as TensorFlow's
+               SyncReplicasOptimizer does), and its worker gets fresh weights
+``Async``      apply each gradient on arrival (ASGD), answer that worker only;
+               ``staleness="tau"`` scales the rate by 1/tau (tau = updates
+               applied since the worker's weights), ``"workers"`` by 1/W
+``DCASGD``     Async plus delay compensation (Zheng et al. 2017): a backup of the
+               weights last sent to each worker, ``g + lam g*g*(w - w_bak)``;
+               ``adaptive=True`` is DC-ASGD-a
+``Downpour``   Async with Adagrad on the server (Dean et al. 2012)
+=============  ================================================================
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import compute
+
+__all__ = ["Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "make"]
+
+
+class Rule:
+    name = "?"
+
+    def setup(self, weights: np.ndarray, workers: tuple[int, ...]) -> None:
+        """Take the shard's initial weights and the workers that will train."""
+        self.w = weights
+        self.active = set(workers)
+        self.version = 0          # updates applied so far
+        self.dropped = 0          # stale gradients discarded
+
+    def on_gradient(self, worker: int, version: int, gradient: np.ndarray) -> list[int]:
+        raise NotImplementedError
+
+    def on_leave(self, worker: int) -> list[int]:
+        """A worker has finished (or was lost); returns who may now get weights."""
+        self.active.discard(worker)
+        return []
+
+    def __repr__(self) -> str:
+        return f"<rule {self.name}>"
+
+
+class _Rounds(Rule):
+    """Average gradients computed on the current weights until a round is full."""
+
+    def __init__(self, lr: float):
+        self.lr = lr
+
+    def setup(self, weights, workers):
+        super().setup(weights, workers)
+        self.total = np.zeros_like(weights)
+        self.contributors: list[int] = []
+
+    def quorum(self) -> int:
+        raise NotImplementedError
+
+    def on_gradient(self, worker, version, gradient):
+        if version != self.version:                    # computed on weights of a closed round
+            self.dropped += 1
+            return [worker]
+        if worker in self.contributors:
+            raise ValueError(f"worker {worker} sent two gradients in round {self.version}")
+        compute.reduce(self.total, gradient, op="sum")
+        self.contributors.append(worker)
+        return self._close_if_full()
+
+    def on_leave(self, worker):
+        super().on_leave(worker)
+        return self._close_if_full() if self.contributors else []
+
+    def _close_if_full(self) -> list[int]:
+        if len(self.contributors) < min(self.quorum(), max(len(self.active), 1)):
+            return []
+        compute.sgd(self.w, self.total, self.lr, tau=len(self.contributors))   # w -= lr * mean
+        self.total[...] = 0
+        self.version += 1
+        answered, self.contributors = self.contributors, []
+        return answered
+
+
+class Sync(_Rounds):
+    name = "sync"
+
+    def quorum(self) -> int:
+        return len(self.active)
+
+
+class SoftSync(_Rounds):
+    """``k``: a count of workers, or a fraction of them (0.9: 90%, rounded up)."""
+
+    name = "softsync"
+
+    def __init__(self, lr: float, k: float = 0.9):
+        super().__init__(lr)
+        if k <= 0:
+            raise ValueError(f"softsync k must be positive, got {k}")
+        self.k = k
+
+    def setup(self, weights, workers):
+        super().setup(weights, workers)
+        self.workers = len(workers)
+
+    def quorum(self) -> int:
+        return math.ceil(self.k * self.workers) if self.k < 1 else int(self.k)
+
+
+class Async(Rule):
+    name = "async"
+
+    def __init__(self, lr: float, staleness: str = "none"):
+        if staleness not in ("none", "tau", "workers"):
+            raise ValueError(f"staleness must be none, tau or workers, got {staleness!r}")
+        self.lr, self.staleness = lr, staleness
+
+    def setup(self, weights, workers):
+        super().setup(weights, workers)
+        self.workers = len(workers)
+
+    def scale(self, version: int) -> float:
+        if self.staleness == "tau":
+            return float(max(1, self.version - version))
+        return float(self.workers) if self.staleness == "workers" else 1.0
+
+    def on_gradient(self, worker, version, gradient):
+        compute.sgd(self.w, gradient, self.lr, tau=self.scale(version))
+        self.version += 1
+        return [worker]
+
+
+class DCASGD(Rule):
+    name = "dcasgd"
+
+    def __init__(self, lr: float, lam: float = 0.04, *, adaptive: bool = False, beta: float = 0.95,
+                 eps: float = 1e-7):
+        self.lr, self.lam, self.adaptive, self.beta, self.eps = lr, lam, adaptive, beta, eps
+
+    def setup(self, weights, workers):
+        super().setup(weights, workers)
+        # the weights each worker last received: all start from the initial ones
+        self.backup = {worker: weights.copy() for worker in workers}
+        self.mean_square = np.zeros_like(weights) if self.adaptive else None
+
+    def on_gradient(self, worker, version, gradient):
+        if self.adaptive:
+            compute.dcasgd_adaptive(self.w, gradient, self.backup[worker], self.mean_square, self.lr, self.lam,
+                                    beta=self.beta, eps=self.eps, refresh_backup=True)
+        else:
+            compute.dcasgd(self.w, gradient, self.backup[worker], self.lr, self.lam, refresh_backup=True)
+        self.version += 1
+        return [worker]       # it gets exactly the weights its backup now holds
+
+
+class Downpour(Rule):
+    name = "downpour"
+
+    def __init__(self, lr: float, eps: float = 1e-8):
+        self.lr, self.eps = lr, eps
+
+    def setup(self, weights, workers):
+        super().setup(weights, workers)
+        self.history = np.zeros_like(weights)
+
+    def on_gradient(self, worker, version, gradient):
+        compute.adagrad(self.w, gradient, self.history, self.lr, self.eps)
+        self.version += 1
+        return [worker]
+
+
+_RULES = {rule.name: rule for rule in (Sync, SoftSync, Async, DCASGD, Downpour)}
+
+
+def make(name: str, **options) -> Rule:
+    """A rule by name (``sync``, ``softsync``, ``async``, ``dcasgd``, ``downpour``)."""
+    try:
+        return _RULES[name](**options)
+    except KeyError:
+        raise ValueError(f"Unrecognized rule: {name!r}; choose from {', '.join(_RULES)}") from None

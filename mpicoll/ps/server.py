@@ -1,0 +1,91 @@
+"""The server loop: one shard, any rule, never blocked by one slow worker.
+
+Every worker always has a request receive posted; the loop takes whichever
+arrives first, feeds gradients to the rule, and answers with nonblocking sends
+from per-worker snapshots of the weights, so a worker that is slow to collect
+its answer holds up nobody.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..context import Context
+from .layout import Layout
+from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind
+from .rules import Rule
+
+__all__ = ["ServerStats", "serve"]
+
+
+@dataclass
+class ServerStats:
+    """What one server did, for logs and benchmarks."""
+
+    updates: int = 0                       # gradients applied (stale ones excluded)
+    dropped: int = 0                       # stale gradients discarded
+    gradients: dict = field(default_factory=dict)     # per worker
+    staleness: dict = field(default_factory=dict)     # updates between a worker's weights and its gradient -> count
+    bytes_in: int = 0
+    bytes_out: int = 0
+    idle_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray) -> ServerStats:
+    """Serve ``weights`` (this server's shard, updated in place) until every worker is done."""
+    workers = list(layout.workers)
+    rule.setup(weights, tuple(workers))
+    stats = ServerStats()
+    headers = {w: np.zeros(2, np.int64) for w in workers}
+    gradient = np.empty_like(weights)
+    snapshots = {w: np.empty_like(weights) for w in workers}
+    answers: dict[int, list] = {w: [] for w in workers}
+    waiting: set[int] = set()
+    requests = [ctx.irecv(headers[w], w, TAG_REQUEST) for w in workers]
+    start = time.perf_counter()
+
+    def answer(worker: int) -> None:
+        ctx.waitall(answers[worker], worker)                 # its previous snapshot has left
+        snapshots[worker][...] = weights
+        answers[worker] = [ctx.isend(np.array([rule.version], np.int64), worker, TAG_ANSWER),
+                           ctx.isend(snapshots[worker], worker, TAG_WEIGHTS)]
+        stats.bytes_out += weights.nbytes
+        waiting.discard(worker)
+
+    active = len(workers)
+    while active:
+        before = time.perf_counter()
+        index = ctx.waitany(requests, workers)
+        stats.idle_s += time.perf_counter() - before
+        worker = workers[index]
+        kind, version = Kind(int(headers[worker][0])), int(headers[worker][1])
+        ready: list[int] = []
+        if kind.carries_gradient:
+            ctx.wait(ctx.irecv(gradient, worker, TAG_GRADIENT), worker)
+            stats.bytes_in += gradient.nbytes
+            stats.gradients[worker] = stats.gradients.get(worker, 0) + 1
+            lag = rule.version - version
+            stats.staleness[lag] = stats.staleness.get(lag, 0) + 1
+            if kind.wants_weights:
+                waiting.add(worker)
+            ready = rule.on_gradient(worker, version, gradient)
+        elif kind is Kind.PULL:
+            waiting.add(worker)
+            ready = [worker]
+        else:                                                  # DONE
+            active -= 1
+            ready = rule.on_leave(worker)
+        for target in ready:
+            if target in waiting:
+                answer(target)
+        if kind is not Kind.DONE:
+            requests[index] = ctx.irecv(headers[worker], worker, TAG_REQUEST)
+    for worker in workers:
+        ctx.waitall(answers[worker], worker)
+    stats.updates, stats.dropped = rule.version, rule.dropped
+    stats.wall_s = time.perf_counter() - start
+    return stats
