@@ -1,0 +1,142 @@
+"""Parameter-server training on least squares at 2 to 4 ranks: every rule, sharding, exactness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpicoll import ps
+from conftest import everywhere, shared_seed
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WORLD = MPI.COMM_WORLD
+P, RANK = WORLD.Get_size(), WORLD.Get_rank()
+
+
+def problem(seed, rows=240, dims=12):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((rows, dims))
+    y = X @ rng.standard_normal(dims) + 0.01 * rng.standard_normal(rows)
+    return X, y, np.linalg.lstsq(X, y, rcond=None)[0]
+
+
+def train(server, X, y, steps, seed, batch=24):
+    """Each worker takes its rows of the data and runs ``steps`` exchanges."""
+    if server.is_server:
+        server.serve()
+    else:
+        me, count = server.layout.workers.index(RANK), len(server.layout.workers)
+        rows, targets = X[me::count], y[me::count]
+        rng = np.random.default_rng([seed, RANK])
+        w = server.client.pull().copy()
+        for _ in range(steps):
+            pick = rng.integers(0, len(targets), batch)
+            w = server.client.exchange(rows[pick].T @ (rows[pick] @ w - targets[pick]) / batch).copy()
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    return final
+
+
+RULES = [("sync", dict(lr=0.1)), ("softsync", dict(lr=0.1, k=0.5)), ("async", dict(lr=0.05, staleness="tau")),
+         ("async", dict(lr=0.1, staleness="workers")), ("dcasgd", dict(lr=0.05, lam=0.04)),
+         ("dcasgd", dict(lr=0.05, lam=0.04, adaptive=True)), ("downpour", dict(lr=0.3))]
+
+
+@pytest.mark.parametrize("name, options", RULES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in RULES])
+def test_every_rule_reaches_the_least_squares_optimum(name, options):
+    seed = shared_seed()
+    X, y, optimum = problem(seed)
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.make(name, **options), servers=1)
+    final = train(server, X, y, steps=200, seed=seed)
+    error = np.linalg.norm(final - optimum) / np.linalg.norm(optimum)
+    everywhere(error < 1e-2, f"seed {seed}: {name} ended {error:.2e} from the optimum")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_sync_equals_single_process_sgd_on_the_combined_batch():
+    """Sharded over two servers too: the shards must reassemble into the same trajectory."""
+    seed = shared_seed()
+    X, y, _ = problem(seed)
+    servers = 2 if P >= 4 else 1
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Sync(lr=0.1), servers=servers)
+    workers = server.layout.workers
+    batches = [[np.random.default_rng([seed, step, worker]).integers(0, len(y), 16) for worker in workers]
+               for step in range(25)]
+    if server.is_server:
+        server.serve()
+    else:
+        w = server.client.pull().copy()
+        for step in range(25):
+            pick = batches[step][workers.index(RANK)]
+            w = server.client.exchange(X[pick].T @ (X[pick] @ w - y[pick]) / 16).copy()
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    expected = np.zeros(X.shape[1])
+    for step in range(25):
+        grads = [X[p].T @ (X[p] @ expected - y[p]) / 16 for p in batches[step]]
+        expected = expected - 0.1 * np.mean(grads, axis=0)
+    everywhere(np.allclose(final, expected, rtol=1e-12, atol=1e-12),
+               f"sync differs from SGD on the combined batch by {np.abs(final - expected).max():.2e}")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_dcasgd_compensates_stale_gradients_exactly():
+    """B updates, then A's gradient on the initial weights arrives, then B's on the weights B got."""
+    seed = shared_seed()
+    rng = np.random.default_rng(seed)
+    w0, g_b, g_a, g_c = (rng.standard_normal(7) for _ in range(4))
+    lr, lam = 0.1, 0.5
+    server = ps.ParameterServer(WORLD, w0, ps.DCASGD(lr=lr, lam=lam), servers=1)
+    a, b = server.layout.workers[0], server.layout.workers[1]
+    if server.is_server:
+        server.serve()
+    elif RANK == b:
+        server.client.pull()
+        server.client.exchange(g_b)
+        WORLD.send(None, dest=a, tag=5)               # now A may send its stale gradient
+        WORLD.recv(source=a, tag=6)
+        server.client.exchange(g_c)                   # computed on the weights B last received
+        server.client.close()
+    elif RANK == a:
+        server.client.pull()
+        WORLD.recv(source=b, tag=5)
+        server.client.exchange(g_a)
+        WORLD.send(None, dest=b, tag=6)
+        server.client.close()
+    else:
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    w1 = w0 - lr * g_b
+    w2 = w1 - lr * (g_a + lam * g_a * g_a * (w1 - w0))   # A's backup: the initial weights
+    w3 = w2 - lr * (g_c + lam * g_c * g_c * (w2 - w1))   # B's backup: the weights after its update
+    everywhere(np.allclose(final, w3, rtol=1e-14, atol=1e-14), f"got {final}, expected {w3}")
+
+
+def test_bad_gradients_and_layouts_are_refused():
+    problems = []
+    try:
+        ps.Layout.split(WORLD, 10, servers=P)
+        problems.append("no error for a layout without workers")
+    except ValueError as error:
+        if "no worker" not in str(error):
+            problems.append(str(error))
+    server = ps.ParameterServer(WORLD, np.zeros(6), ps.Async(lr=0.1), servers=1)
+    if server.is_server:
+        server.serve()
+    else:
+        for bad in (np.zeros(5), np.zeros(6, np.float32)):
+            try:
+                server.client.exchange(bad)
+                problems.append(f"no error for a gradient of {bad.size} {bad.dtype}")
+            except ValueError as error:
+                if "servers hold 6 float64" not in str(error):
+                    problems.append(str(error))
+        server.client.close()
+    server.gather_weights()
+    server.close()
+    everywhere(not problems, str(problems))
