@@ -150,38 +150,36 @@ class Context:
 
     def waitany(self, requests: list, peers: list[int]) -> int:
         """Index of a completed request (REQUEST_NULL entries are skipped), within the deadline."""
-        start = time.perf_counter()
-        nap = 0.0
-        while True:
+        def any_done():
             index, done = MPI.Request.Testany(requests)
-            if done and index != MPI.UNDEFINED:
-                return index
-            now = time.perf_counter()
-            if self.timeout and now - start > self.timeout:
-                self._give_up([r for r in requests if r != MPI.REQUEST_NULL],
-                              [p for r, p in zip(requests, peers) if r != MPI.REQUEST_NULL])
-            if now - start > self.spin_seconds:
-                if now - start < 10 * self.spin_seconds + 1e-3:
-                    os.sched_yield()
-                else:
-                    nap = min(_MAX_NAP, nap * 2 or 1e-6)
-                    time.sleep(nap)
+            return index if done and index != MPI.UNDEFINED else None
+
+        def give_up():
+            pending = [(r, p) for r, p in zip(requests, peers) if r != MPI.REQUEST_NULL]
+            self._give_up([r for r, _ in pending], [p for _, p in pending])
+
+        return self._poll(any_done, give_up)
 
     def _wait_with_deadline(self, requests: list, peers) -> None:
+        self._poll(lambda: True if MPI.Request.Testall(requests) else None,
+                   lambda: self._give_up(requests, peers))
+
+    def _poll(self, ready, give_up):
+        """Call ``ready`` until it returns something: spin briefly, then yield the core, then nap."""
         start = time.perf_counter()
-        deadline = start + self.timeout
         nap = 0.0
-        while not MPI.Request.Testall(requests):
-            now = time.perf_counter()
-            if now > deadline:
-                self._give_up(requests, peers)
-            if now - start < self.spin_seconds:
+        while (result := ready()) is None:
+            waited = time.perf_counter() - start
+            if self.timeout and waited > self.timeout:
+                give_up()
+            if waited < self.spin_seconds:
                 continue
-            if now - start < 10 * self.spin_seconds + 1e-3:
+            if waited < 10 * self.spin_seconds + 1e-3:
                 os.sched_yield()
             else:
                 nap = min(_MAX_NAP, nap * 2 or 1e-6)
                 time.sleep(nap)
+        return result
 
     def _give_up(self, requests: list, peers) -> None:
         if isinstance(peers, int):
