@@ -23,6 +23,7 @@ from .shared import SharedRegions
 __all__ = ["Context"]
 
 _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
+
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
 
 
@@ -75,16 +76,26 @@ class Context:
         self._scratch: dict[str, np.ndarray] = {}
         self.device_buffers: dict = {}     # pinned host and device scratch of mpicoll.device
 
-    def free(self) -> None:
-        """Release the private communicator and the scratch memory."""
+    def free(self, keep_channel: bool = False) -> None:
+        """Release the private communicator and the scratch memory.
+
+        After a lost peer (or with ``keep_channel``) the communicator is kept, not
+        freed: messages may still be on their way to it, and a freed communicator's
+        identity can be reused by the next one, which would take them for its own.
+        """
         comm, self.comm = self.comm, MPI.COMM_NULL
-        if comm != MPI.COMM_NULL:
+        if comm != MPI.COMM_NULL and not (keep_channel or self.broken):
             comm.Free()
         self._scratch.clear()
         self.device_buffers.clear()
         if self._shared is not None:
             self._shared.free()
             self._shared = None
+
+    @property
+    def broken(self) -> bool:
+        """True once a peer was lost: the channel may hold messages nobody will receive."""
+        return self._broken is not None
 
     def begin(self, collective: str) -> None:
         """Mark the start of one call (for error messages); refuse if a peer was lost before."""
@@ -148,8 +159,13 @@ class Context:
                                "the ranks passed different counts (MPICOLL_DEBUG=1 names them)"}) from None
             raise
 
-    def waitany(self, requests: list, peers: list[int]) -> int:
-        """Index of a completed request (REQUEST_NULL entries are skipped), within the deadline."""
+    def waitany(self, requests: list, peers: list[int], patience: float | None = None) -> int | None:
+        """Index of a completed request (REQUEST_NULL entries are skipped).
+
+        With ``patience`` (seconds), None once that much time has passed with
+        nothing completed, so the caller can look around; without it, the
+        communicator's deadline applies and a timeout is raised.
+        """
         def any_done():
             index, done = MPI.Request.Testany(requests)
             return index if done and index != MPI.UNDEFINED else None
@@ -158,20 +174,28 @@ class Context:
             pending = [(r, p) for r, p in zip(requests, peers) if r != MPI.REQUEST_NULL]
             self._give_up([r for r, _ in pending], [p for _, p in pending])
 
-        return self._poll(any_done, give_up)
+        if patience is None:
+            return self._poll(any_done, give_up)
+        return self._poll(any_done, lambda: None, limit=patience)
 
     def _wait_with_deadline(self, requests: list, peers) -> None:
         self._poll(lambda: True if MPI.Request.Testall(requests) else None,
                    lambda: self._give_up(requests, peers))
 
-    def _poll(self, ready, give_up):
-        """Call ``ready`` until it returns something: spin briefly, then yield the core, then nap."""
+    def _poll(self, ready, give_up, limit: float | None = None, default=None):
+        """Call ``ready`` until it returns something: spin briefly, then yield the core, then nap.
+
+        Past ``limit`` seconds (default: the communicator's timeout) ``give_up`` is
+        called; if it returns instead of raising, so does this, with ``default``.
+        """
+        limit = self.timeout if limit is None else limit
         start = time.perf_counter()
         nap = 0.0
         while (result := ready()) is None:
             waited = time.perf_counter() - start
-            if self.timeout and waited > self.timeout:
-                give_up()
+            if limit and waited > limit:
+                give_up()              # raises, unless the caller only wanted to look around
+                return default
             if waited < self.spin_seconds:
                 continue
             if waited < 10 * self.spin_seconds + 1e-3:

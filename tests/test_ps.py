@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+import mpicoll
 from mpicoll import ps
 from conftest import everywhere, shared_seed
 
@@ -140,3 +143,62 @@ def test_bad_gradients_and_layouts_are_refused():
     server.gather_weights()
     server.close()
     everywhere(not problems, str(problems))
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_silent_worker_is_dropped_and_training_goes_on():
+    seed = shared_seed()
+    X, y, optimum = problem(seed)
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Async(lr=0.05), servers=1)
+    silent = server.layout.workers[-1]
+    lost = None
+    if server.is_server:
+        lost = server.serve(worker_timeout=1.0).lost
+    elif RANK == silent:
+        server.client.pull()
+        time.sleep(2.5)                      # silent past the timeout, then leaves
+        server.client.close()
+    else:
+        me, count = server.layout.workers.index(RANK), len(server.layout.workers) - 1
+        rng = np.random.default_rng([seed, RANK])
+        w = server.client.pull().copy()
+        for _ in range(300):
+            pick = rng.integers(me, len(y), 24)
+            w = server.client.exchange(X[pick].T @ (X[pick] @ w - y[pick]) / 24).copy()
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    error = np.linalg.norm(final - optimum) / np.linalg.norm(optimum)
+    everywhere(lost is None or lost == [silent], f"server dropped {lost}, expected [{silent}]")
+    everywhere(error < 1e-2, f"seed {seed}: ended {error:.2e} from the optimum")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_sync_names_the_worker_it_lost(monkeypatch):
+    monkeypatch.setenv("MPICOLL_TIMEOUT", "4")       # the waiting workers give up too
+    server = ps.ParameterServer(WORLD, np.zeros(4), ps.Sync(lr=0.1), servers=1)
+    silent = server.layout.workers[-1]
+    outcome = "finished"
+    try:
+        if server.is_server:
+            server.serve(worker_timeout=1.0)
+        elif RANK == silent:
+            server.client.pull()
+            server.client.exchange(np.ones(4))
+            time.sleep(2.0)
+            server.client.close()
+        else:
+            server.client.pull()
+            for _ in range(3):
+                server.client.exchange(np.ones(4))
+            server.client.close()
+    except (ps.WorkerLost, mpicoll.CollectiveTimeout) as error:
+        outcome = f"{type(error).__name__}: {error}"
+    server.close()
+    if server.is_server:
+        ok = outcome.startswith("WorkerLost") and f"worker rank {silent} sent nothing" in outcome
+    elif RANK == silent:
+        ok = outcome == "finished"
+    else:
+        ok = outcome.startswith("CollectiveTimeout")
+    everywhere(ok, outcome)

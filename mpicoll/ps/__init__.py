@@ -26,9 +26,9 @@ from ..context import Context
 from .client import Client
 from .layout import Layout
 from .rules import DCASGD, Async, Downpour, Rule, SoftSync, Sync, make
-from .server import ServerStats, serve
+from .server import ServerStats, WorkerLost, serve
 
-__all__ = ["ParameterServer", "Layout", "Client", "ServerStats", "Rule", "Sync", "SoftSync", "Async", "DCASGD",
+__all__ = ["ParameterServer", "Layout", "Client", "ServerStats", "WorkerLost", "Rule", "Sync", "SoftSync", "Async", "DCASGD",
            "Downpour", "make"]
 
 
@@ -51,12 +51,19 @@ class ParameterServer:
         self.weights = init[self.layout.shard(self.layout.rank)].copy() if self.is_server else None
         self.client = None if self.is_server else Client(self.context, self.layout, init.dtype)
         self.stats: ServerStats | None = None
+        self._unclean = False
 
-    def serve(self) -> ServerStats:
-        """Run this server's loop until every worker has closed; returns its statistics."""
+    def serve(self, worker_timeout: float | None = None) -> ServerStats:
+        """Run this server's loop until every worker has closed or been dropped; returns its statistics.
+
+        ``worker_timeout``: seconds of silence after which a worker counts as lost
+        (default MPICOLL_TIMEOUT); see :func:`mpicoll.ps.server.serve`.
+        """
         if not self.is_server:
             raise RuntimeError(f"rank {self.layout.rank} is a worker: use .client")
-        self.stats = serve(self.context, self.layout, self.rule, self.weights)
+        self._unclean = True          # until serve returns: an error leaves messages in flight
+        self.stats = serve(self.context, self.layout, self.rule, self.weights, worker_timeout)
+        self._unclean = bool(self.stats.lost)
         return self.stats
 
     def gather_weights(self) -> np.ndarray:
@@ -71,5 +78,11 @@ class ParameterServer:
         return full
 
     def close(self) -> None:
-        """Release the private communicator (after serving or after the client closed)."""
-        self.context.free()
+        """Release the private communicator (after serving or after the client closed).
+
+        A rank whose run went wrong (a server that dropped a worker or raised, a
+        client that timed out) keeps it instead: late messages may still arrive,
+        and a freed communicator's identity can be reused by the next one, where
+        they would be taken for new requests.
+        """
+        self.context.free(keep_channel=self._unclean)

@@ -35,6 +35,7 @@ __all__ = ["Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "make"]
 
 class Rule:
     name = "?"
+    tolerates_lost_workers = True     # can training go on when a worker stops answering?
 
     def setup(self, weights: np.ndarray, workers: tuple[int, ...]) -> None:
         """Take the shard's initial weights and the workers that will train."""
@@ -95,6 +96,7 @@ class _Rounds(Rule):
 
 class Sync(_Rounds):
     name = "sync"
+    tolerates_lost_workers = False
 
     def quorum(self) -> int:
         return len(self.active)

@@ -8,6 +8,7 @@ its answer holds up nobody.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -18,25 +19,37 @@ from .layout import Layout
 from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind
 from .rules import Rule
 
-__all__ = ["ServerStats", "serve"]
+__all__ = ["ServerStats", "WorkerLost", "serve"]
 
 
 @dataclass
 class ServerStats:
     """What one server did, for logs and benchmarks."""
 
-    updates: int = 0                       # gradients applied (stale ones excluded)
+    updates: int = 0                       # updates applied to the weights (rounds, for sync and softsync)
     dropped: int = 0                       # stale gradients discarded
     gradients: dict = field(default_factory=dict)     # per worker
     staleness: dict = field(default_factory=dict)     # updates between a worker's weights and its gradient -> count
+    lost: list = field(default_factory=list)          # workers dropped after going silent
     bytes_in: int = 0
     bytes_out: int = 0
     idle_s: float = 0.0
     wall_s: float = 0.0
 
 
-def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray) -> ServerStats:
-    """Serve ``weights`` (this server's shard, updated in place) until every worker is done."""
+class WorkerLost(RuntimeError):
+    """Synchronous training lost a worker: it cannot go on, and says which."""
+
+
+def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
+          worker_timeout: float | None = None) -> ServerStats:
+    """Serve ``weights`` (this server's shard, updated in place) until every worker is done.
+
+    A worker that sends nothing for ``worker_timeout`` seconds (default: the
+    communicator's MPICOLL_TIMEOUT) is dropped, and the log says so, when the
+    rule can go on without it; under ``sync`` a :class:`WorkerLost` names it.
+    """
+    worker_timeout = ctx.timeout if worker_timeout is None else worker_timeout
     workers = list(layout.workers)
     rule.setup(weights, tuple(workers))
     stats = ServerStats()
@@ -56,12 +69,38 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray) -> Serv
         stats.bytes_out += weights.nbytes
         waiting.discard(worker)
 
-    active = len(workers)
+    active = set(workers)
+    last_heard = {w: start for w in workers}
+
+    def drop_silent_workers() -> None:
+        now = time.perf_counter()
+        for worker in sorted(active - waiting):          # a worker waiting for us is not silent
+            if worker_timeout and now - last_heard[worker] > worker_timeout:
+                message = (f"[server rank {layout.rank}] worker rank {worker} sent nothing for "
+                           f"{worker_timeout:g} s")
+                if not rule.tolerates_lost_workers:
+                    raise WorkerLost(f"{message}; {rule.name} training cannot go on without it "
+                                     "(softsync, async, dcasgd and downpour drop lost workers)")
+                print(f"{message}: dropped; training goes on with {len(active) - 1} worker(s)",
+                      file=sys.stderr, flush=True)
+                index = workers.index(worker)
+                requests[index].Cancel()
+                requests[index].Wait()
+                active.discard(worker)
+                stats.lost.append(worker)
+                for target in rule.on_leave(worker):
+                    if target in waiting:
+                        answer(target)
+
     while active:
         before = time.perf_counter()
-        index = ctx.waitany(requests, workers)
+        index = ctx.waitany(requests, workers, patience=min(1.0, worker_timeout or 1.0))
         stats.idle_s += time.perf_counter() - before
+        if index is None:
+            drop_silent_workers()
+            continue
         worker = workers[index]
+        last_heard[worker] = time.perf_counter()
         kind, version = Kind(int(headers[worker][0])), int(headers[worker][1])
         ready: list[int] = []
         if kind.carries_gradient:
@@ -77,15 +116,17 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray) -> Serv
             waiting.add(worker)
             ready = [worker]
         else:                                                  # DONE
-            active -= 1
+            active.discard(worker)
             ready = rule.on_leave(worker)
         for target in ready:
             if target in waiting:
                 answer(target)
         if kind is not Kind.DONE:
             requests[index] = ctx.irecv(headers[worker], worker, TAG_REQUEST)
+        drop_silent_workers()
     for worker in workers:
-        ctx.waitall(answers[worker], worker)
+        if worker not in stats.lost:
+            ctx.waitall(answers[worker], worker)
     stats.updates, stats.dropped = rule.version, rule.dropped
     stats.wall_s = time.perf_counter() - start
     return stats
