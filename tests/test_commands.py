@@ -182,3 +182,41 @@ def test_bench_kernels_reports_bandwidth_against_copy(tmp_path):
     import importlib.util
     if importlib.util.find_spec("cupy") is None:
         assert "# cupy: skipped" in result.stdout
+
+
+def test_parameter_server_survives_a_dead_worker(tmp_path):
+    """async training, 1 server + 3 workers; one worker dies: training finishes, the log names it."""
+    script = tmp_path / "ps_dead.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, numpy as np
+        from mpi4py import MPI
+        from mpicoll import ps
+        world = MPI.COMM_WORLD
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((300, 8)); y = X @ rng.standard_normal(8)
+        server = ps.ParameterServer(world, np.zeros(8), ps.Async(lr=0.05), servers=1)
+        doomed = server.layout.workers[-1]
+        outcome = ""
+        if server.is_server:
+            stats = server.serve(worker_timeout=1.0)
+            outcome = f"lost {stats.lost} updates {stats.updates}"
+        else:
+            w = server.client.pull().copy()
+            for step in range(400):
+                if world.rank == doomed and step == 3:
+                    os._exit(1)
+                pick = rng.integers(0, 300, 16)
+                w = server.client.exchange(X[pick].T @ (X[pick] @ w - y[pick]) / 16).copy()
+            server.client.close()
+            outcome = f"trained, error {np.linalg.norm(X @ w - y) / np.linalg.norm(y):.1e}"
+        with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
+            handle.write(outcome)
+        time.sleep(0.5 if server.is_server else 4.0)    # the server needs its timeout to drop the dead worker
+        world.Abort(0)
+    """))
+    result = launch(4, str(script), str(tmp_path), extra=["-disable-auto-cleanup"], timeout=120)
+    outcomes = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in range(4)
+                if (tmp_path / f"rank{rank}.txt").exists()}
+    assert outcomes.get(0, "").startswith("lost [3]"), (outcomes, result.stderr[-2000:])
+    assert all(outcomes.get(rank, "").startswith("trained") for rank in (1, 2)), outcomes
+    assert "worker rank 3 sent nothing for 1 s: dropped" in result.stderr, result.stderr[-2000:]
