@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll import ps
+from mpicoll.straggler import Straggler, parse
 from conftest import everywhere, shared_seed
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -202,3 +203,64 @@ def test_sync_names_the_worker_it_lost(monkeypatch):
     else:
         ok = outcome.startswith("CollectiveTimeout")
     everywhere(ok, outcome)
+
+
+def test_a_nan_gradient_is_skipped_and_the_model_stays_finite():
+    server = ps.ParameterServer(WORLD, np.ones(5), ps.Async(lr=0.1), servers=1)
+    skipped = None
+    if server.is_server:
+        skipped = server.serve().nonfinite
+    else:
+        server.client.pull()
+        bad = np.ones(5)
+        bad[2] = np.nan
+        server.client.exchange(bad)
+        server.client.exchange(np.ones(5))
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    workers = len(server.layout.workers)
+    everywhere(np.allclose(final, 1 - 0.1 * workers), f"weights {final}")
+    everywhere(skipped is None or skipped == workers, f"server skipped {skipped}")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_softsync_outpaces_sync_when_one_worker_straggles():
+    """Each step 'computes' 20 ms (a sleep: no core is taken); the last worker is 3x slower."""
+    rounds = {}
+    for rule in (ps.Sync(lr=0.01), ps.SoftSync(lr=0.01, k=P - 2)):          # K = all workers but one
+        server = ps.ParameterServer(WORLD, np.zeros(3), rule, servers=1)
+        straggler = Straggler(3.0 if RANK == server.layout.workers[-1] else 1.0)
+        if server.is_server:
+            stats = server.serve()
+            rounds[rule.name] = stats.updates / stats.wall_s
+        else:
+            server.client.pull()
+            deadline = time.perf_counter() + 1.0
+            while time.perf_counter() < deadline:
+                with straggler:
+                    time.sleep(0.02)
+                server.client.exchange(np.ones(3))
+            server.client.close()
+        server.close()
+    rates = WORLD.bcast(rounds, root=0)
+    everywhere(rates["softsync"] > 1.5 * rates["sync"], f"rounds per second: {rates}")
+
+
+def test_straggler_specifications():
+    problems = []
+    if parse("3=3, 1=2.5") != {3: 3.0, 1: 2.5} or parse(None) != {}:
+        problems.append("parse")
+    for bad in ("3", "x=2", "1=0.5"):
+        try:
+            parse(bad)
+            problems.append(f"no error for {bad!r}")
+        except ValueError:
+            pass
+    slow = Straggler(3.0)
+    start = time.perf_counter()
+    with slow:
+        time.sleep(0.02)
+    if not 0.05 < time.perf_counter() - start < 0.5:
+        problems.append("a 3x straggler did not take about three times as long")
+    everywhere(not problems, str(problems))

@@ -31,6 +31,7 @@ class ServerStats:
     gradients: dict = field(default_factory=dict)     # per worker
     staleness: dict = field(default_factory=dict)     # updates between a worker's weights and its gradient -> count
     lost: list = field(default_factory=list)          # workers dropped after going silent
+    nonfinite: int = 0                     # gradients with NaN or Inf, skipped
     bytes_in: int = 0
     bytes_out: int = 0
     idle_s: float = 0.0
@@ -111,7 +112,13 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
             stats.staleness[lag] = stats.staleness.get(lag, 0) + 1
             if kind.wants_weights:
                 waiting.add(worker)
-            ready = rule.on_gradient(worker, version, gradient)
+            if np.isfinite(gradient).all():
+                ready = rule.on_gradient(worker, version, gradient)
+            else:                                              # never let NaN or Inf into the model
+                stats.nonfinite += 1
+                print(f"[server rank {layout.rank}] worker rank {worker} sent a gradient with NaN or Inf "
+                      f"(update {rule.version}): skipped", file=sys.stderr, flush=True)
+                ready = [worker]
         elif kind is Kind.PULL:
             waiting.add(worker)
             ready = [worker]
