@@ -15,6 +15,7 @@ import faulthandler
 import os
 import sys
 import threading
+import time
 
 # Without a GPU, Numba's CUDA kernels run in its simulator (set before numba is imported).
 if not os.path.exists("/dev/nvidiactl"):
@@ -60,6 +61,8 @@ def watchdog(request):
                   f"(MPICOLL_TEST_TIMEOUT); tracebacks follow, then the job is aborted\n")
         err.flush()
         faulthandler.dump_traceback(file=err, all_threads=True)
+        err.flush()
+        time.sleep(0.5)            # let the launcher forward the message before the job is torn down
         MPI.COMM_WORLD.Abort(70)
 
     timer = threading.Timer(TEST_TIMEOUT, stuck)
