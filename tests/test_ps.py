@@ -264,3 +264,34 @@ def test_straggler_specifications():
     if not 0.05 < time.perf_counter() - start < 0.5:
         problems.append("a 3x straggler did not take about three times as long")
     everywhere(not problems, str(problems))
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_resumed_sync_run_ends_with_the_same_weights(tmp_path_factory):
+    """Stop after 17 steps (checkpoints every 5 updates and at the end), resume: same end as 30 in one go."""
+    seed = shared_seed()
+    X, y, _ = problem(seed)
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("checkpoints")) if RANK == 0 else None)
+    servers = 2 if P >= 4 else 1
+
+    def run(steps, checkpoint=None, resume=False):
+        server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Sync(lr=0.1), servers=servers)
+        first = None
+        if server.is_server:
+            server.serve(checkpoint=checkpoint, every=5, resume=resume)
+        else:
+            w = server.client.pull().copy()
+            first = min(server.client.versions.values())          # where the servers are
+            for step in range(first, steps):
+                pick = np.random.default_rng([seed, step, RANK]).integers(0, len(y), 16)
+                w = server.client.exchange(X[pick].T @ (X[pick] @ w - y[pick]) / 16).copy()
+            server.client.close()
+        final = server.gather_weights()
+        server.close()
+        return final, first
+
+    straight, _ = run(30)
+    run(17, checkpoint=f"{folder}/job")
+    resumed, first = run(30, checkpoint=f"{folder}/job", resume=True)
+    everywhere(first is None or first == 17, f"resumed at update {first}, the run stopped at 17")
+    everywhere(np.array_equal(straight, resumed), f"resumed run differs by {np.abs(straight - resumed).max():.2e}")

@@ -53,16 +53,23 @@ class ParameterServer:
         self.stats: ServerStats | None = None
         self._unclean = False
 
-    def serve(self, worker_timeout: float | None = None) -> ServerStats:
+    def serve(self, worker_timeout: float | None = None, *, checkpoint: str | None = None, every: int = 100,
+              resume: bool = False) -> ServerStats:
         """Run this server's loop until every worker has closed or been dropped; returns its statistics.
 
         ``worker_timeout``: seconds of silence after which a worker counts as lost
-        (default MPICOLL_TIMEOUT); see :func:`mpicoll.ps.server.serve`.
+        (default MPICOLL_TIMEOUT).  ``checkpoint``: a path prefix; each server saves
+        ``PREFIX.server<rank>.npz`` every ``every`` updates and at the end, and
+        ``resume=True`` continues from those files (workers learn where from
+        ``client.pull()`` and ``client.versions``).
         """
         if not self.is_server:
             raise RuntimeError(f"rank {self.layout.rank} is a worker: use .client")
+        if resume and not checkpoint:
+            raise ValueError("resume=True needs the checkpoint prefix to resume from")
         self._unclean = True          # until serve returns: an error leaves messages in flight
-        self.stats = serve(self.context, self.layout, self.rule, self.weights, worker_timeout)
+        self.stats = serve(self.context, self.layout, self.rule, self.weights, worker_timeout,
+                           checkpoint=checkpoint, every=every, resume=resume)
         self._unclean = bool(self.stats.lost)
         return self.stats
 

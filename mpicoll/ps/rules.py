@@ -47,6 +47,18 @@ class Rule:
     def on_gradient(self, worker: int, version: int, gradient: np.ndarray) -> list[int]:
         raise NotImplementedError
 
+    def state(self) -> dict[str, np.ndarray]:
+        """Everything needed to continue exactly: weights, counters and optimizer state."""
+        return {"w": self.w, "version": np.array(self.version), "dropped": np.array(self.dropped)}
+
+    def load_state(self, state) -> None:
+        """Continue from ``state()`` of an earlier run (after ``setup``)."""
+        if state["w"].shape != self.w.shape or state["w"].dtype != self.w.dtype:
+            raise ValueError(f"checkpoint holds {state['w'].shape} {state['w'].dtype} weights; this shard is "
+                             f"{self.w.shape} {self.w.dtype}: resume with the same model, servers and dtype")
+        self.w[...] = state["w"]
+        self.version, self.dropped = int(state["version"]), int(state["dropped"])
+
     def on_leave(self, worker: int) -> list[int]:
         """A worker has finished (or was lost); returns who may now get weights."""
         self.active.discard(worker)
@@ -69,6 +81,14 @@ class _Rounds(Rule):
 
     def quorum(self) -> int:
         raise NotImplementedError
+
+    def state(self):
+        return {**super().state(), "total": self.total, "contributors": np.array(self.contributors, np.int64)}
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.total[...] = state["total"]
+        self.contributors = [int(w) for w in state["contributors"]]
 
     def on_gradient(self, worker, version, gradient):
         if version != self.version:                    # computed on weights of a closed round
@@ -157,6 +177,23 @@ class DCASGD(Rule):
         self.backup = {worker: weights.copy() for worker in workers}
         self.mean_square = np.zeros_like(weights) if self.adaptive else None
 
+    def state(self):
+        workers = sorted(self.backup)
+        extra = {"backup_workers": np.array(workers, np.int64), "backups": np.stack([self.backup[w] for w in workers])}
+        if self.adaptive:
+            extra["mean_square"] = self.mean_square
+        return {**super().state(), **extra}
+
+    def load_state(self, state):
+        super().load_state(state)
+        saved = [int(w) for w in state["backup_workers"]]
+        if saved != sorted(self.backup):
+            raise ValueError(f"checkpoint has backups for workers {saved}, this run has {sorted(self.backup)}")
+        for worker, weights in zip(saved, state["backups"]):
+            self.backup[worker][...] = weights
+        if self.adaptive:
+            self.mean_square[...] = state["mean_square"]
+
     def on_gradient(self, worker, version, gradient):
         if self.adaptive:
             compute.dcasgd_adaptive(self.w, gradient, self.backup[worker], self.mean_square, self.lr, self.lam,
@@ -176,6 +213,13 @@ class Downpour(Rule):
     def setup(self, weights, workers):
         super().setup(weights, workers)
         self.history = np.zeros_like(weights)
+
+    def state(self):
+        return {**super().state(), "history": self.history}
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.history[...] = state["history"]
 
     def on_gradient(self, worker, version, gradient):
         compute.adagrad(self.w, gradient, self.history, self.lr, self.eps)

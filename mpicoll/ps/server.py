@@ -8,9 +8,11 @@ its answer holds up nobody.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -42,17 +44,51 @@ class WorkerLost(RuntimeError):
     """Synchronous training lost a worker: it cannot go on, and says which."""
 
 
+def checkpoint_path(prefix: str, server: int) -> Path:
+    return Path(f"{prefix}.server{server}.npz")
+
+
+def save_checkpoint(prefix: str, server: int, rule: Rule) -> Path:
+    """Write the rule's state atomically (a crash mid-write leaves the previous checkpoint)."""
+    path = checkpoint_path(prefix, server)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as handle:
+        np.savez(handle, rule=np.array(rule.name), **rule.state())
+    os.replace(partial, path)
+    return path
+
+
+def load_checkpoint(prefix: str, server: int, rule: Rule) -> int:
+    """Load this server's checkpoint into ``rule`` (after setup); returns the update count it holds."""
+    path = checkpoint_path(prefix, server)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint for server rank {server} at {path}: resume needs every "
+                                "server's file from the same run")
+    with np.load(path) as state:
+        if str(state["rule"]) != rule.name:
+            raise ValueError(f"{path} was written by a {state['rule']} run, this one uses {rule.name}")
+        rule.load_state(state)
+    return rule.version
+
+
 def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
-          worker_timeout: float | None = None) -> ServerStats:
+          worker_timeout: float | None = None, checkpoint: str | None = None, every: int = 100,
+          resume: bool = False) -> ServerStats:
     """Serve ``weights`` (this server's shard, updated in place) until every worker is done.
 
     A worker that sends nothing for ``worker_timeout`` seconds (default: the
     communicator's MPICOLL_TIMEOUT) is dropped, and the log says so, when the
     rule can go on without it; under ``sync`` a :class:`WorkerLost` names it.
+    With ``checkpoint`` (a path prefix) the state is saved every ``every``
+    updates and at the end; ``resume`` continues from the saved state.
     """
     worker_timeout = ctx.timeout if worker_timeout is None else worker_timeout
     workers = list(layout.workers)
     rule.setup(weights, tuple(workers))
+    if resume:
+        load_checkpoint(checkpoint, layout.rank, rule)
+    saved_at = rule.version
     stats = ServerStats()
     headers = {w: np.zeros(2, np.int64) for w in workers}
     gradient = np.empty_like(weights)
@@ -130,10 +166,15 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
                 answer(target)
         if kind is not Kind.DONE:
             requests[index] = ctx.irecv(headers[worker], worker, TAG_REQUEST)
+        if checkpoint and rule.version - saved_at >= every:
+            save_checkpoint(checkpoint, layout.rank, rule)
+            saved_at = rule.version
         drop_silent_workers()
     for worker in workers:
         if worker not in stats.lost:
             ctx.waitall(answers[worker], worker)
+    if checkpoint:
+        save_checkpoint(checkpoint, layout.rank, rule)
     stats.updates, stats.dropped = rule.version, rule.dropped
     stats.wall_s = time.perf_counter() - start
     return stats
