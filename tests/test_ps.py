@@ -295,3 +295,28 @@ def test_a_resumed_sync_run_ends_with_the_same_weights(tmp_path_factory):
     resumed, first = run(30, checkpoint=f"{folder}/job", resume=True)
     everywhere(first is None or first == 17, f"resumed at update {first}, the run stopped at 17")
     everywhere(np.array_equal(straight, resumed), f"resumed run differs by {np.abs(straight - resumed).max():.2e}")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_downpour_with_warm_start_and_a_fetch_push_cadence():
+    seed = shared_seed()
+    X, y, optimum = problem(seed)
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Downpour(lr=0.3), servers=1)
+    first_version = None
+    if server.is_server:
+        server.serve(warm_start=20)
+    else:
+        rng = np.random.default_rng([seed, RANK])
+        w = server.client.pull().copy()
+        first_version = min(server.client.versions.values())
+        schedule = ps.Schedule(server.client, n_fetch=3, n_push=2)
+        for _ in range(300):
+            pick = rng.integers(0, len(y), 24)
+            w = schedule.step(X[pick].T @ (X[pick] @ w - y[pick]) / 24).copy()
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    error = np.linalg.norm(final - optimum) / np.linalg.norm(optimum)
+    late = first_version is not None and RANK != server.layout.workers[0]
+    everywhere(not late or first_version >= 20, f"rank {RANK} started at update {first_version} of a 20-update warm start")
+    everywhere(error < 1e-2, f"seed {seed}: ended {error:.2e} from the optimum")

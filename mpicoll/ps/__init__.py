@@ -23,12 +23,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..context import Context
-from .client import Client
+from .client import Client, Schedule
 from .layout import Layout
 from .rules import DCASGD, Async, Downpour, Rule, SoftSync, Sync, make
 from .server import ServerStats, WorkerLost, serve
 
-__all__ = ["ParameterServer", "Layout", "Client", "ServerStats", "WorkerLost", "Rule", "Sync", "SoftSync", "Async", "DCASGD",
+__all__ = ["ParameterServer", "Layout", "Client", "Schedule", "ServerStats", "WorkerLost", "Rule", "Sync", "SoftSync", "Async", "DCASGD",
            "Downpour", "make"]
 
 
@@ -54,14 +54,15 @@ class ParameterServer:
         self._unclean = False
 
     def serve(self, worker_timeout: float | None = None, *, checkpoint: str | None = None, every: int = 100,
-              resume: bool = False) -> ServerStats:
+              resume: bool = False, warm_start: int = 0) -> ServerStats:
         """Run this server's loop until every worker has closed or been dropped; returns its statistics.
 
         ``worker_timeout``: seconds of silence after which a worker counts as lost
         (default MPICOLL_TIMEOUT).  ``checkpoint``: a path prefix; each server saves
         ``PREFIX.server<rank>.npz`` every ``every`` updates and at the end, and
         ``resume=True`` continues from those files (workers learn where from
-        ``client.pull()`` and ``client.versions``).
+        ``client.pull()`` and ``client.versions``).  ``warm_start=k``: the first
+        worker trains alone for k updates before the others' first pull is answered.
         """
         if not self.is_server:
             raise RuntimeError(f"rank {self.layout.rank} is a worker: use .client")
@@ -69,7 +70,7 @@ class ParameterServer:
             raise ValueError("resume=True needs the checkpoint prefix to resume from")
         self._unclean = True          # until serve returns: an error leaves messages in flight
         self.stats = serve(self.context, self.layout, self.rule, self.weights, worker_timeout,
-                           checkpoint=checkpoint, every=every, resume=resume)
+                           checkpoint=checkpoint, every=every, resume=resume, warm_start=warm_start)
         self._unclean = bool(self.stats.lost)
         return self.stats
 

@@ -8,7 +8,7 @@ from ..context import Context
 from .layout import Layout
 from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind
 
-__all__ = ["Client"]
+__all__ = ["Client", "Schedule"]
 
 
 class Client:
@@ -70,3 +70,33 @@ class Client:
             self.versions = {server: int(self._answers[server][0]) for server in servers}
             return self.weights
         return None
+
+
+class Schedule:
+    """Downpour's worker cadence: push the summed gradients every ``n_push`` steps, fetch every ``n_fetch``.
+
+    ``step(gradient)`` returns the weights to compute the next gradient on: the
+    last fetched ones (the worker does not update its copy between fetches).
+    With ``n_fetch = n_push = 1`` it is a plain exchange each step.
+    """
+
+    def __init__(self, client: Client, n_fetch: int = 1, n_push: int = 1):
+        if n_fetch < 1 or n_push < 1:
+            raise ValueError(f"n_fetch and n_push must be >= 1, got {n_fetch} and {n_push}")
+        self.client, self.n_fetch, self.n_push = client, n_fetch, n_push
+        self.steps = 0
+        self.pending = np.zeros_like(client.weights)
+
+    def step(self, gradient: np.ndarray) -> np.ndarray:
+        self.pending += np.asarray(gradient).reshape(-1)
+        self.steps += 1
+        push, fetch = self.steps % self.n_push == 0, self.steps % self.n_fetch == 0
+        if push and fetch:
+            self.client.exchange(self.pending)
+        elif push:
+            self.client.push(self.pending)
+        elif fetch:
+            self.client.pull()
+        if push:
+            self.pending[...] = 0
+        return self.client.weights

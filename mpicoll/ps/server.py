@@ -74,7 +74,7 @@ def load_checkpoint(prefix: str, server: int, rule: Rule) -> int:
 
 def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
           worker_timeout: float | None = None, checkpoint: str | None = None, every: int = 100,
-          resume: bool = False) -> ServerStats:
+          resume: bool = False, warm_start: int = 0) -> ServerStats:
     """Serve ``weights`` (this server's shard, updated in place) until every worker is done.
 
     A worker that sends nothing for ``worker_timeout`` seconds (default: the
@@ -82,6 +82,8 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
     rule can go on without it; under ``sync`` a :class:`WorkerLost` names it.
     With ``checkpoint`` (a path prefix) the state is saved every ``every``
     updates and at the end; ``resume`` continues from the saved state.
+    ``warm_start=k``: only the first worker is answered until k updates are in
+    (Downpour's warm start); the others' first pulls wait for that.
     """
     worker_timeout = ctx.timeout if worker_timeout is None else worker_timeout
     workers = list(layout.workers)
@@ -157,10 +159,13 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
                 ready = [worker]
         elif kind is Kind.PULL:
             waiting.add(worker)
-            ready = [worker]
+            warming = rule.version < warm_start and worker != workers[0]
+            ready = [] if warming else [worker]
         else:                                                  # DONE
             active.discard(worker)
             ready = rule.on_leave(worker)
+        if warm_start and rule.version >= warm_start:       # the warm start is over: everyone may pull
+            ready = sorted(set(ready) | waiting)
         for target in ready:
             if target in waiting:
                 answer(target)
