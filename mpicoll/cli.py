@@ -35,6 +35,20 @@ def _bench_kernels_parser(commands) -> None:
     bench.add_argument("--output", metavar="FILE.json", help="write one record per (kernel, backend, threads)")
 
 
+def _bench_ps_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-ps", help="parameter-server updates/s and GB/s by rule, size and straggler",
+        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench-ps --straggler 3=3")
+    bench.add_argument("--rules", default="sync,softsync,async,dcasgd,downpour", help="comma-separated")
+    bench.add_argument("--sizes", default="4M,64M", help="parameter bytes: '4M,64M' or LOW:HIGH[:FACTOR]")
+    bench.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+    bench.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
+    bench.add_argument("--seconds", type=float, default=3.0, help="length of each run (default 3)")
+    bench.add_argument("--compute-ms", type=float, default=20.0, help="simulated gradient time (default 20)")
+    bench.add_argument("--straggler", help="RANK=FACTOR: also run with that rank slowed, e.g. 3=3")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per (rule, size, straggler, server)")
+
+
 def _info_parser(commands) -> None:
     commands.add_parser("info", help="versions, MPI library, auto rules, kernel backends, GPU and CUDA-awareness")
 
@@ -94,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _bench_parser(commands)
     _bench_kernels_parser(commands)
+    _bench_ps_parser(commands)
     _info_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -101,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench-kernels":
         from .bench_kernels import run
+        return run(args)
+    if args.command == "bench-ps":
+        from .ps.bench import run
         return run(args)
     return info()
 

@@ -220,3 +220,16 @@ def test_parameter_server_survives_a_dead_worker(tmp_path):
     assert outcomes.get(0, "").startswith("lost [3]"), (outcomes, result.stderr[-2000:])
     assert all(outcomes.get(rank, "").startswith("trained") for rank in (1, 2)), outcomes
     assert "worker rank 3 sent nothing for 1 s: dropped" in result.stderr, result.stderr[-2000:]
+
+
+def test_bench_ps_reports_every_rule(tmp_path):
+    out = tmp_path / "ps.json"
+    result = launch(3, "-m", "mpicoll", "bench-ps", "--sizes", "64K", "--seconds", "0.3", "--compute-ms", "2",
+                    "--rules", "sync,async,dcasgd", "--straggler", "2=3", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    records = json.loads(out.read_text())
+    assert {(r["rule"], r["straggler"]) for r in records} == {(rule, s) for rule in ("sync", "async", "dcasgd")
+                                                              for s in ("", "2=3")}
+    for record in records:
+        assert record["params"] == 65536 // 4 and record["workers"] == 2 and record["updates_per_s"] > 0
+        assert 0 < record["update_fraction_of_copy"] and record["gbps"] > 0

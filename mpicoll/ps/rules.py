@@ -36,6 +36,7 @@ __all__ = ["Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "make"]
 class Rule:
     name = "?"
     tolerates_lost_workers = True     # can training go on when a worker stops answering?
+    arrays_per_gradient = 3           # shard-sized arrays one gradient's update reads or writes
 
     def setup(self, weights: np.ndarray, workers: tuple[int, ...]) -> None:
         """Take the shard's initial weights and the workers that will train."""
@@ -166,10 +167,12 @@ class Async(Rule):
 
 class DCASGD(Rule):
     name = "dcasgd"
+    arrays_per_gradient = 5           # read w, g, w_bak; write w, w_bak (DC-ASGD-a: +2 for m)
 
     def __init__(self, lr: float, lam: float = 0.04, *, adaptive: bool = False, beta: float = 0.95,
                  eps: float = 1e-7):
         self.lr, self.lam, self.adaptive, self.beta, self.eps = lr, lam, adaptive, beta, eps
+        self.arrays_per_gradient = 7 if adaptive else 5
 
     def setup(self, weights, workers):
         super().setup(weights, workers)
@@ -206,6 +209,7 @@ class DCASGD(Rule):
 
 class Downpour(Rule):
     name = "downpour"
+    arrays_per_gradient = 5           # read w, g, h; write w, h
 
     def __init__(self, lr: float, eps: float = 1e-8):
         self.lr, self.eps = lr, eps

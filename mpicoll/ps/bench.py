@@ -1,0 +1,107 @@
+"""``mpicoll bench-ps``: updates per second and bytes through the servers, by rule, size and straggler.
+
+Run under mpiexec (``-n S+W``).  Workers send random gradients after a
+simulated computation of ``--compute-ms`` (a sleep, so oversubscribed ranks do
+not steal each other's cores), one of them ``--straggler``-times slower.  Each
+server reports the updates it applied per second, the bytes it moved (gradients
+in, weights out) per second, and the bandwidth of its update path alone (the
+arrays a rule's update must read and write, over the time spent in it),
+against a numpy copy measured on the same rank in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..bench import format_bytes, parse_sizes
+from ..straggler import Straggler, parse
+from . import ParameterServer, make
+
+__all__ = ["run"]
+
+_RULE_OPTIONS = {"sync": dict(lr=1e-6), "softsync": dict(lr=1e-6, k=2), "async": dict(lr=1e-6),
+                 "dcasgd": dict(lr=1e-6, lam=0.04), "downpour": dict(lr=1e-6)}
+
+
+def _copy_gbps(count: int, dtype) -> float:
+    source, target = np.ones(count, dtype), np.empty(count, dtype)
+    np.copyto(target, source)                 # first touch: page faults are not bandwidth
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return 2 * source.nbytes / float(np.median(times)) / 1e9
+
+
+def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers):
+    rule = make(rule_name, **_RULE_OPTIONS[rule_name])
+    server = ParameterServer(comm, np.zeros(count, dtype), rule, servers=servers)
+    record = None
+    if server.is_server:
+        copy = _copy_gbps(server.weights.size, dtype)
+        stats = server.serve()
+        shard_bytes = server.weights.nbytes
+        update_gbps = (rule.arrays_per_gradient * shard_bytes * sum(stats.gradients.values())
+                       / max(stats.update_s, 1e-12) / 1e9)
+        record = {"rule": rule_name, "params": count, "dtype": np.dtype(dtype).name, "servers": len(server.layout.servers),
+                  "workers": len(server.layout.workers), "straggler": straggle, "updates": stats.updates,
+                  "updates_per_s": stats.updates / stats.wall_s, "gradients_per_s": sum(stats.gradients.values())
+                  / stats.wall_s, "gbps": (stats.bytes_in + stats.bytes_out) / stats.wall_s / 1e9,
+                  "update_gbps": update_gbps, "copy_gbps": copy, "update_fraction_of_copy": update_gbps / copy,
+                  "dropped": stats.dropped, "idle_fraction": stats.idle_s / stats.wall_s}
+    else:
+        slow = Straggler.for_rank(comm.Get_rank(), straggle)
+        rng = np.random.default_rng(comm.Get_rank())
+        gradient = rng.standard_normal(count).astype(dtype)
+        server.client.pull()
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            with slow:
+                time.sleep(compute_s)
+            server.client.exchange(gradient)
+        server.client.close()
+    server.close()
+    return comm.allgather(record)
+
+
+def run(args) -> int:
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    rules = args.rules.split(",")
+    for name in rules:
+        if name not in _RULE_OPTIONS:
+            raise SystemExit(f"bench-ps: unknown rule {name!r}; choose from {', '.join(_RULE_OPTIONS)}")
+    sizes = [size // np.dtype(args.dtype).itemsize for size in parse_sizes(args.sizes)]
+    stragglers = [""] + ([args.straggler] if args.straggler else [])
+    parse(args.straggler)
+    if rank == 0:
+        print(f"# mpicoll bench-ps: {comm.Get_size()} ranks, {args.servers} server(s), {args.dtype}, "
+              f"{args.seconds:g} s per run, {args.compute_ms:g} ms per gradient")
+        print(f"{'rule':>9} {'params':>10} {'straggler':>9} {'updates/s':>10} {'grads/s':>8} {'GB/s':>7} "
+              f"{'update GB/s':>11} {'x copy':>7} {'dropped':>7}")
+    records = []
+    for count in sizes:
+        for straggle in stragglers:
+            for name in rules:
+                found = [r for r in _one(comm, name, count, args.dtype, args.seconds, args.compute_ms / 1e3,
+                                         straggle, args.servers) if r]
+                records += found
+                if rank == 0:
+                    first = found[0]
+                    ups = sum(r["updates_per_s"] for r in found) / len(found)
+                    gps = sum(r["gradients_per_s"] for r in found) / len(found)
+                    gbps = sum(r["gbps"] for r in found)
+                    print(f"{name:>9} {format_bytes(count * np.dtype(args.dtype).itemsize):>10} "
+                          f"{straggle or '-':>9} {ups:>10.1f} {gps:>8.1f} {gbps:>7.2f} "
+                          f"{first['update_gbps']:>11.1f} {first['update_fraction_of_copy']:>7.2f} "
+                          f"{sum(r['dropped'] for r in found):>7}", flush=True)
+    if rank == 0 and args.output:
+        with open(args.output, "w") as handle:
+            json.dump(records, handle, indent=1)
+        print(f"# wrote {args.output}")
+    return 0
