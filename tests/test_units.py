@@ -183,3 +183,12 @@ def test_parameter_server_rule_state_round_trips_exactly(name, options):
         assert original.on_gradient(worker, original.version, gradient) == copy.on_gradient(worker, copy.version,
                                                                                             gradient)
     assert np.array_equal(original.w, copy.w) and original.version == copy.version
+
+
+def test_warm_start_needs_an_asynchronous_rule():
+    from mpi4py import MPI
+    from mpicoll import ps
+    from mpicoll.ps.server import serve
+    layout = ps.Layout(MPI.COMM_SELF, 4, (0,), (1,))
+    with pytest.raises(ValueError, match="warm start"):
+        serve(None, layout, ps.Sync(lr=0.1), np.zeros(4), warm_start=5)

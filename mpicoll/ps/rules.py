@@ -37,6 +37,7 @@ class Rule:
     name = "?"
     tolerates_lost_workers = True     # can training go on when a worker stops answering?
     arrays_per_gradient = 3           # shard-sized arrays one gradient's update reads or writes
+    waits_for_rounds = False          # does an update need gradients from several workers?
 
     def setup(self, weights: np.ndarray, workers: tuple[int, ...]) -> None:
         """Take the shard's initial weights and the workers that will train."""
@@ -71,6 +72,8 @@ class Rule:
 
 class _Rounds(Rule):
     """Average gradients computed on the current weights until a round is full."""
+
+    waits_for_rounds = True
 
     def __init__(self, lr: float):
         self.lr = lr

@@ -91,6 +91,9 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
     ``warm_start=k``: only the first worker is answered until k updates are in
     (Downpour's warm start); the others' first pulls wait for that.
     """
+    if warm_start and rule.waits_for_rounds:
+        raise ValueError(f"a warm start lets one worker train alone; {rule.name} rounds need every worker: "
+                         "use async, dcasgd or downpour")
     worker_timeout = ctx.timeout if worker_timeout is None else worker_timeout
     workers = list(layout.workers)
     rule.setup(weights, tuple(workers))
@@ -103,6 +106,7 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
     snapshots = {w: np.empty_like(weights) for w in workers}
     answers: dict[int, list] = {w: [] for w in workers}
     waiting: set[int] = set()
+    deferred: set[int] = set()          # first pulls held back by the warm start
     requests = [ctx.irecv(headers[w], w, TAG_REQUEST) for w in workers]
     start = time.perf_counter()
 
@@ -167,13 +171,15 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
                 ready = [worker]
         elif kind is Kind.PULL:
             waiting.add(worker)
-            warming = rule.version < warm_start and worker != workers[0]
-            ready = [] if warming else [worker]
+            if rule.version < warm_start and worker != workers[0]:
+                deferred.add(worker)
+            else:
+                ready = [worker]
         else:                                                  # DONE
             active.discard(worker)
             ready = rule.on_leave(worker)
-        if warm_start and rule.version >= warm_start:       # the warm start is over: everyone may pull
-            ready = sorted(set(ready) | waiting)
+        if deferred and rule.version >= warm_start:         # the warm start is over
+            ready, deferred = [*ready, *sorted(deferred)], set()
         for target in ready:
             if target in waiting:
                 answer(target)
