@@ -3,9 +3,11 @@
 Each collective has a rule ``"name:limit,name:limit,...,name"``: the first
 name whose limit is above the message size wins, the last has no limit.  The
 defaults below come from ``mpicoll bench`` on one 2-core node with the MPICH
-wheel (docs/benchmarks.md); override one with the environment variable
-``MPICOLL_AUTO_<COLLECTIVE>``, for example ``MPICOLL_AUTO_ALLREDUCE=mpi:1M,ring``.
-Every rank must see the same rule.
+wheel (docs/benchmarks.md): the ring overtook MPI's allreduce between 1 and
+2 MiB at both 2 and 4 ranks, so one size threshold serves every rank count
+measured; one rank always gets MPI.  Override a rule with the environment
+variable ``MPICOLL_AUTO_<COLLECTIVE>``, for example
+``MPICOLL_AUTO_ALLREDUCE=mpi:1M,ring``.  Every rank must see the same rule.
 
 Non-commutative ops go to ``mpi`` unless the rule was set by hand: MPI's
 library reduces them in rank order without the ring's cut detour.
