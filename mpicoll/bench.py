@@ -7,10 +7,14 @@ whatever one algorithm leaves behind for the next, hits all alike).  A call's
 time is the slowest rank's; the reported time is the median over calls.
 
     algbw = bytes / time
-    busbw = algbw * 2(p-1)/p     (allreduce: the bytes each rank must move,
-                                  comparable across rank counts)
+    busbw = algbw * factor       (allreduce 2(p-1)/p, reduce-scatter and
+                                  allgather (p-1)/p, bcast 1, as nccl-tests:
+                                  the bytes each rank must move, comparable
+                                  across rank counts; "bytes" is the whole
+                                  message: the allreduce buffer, the
+                                  reduce-scatter input, the allgather output)
 
-``mpi`` is ``MPI_Allreduce`` called straight through mpi4py, the peer every
+``mpi`` is MPI's own collective called straight through mpi4py, the peer every
 ratio is taken against; the mpicoll algorithms (``auto`` included) run
 through :class:`~mpicoll.Communicator`, so their times include the Python
 layer.  The first timed call of every algorithm is checked against ``mpi``'s
@@ -63,42 +67,70 @@ def parse_sizes(text: str) -> list[int]:
     return [parse_bytes(part) for part in text.split(",")]
 
 
-def _calls(comm: MPI.Intracomm, names: list[str]):
-    """One function per algorithm: (sendbuf, recvbuf) -> None."""
+# collective -> (mpi4py method, bus-bandwidth factor as in nccl-tests, given p)
+COLLECTIVES = {
+    "allreduce": ("Allreduce", lambda p: 2 * (p - 1) / p),
+    "reduce_scatter": ("Reduce_scatter_block", lambda p: (p - 1) / p),
+    "allgather": ("Allgather", lambda p: (p - 1) / p),
+    "bcast": ("Bcast", lambda p: 1.0),
+}
+
+
+def _calls(comm: MPI.Intracomm, names: list[str], collective: str):
+    """One function per algorithm: (send, recv) -> None (Bcast uses recv alone, from rank 0)."""
+    method = COLLECTIVES[collective][0]
     calls = {}
     for name in names:
         if name == PEER:
-            calls[name] = lambda s, r, c=comm: MPI.Intracomm.Allreduce(c, s, r, MPI.SUM)
+            target, raw = comm, getattr(MPI.Intracomm, method)
+            calls[name] = ((lambda s, r, c=target, f=raw: f(c, r, 0)) if collective == "bcast"
+                           else (lambda s, r, c=target, f=raw: f(c, s, r)))
         else:
             wrapped = Communicator(comm, algorithm=name)
             # looked up per call, as user code does (auto installs a faster method after its first call)
-            calls[name] = lambda s, r, c=wrapped: c.Allreduce(s, r)
+            calls[name] = ((lambda s, r, c=wrapped, m=method: getattr(c, m)(r, 0)) if collective == "bcast"
+                           else (lambda s, r, c=wrapped, m=method: getattr(c, m)(s, r)))
     return calls
+
+
+def _buffers(collective: str, count: int, p: int, dtype, rng):
+    """(send, recv shape) for ``count`` elements of the collective's full message, rounded to p."""
+    count = max(p, count - count % p) if collective in ("reduce_scatter", "allgather") else max(1, count)
+    send_count = {"reduce_scatter": count, "allgather": count // p}.get(collective, count)
+    recv_count = {"reduce_scatter": count // p}.get(collective, count)
+    send = (rng.standard_normal(send_count) if dtype.kind in "fc" else rng.integers(0, 100, send_count)).astype(dtype)
+    return count, send, recv_count
 
 
 def _iterations(nbytes: int, iters: int, min_iters: int) -> int:
     return max(min_iters, min(iters, iters * (1 << 20) // max(nbytes, 1)))
 
 
-def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None) -> list[dict]:
+def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None, collective="allreduce") -> list[dict]:
     """Time every (algorithm, size); returns one record per pair (on every rank)."""
     p, rank = comm.Get_size(), comm.Get_rank()
     dtype = np.dtype(dtype)
-    calls = _calls(comm, names)
+    calls = _calls(comm, names, collective)
+    bus_factor = COLLECTIVES[collective][1](p)
     records = []
     rng = np.random.default_rng(1234 + rank)
     for nbytes in sizes:
-        count = max(1, nbytes // dtype.itemsize)
-        send = (rng.standard_normal(count) if dtype.kind in "fc" else rng.integers(0, 100, count)).astype(dtype)
-        outputs = {name: np.empty_like(send) for name in names}
+        count, send, recv_count = _buffers(collective, nbytes // dtype.itemsize, p, dtype, rng)
+        outputs = {name: np.empty(recv_count, dtype) for name in names}
+        if collective == "bcast":
+            for output in outputs.values():
+                output[...] = send
         for name in names:
             for _ in range(warmup):
                 calls[name](send, outputs[name])
-        reference = np.empty_like(send)
-        MPI.Intracomm.Allreduce(comm, send, reference, MPI.SUM)
+        reference = np.empty(recv_count, dtype)
+        if collective == "bcast":
+            reference[...] = send
+        calls_peer = _calls(comm, [PEER], collective)[PEER]
+        calls_peer(send, reference)
         for name in names:
             if not np.allclose(outputs[name], reference, rtol=1e-3, atol=1e-3 * p):
-                raise AssertionError(f"bench: {name} gave a wrong allreduce at {nbytes} bytes")
+                raise AssertionError(f"bench: {name} gave a wrong {collective} at {nbytes} bytes")
         n = _iterations(count * dtype.itemsize, iters, min_iters)
         times = np.empty((len(names), n))
         for i in range(n):
@@ -114,9 +146,9 @@ def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None) ->
         for j, name in enumerate(names):
             seconds = float(np.median(times[j]))
             algbw = count * dtype.itemsize / seconds / 1e9
-            row.append({"algorithm": name, "bytes": count * dtype.itemsize, "ranks": p, "dtype": dtype.name,
-                        "time_s": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (p - 1) / p,
-                        "iters": n})
+            row.append({"algorithm": name, "collective": collective, "bytes": count * dtype.itemsize, "ranks": p,
+                        "dtype": dtype.name, "time_s": seconds, "algbw_gbps": algbw,
+                        "busbw_gbps": algbw * bus_factor, "iters": n})
         peer = next((r for r in row if r["algorithm"] == PEER), None)
         for record in row:
             record["ratio_to_mpi"] = peer["time_s"] / record["time_s"] if peer else None
@@ -157,10 +189,10 @@ def plot(records: list[dict], path: str) -> None:
         axes.set_xlabel("message size (bytes)")
         axes.grid(True, which="both", alpha=0.3)
     bandwidth.set_ylabel("bus bandwidth (GB/s)")
-    ratio.set_ylabel("speed relative to MPI_Allreduce (x)")
+    ratio.set_ylabel("speed relative to MPI's own (x)")
     ratio.set_yscale("log", base=2)
     bandwidth.legend()
-    figure.suptitle(f"allreduce, {first['ranks']} ranks, {first['dtype']}")
+    figure.suptitle(f"{first.get('collective', 'allreduce')}, {first['ranks']} ranks, {first['dtype']}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -200,11 +232,11 @@ def run(args) -> int:
     sizes = parse_sizes(args.sizes) if args.sizes else default_sizes()
     out = sys.stdout
     if comm.Get_rank() == 0:
-        print(f"# mpicoll bench: allreduce, {comm.Get_size()} ranks, {args.dtype}, "
+        print(f"# mpicoll bench: {args.collective}, {comm.Get_size()} ranks, {args.dtype}, "
               f"{MPI.Get_library_version().splitlines()[0].strip()}", file=out)
         print(table_header(names), file=out, flush=True)
     records = measure(comm, names, sizes, args.dtype, args.iters, args.min_iters, args.warmup,
-                      report=lambda row: print(table_row(row), file=out, flush=True))
+                      report=lambda row: print(table_row(row), file=out, flush=True), collective=args.collective)
     raw, wrapped = python_overhead(comm)
     if comm.Get_rank() == 0:
         print(f"# per-call overhead of the Python layer at 8 B: {(wrapped - raw) * 1e6:+.2f} us "

@@ -10,8 +10,10 @@ __all__ = ["main"]
 
 def _bench_parser(commands) -> None:
     bench = commands.add_parser(
-        "bench", help="allreduce of every algorithm against MPI's own, side by side",
+        "bench", help="a collective (default allreduce) of every algorithm against MPI's own, side by side",
         description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench --sizes 8:64M")
+    bench.add_argument("--collective", default="allreduce", choices=["allreduce", "reduce_scatter", "allgather", "bcast"],
+                       help="which collective to time (default allreduce)")
     bench.add_argument("--sizes", help="'8,1K,64M', or a range LOW:HIGH[:FACTOR] (default factor 4); default 8 B to 64 MiB")
     bench.add_argument("--algorithms", help="comma-separated; default: all, and auto (mpi always runs)")
     bench.add_argument("--dtype", default="float32", help="numpy dtype of the elements (default float32)")

@@ -69,7 +69,7 @@ class Communicator(MPI.Intracomm):
         context = self.__dict__.pop("_context", None)
         if context is not None:
             context.free()
-        for name in ("Allreduce", "Allgather", "Bcast"):
+        for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
             self.__dict__.pop(name, None)
 
     def __enter__(self) -> "Communicator":
@@ -180,9 +180,11 @@ class Communicator(MPI.Intracomm):
         those calls keeps mpicoll's cost at a fraction of a microsecond, so
         ``auto`` is as fast as MPI where MPI is the right choice.
         """
-        for name in ("Allreduce", "Allgather", "Bcast"):
+        for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
             first, limit = auto.rule(name.lower())[0]
             if first == "mpi":
+                if name == "Reduce_scatter_block":      # its rule is by the whole input: p blocks
+                    limit /= self.Get_size()
                 self.__dict__[name] = _straight_to_mpi(name, getattr(MPI.Intracomm, name).__get__(self),
                                                        getattr(Communicator, name).__get__(self), limit)
 
@@ -241,7 +243,7 @@ class Communicator(MPI.Intracomm):
 def _straight_to_mpi(name: str, mpi_call, checked_call, limit: float):
     """``name``, calling MPI directly for numpy buffers under ``limit`` bytes."""
     ndarray = np.ndarray
-    if name == "Allreduce":
+    if name in ("Allreduce", "Reduce_scatter_block"):
         def collective(sendbuf, recvbuf, op=MPI.SUM):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit:
                 return mpi_call(sendbuf, recvbuf, op)

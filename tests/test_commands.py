@@ -233,3 +233,17 @@ def test_bench_ps_reports_every_rule(tmp_path):
     for record in records:
         assert record["params"] == 65536 // 4 and record["workers"] == 2 and record["updates_per_s"] > 0
         assert 0 < record["update_fraction_of_copy"] and record["gbps"] > 0
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "bcast"])
+def test_bench_times_every_collective(tmp_path, collective):
+    out = tmp_path / "bench.json"
+    result = launch(2, "-m", "mpicoll", "bench", "--collective", collective, "--sizes", "8,256K", "--iters", "3",
+                    "--min-iters", "2", "--warmup", "1", "--algorithms", "ring,auto", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    records = json.loads(out.read_text())
+    assert {r["collective"] for r in records} == {collective}
+    assert {r["algorithm"] for r in records} == {"mpi", "ring", "auto"}
+    factor = {"reduce_scatter": 0.5, "allgather": 0.5, "bcast": 1.0}[collective]
+    for record in records:
+        assert record["busbw_gbps"] == pytest.approx(record["algbw_gbps"] * factor)
