@@ -5,7 +5,10 @@ name whose limit is above the message size wins, the last has no limit.  The
 defaults below come from ``mpicoll bench`` on one 2-core node with the MPICH
 wheel (docs/benchmarks.md): the ring overtook MPI's allreduce between 1 and
 2 MiB at both 2 and 4 ranks, so one size threshold serves every rank count
-measured; one rank always gets MPI.  Override a rule with the environment
+measured; one rank always gets MPI.  The ring's reduce-scatter is only
+reliably ahead from 16 MiB (2 ranks, 4 MiB: 0.88x), and MPI's allgather and
+broadcast were never beaten by enough to matter, except the parallel broadcast
+with more ranks than cores, which does not scale with p (docs/benchmarks.md).  Override a rule with the environment
 variable ``MPICOLL_AUTO_<COLLECTIVE>``, for example
 ``MPICOLL_AUTO_ALLREDUCE=mpi:1M,ring``.  Every rank must see the same rule.
 
@@ -24,7 +27,7 @@ __all__ = ["choose", "rule", "DEFAULT_RULES"]
 
 DEFAULT_RULES = {
     "allreduce": "mpi:2M,ring",
-    "reduce_scatter_block": "mpi:2M,ring",
+    "reduce_scatter_block": "mpi:16M,ring",
     "allgather": "mpi",
     "bcast": "mpi",
 }
