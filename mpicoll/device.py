@@ -32,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import compute
+from .compute import as_device_array, is_device_array
 from .algorithms.base import balanced_bounds, block_bounds
 from .context import Context
 
@@ -40,31 +41,6 @@ __all__ = ["is_device_array", "as_device_array", "cuda_aware", "allreduce", "red
 
 _TAG = 61
 _DEVICE_OPS = {"SUM": "sum", "PROD": "prod", "MIN": "min", "MAX": "max"}
-
-
-def as_device_array(obj):
-    """(library, array) for a CUDA array ("cupy" or "numba"), or (None, obj) for anything else."""
-    module = type(obj).__module__
-    if module.startswith("cupy"):
-        return "cupy", obj
-    if module.startswith("numba") and hasattr(obj, "copy_to_host"):
-        return "numba", obj
-    if hasattr(obj, "__cuda_array_interface__") or (
-            hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] == 2):   # kDLCUDA
-        try:
-            cupy = importlib.import_module("cupy")
-            return "cupy", cupy.asarray(obj) if hasattr(obj, "__cuda_array_interface__") else cupy.from_dlpack(obj)
-        except ImportError:
-            from numba import cuda
-            return "numba", cuda.as_cuda_array(obj)
-    return None, obj
-
-
-def is_device_array(obj) -> bool:
-    module = type(obj).__module__
-    return (module.startswith("cupy") or (module.startswith("numba") and hasattr(obj, "copy_to_host"))
-            or hasattr(obj, "__cuda_array_interface__")
-            or (hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] == 2))
 
 
 # -- is the MPI library CUDA-aware? -------------------------------------------------------
@@ -110,7 +86,7 @@ class _Arrays:
     """Allocation, host copies and synchronisation for CuPy or Numba device arrays."""
 
     def __init__(self, library: str):
-        self.library = library
+        self.library = library        # a kernel backend name: "cupy" or "numba-cuda"
         if library == "cupy":
             self.cupy = importlib.import_module("cupy")
         else:

@@ -37,8 +37,11 @@ import os
 
 import numpy as np
 
+from .. import config
+
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad",
-           "backend_for", "backends", "set_threads", "ranks_on_this_node", "REDUCIBLE", "FLOATS"]
+           "backend_for", "backends", "set_threads", "ranks_on_this_node", "is_device_array", "as_device_array",
+           "REDUCIBLE", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 REDUCIBLE = FLOATS + tuple(np.dtype(t) for t in (np.int32, np.int64, np.complex64, np.complex128))
@@ -74,8 +77,7 @@ def _backend(name: str):
     _loaded[name] = module
     if name == "numba" and "NUMBA_NUM_THREADS" not in os.environ:
         # Ranks sharing a node share its cores: each gets its part, not all of them.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        set_threads(max(1, cores // ranks_on_this_node()))
+        set_threads(max(1, config.cores() // ranks_on_this_node()))
     return module
 
 
@@ -98,64 +100,82 @@ def set_threads(count: int) -> None:
         numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
 
 
-def _is_numba_device_array(array) -> bool:
-    return type(array).__module__.startswith("numba") and hasattr(array, "copy_to_host")
+def is_device_array(obj) -> bool:
+    """True for CUDA arrays of any library: CuPy, Numba, ``__cuda_array_interface__``, DLPack on CUDA."""
+    module = type(obj).__module__
+    return (module.startswith("cupy") or (module.startswith("numba") and hasattr(obj, "copy_to_host"))
+            or hasattr(obj, "__cuda_array_interface__")
+            or (hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] == 2))   # 2: kDLCUDA
 
 
-def _as_device_array(array):
-    """(backend, array) for CUDA arrays of any library, zero-copy."""
-    if type(array).__module__.startswith("cupy"):
-        return "cupy", array
-    if _is_numba_device_array(array):
-        return "numba-cuda", array
+def as_device_array(obj):
+    """(backend, array) for a CUDA array, viewed as CuPy or Numba without a copy; (None, obj) otherwise."""
+    if not is_device_array(obj):
+        return None, obj
+    module = type(obj).__module__
+    if module.startswith("cupy"):
+        return "cupy", obj
+    if module.startswith("numba"):
+        return "numba-cuda", obj
     cupy = _backend("cupy") and importlib.import_module("cupy")
-    if hasattr(array, "__cuda_array_interface__"):
+    if hasattr(obj, "__cuda_array_interface__"):
         if cupy:
-            return "cupy", cupy.asarray(array)
+            return "cupy", cupy.asarray(obj)
         if _backend("numba-cuda") is not None:
             from numba import cuda
-            return "numba-cuda", cuda.as_cuda_array(array)
-    if hasattr(array, "__dlpack_device__") and array.__dlpack_device__()[0] == 2 and cupy:  # kDLCUDA
-        return "cupy", cupy.from_dlpack(array)
-    return None, array
+            return "numba-cuda", cuda.as_cuda_array(obj)
+    elif cupy:
+        return "cupy", cupy.from_dlpack(obj)
+    raise TypeError(f"{type(obj).__name__} is a CUDA array, but neither CuPy nor Numba's CUDA target can "
+                    "view it here (DLPack arrays need CuPy): pip install -e '.[gpu]'")
 
 
-def backend_for(array) -> str:
-    """The backend that would run for ``array``."""
-    name, array = _as_device_array(array)
-    if name is not None:
-        if _backend(name) is None:
-            raise RuntimeError(f"{type(array).__name__} arrays need the {name} backend: {_missing.get(name)}")
-        return name
-    array = np.asarray(array)
-    if (os.environ.get("MPICOLL_KERNELS", "").lower() == "numpy" or array.dtype == np.float16
-            or not array.flags.c_contiguous or _backend("numba") is None):
+def _host_backend(arrays) -> str:
+    """numba for contiguous float32/64 (and integer) host arrays when Numba loads, numpy otherwise."""
+    if (os.environ.get("MPICOLL_KERNELS", "").lower() == "numpy"
+            or any(a.dtype == np.float16 or not a.flags.c_contiguous for a in arrays) or _backend("numba") is None):
         return "numpy"
     return "numba"
 
 
+def backend_for(array) -> str:
+    """The backend that would run for ``array``."""
+    name, array = as_device_array(array)
+    if name is None:
+        return _host_backend([np.asarray(array)])
+    if _backend(name) is None:
+        raise RuntimeError(f"{type(array).__name__} arrays need the {name} backend: {_missing.get(name)}")
+    return name
+
+
 def _prepare(kinds: tuple, arrays: dict, names_in_place=()):
-    """Check arrays agree (size, dtype, kind); return (backend module, flat arrays, dtype)."""
-    first_name, first = next(iter(arrays.items()))
-    backend = backend_for(first)
-    prepared = {}
+    """Check arrays agree (size, dtype, kind); return (backend module, flat arrays, dtype).
+
+    Any non-contiguous host array sends the call to numpy, whose in-place
+    updates work on views; the other backends get flat views.
+    """
+    prepared, libraries = {}, set()
     for name, array in arrays.items():
-        _, array = _as_device_array(array)
-        if backend in ("numpy", "numba"):
-            array = np.asarray(array)
-        prepared[name] = array
-    dtype = np.dtype(prepared[first_name].dtype)
+        library, array = as_device_array(array)
+        prepared[name] = np.asarray(array) if library is None else array
+        libraries.add(library)
+    first_name, first = next(iter(prepared.items()))
+    if len(libraries) > 1:
+        raise TypeError(f"{first_name} is a {type(first).__name__}, but not every array is: "
+                        "pass arrays of one kind (all on the host, or all on one device library)")
+    dtype = np.dtype(first.dtype)
     if dtype not in kinds:
         raise TypeError(f"{first_name} has dtype {dtype}; this kernel takes {', '.join(map(str, kinds))}")
+    library = libraries.pop()
     for name, array in prepared.items():
-        if np.dtype(array.dtype) != dtype or array.shape != prepared[first_name].shape:
+        if np.dtype(array.dtype) != dtype or array.shape != first.shape:
             raise ValueError(f"{name} has shape {array.shape} and dtype {array.dtype}; expected "
-                             f"{prepared[first_name].shape} and {dtype} like {first_name}")
-        if name in names_in_place and backend in ("numpy", "numba") and not array.flags.writeable:
+                             f"{first.shape} and {dtype} like {first_name}")
+        if name in names_in_place and library is None and not array.flags.writeable:
             raise ValueError(f"{name} is read-only; it is updated in place")
-        if backend != "numpy" and backend_for(array) != backend:
-            raise TypeError(f"{name} is a {type(array).__name__}, {first_name} a {type(prepared[first_name]).__name__}: "
-                            "pass arrays of one kind (all on the host, or all on the device)")
+    backend = _host_backend(prepared.values()) if library is None else library
+    if _backend(backend) is None:
+        raise RuntimeError(f"{type(first).__name__} arrays need the {backend} backend: {_missing.get(backend)}")
     if backend != "numpy":
         prepared = {name: array.reshape(-1) for name, array in prepared.items()}
     return _backend(backend), prepared, dtype
