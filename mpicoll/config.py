@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["debug", "timeout", "segment_bytes", "transport", "parse_bytes"]
+__all__ = ["debug", "timeout", "segment_bytes", "transport", "parse_bytes", "cores"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -63,3 +63,11 @@ def transport() -> str:
     if value not in ("auto", "shared", "p2p"):
         raise ValueError(f"MPICOLL_TRANSPORT must be auto, shared or p2p, got {value!r}")
     return value
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -35,13 +35,6 @@ def _ranks_on_this_node(comm: MPI.Intracomm) -> int:
         local.Free()
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 class Context:
     """A private duplicate of a communicator plus the services algorithms share."""
 
@@ -58,9 +51,10 @@ class Context:
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
         self.segment_bytes = config.segment_bytes()
         local = _ranks_on_this_node(self.comm)
+        oversubscribed = local > config.cores()
         # Oversubscribed ranks yield the core while they wait: the peer they
         # wait for may need it to make progress.
-        self.spin_seconds = 0.0 if local > _cores() else _SPIN_SECONDS
+        self.spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
         # Measured (docs/benchmarks.md): with a core per rank, point-to-point
         # wins (MPICH's single-copy CMA lands data in cache-sized slots);
         # with more ranks than cores, CMA's kernel copies cost CPU time the
@@ -68,7 +62,7 @@ class Context:
         # wins.  Every rank of a node sees the same counts, so all agree.
         self.transport = config.transport()
         if self.transport == "auto":
-            self.transport = "shared" if local == self.size and local > _cores() else "p2p"
+            self.transport = "shared" if local == self.size and oversubscribed else "p2p"
         elif self.transport == "shared" and local != self.size:
             raise ValueError(f"MPICOLL_TRANSPORT=shared needs all {self.size} ranks on one node; "
                              f"this node has {local} of them (use p2p or auto)")

@@ -16,16 +16,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["SharedRegions", "spans_one_node"]
-
-
-def spans_one_node(comm: MPI.Intracomm) -> bool:
-    """True when every rank of ``comm`` can share memory with every other (same answer on all ranks)."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return local.Get_size() == comm.Get_size()
-    finally:
-        local.Free()
+__all__ = ["SharedRegions"]
 
 
 class SharedRegions:
