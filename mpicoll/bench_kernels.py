@@ -17,7 +17,7 @@ import numpy as np
 
 from . import compute
 
-__all__ = ["run", "ARRAYS_MOVED"]
+__all__ = ["run", "ARRAYS_MOVED", "median_seconds"]
 
 # arrays each kernel must read or write once (its bytes = arrays * elements * itemsize)
 ARRAYS_MOVED = {"copy": 2, "reduce_sum": 3, "scaled_accumulate": 3, "sgd": 3, "adagrad": 5,
@@ -69,7 +69,8 @@ def _kernels(device: _Device, n: int, dtype, rng) -> dict:
     }
 
 
-def _median_seconds(call, iters: int, sync) -> float:
+def median_seconds(call, iters: int, sync) -> float:
+    """Median of ``iters`` timed calls after one untimed one (first touch, compilation)."""
     call()
     sync()
     times = []
@@ -116,8 +117,8 @@ def run(args) -> int:
 
 def _measure(backend, device, threads, n, dtype, rng, iters) -> list[dict]:
     source, target = device.asarray(rng.standard_normal(n).astype(dtype)), device.empty(n, dtype)
-    rows = [("copy", _median_seconds(lambda: device.copy(target, source), iters, device.sync))]
-    rows += [(name, _median_seconds(call, iters, device.sync)) for name, call in _kernels(device, n, dtype, rng).items()
+    rows = [("copy", median_seconds(lambda: device.copy(target, source), iters, device.sync))]
+    rows += [(name, median_seconds(call, iters, device.sync)) for name, call in _kernels(device, n, dtype, rng).items()
              if not (backend == "numba" and name == "reduce_sum")]   # host reductions are numpy's
     copy_gbps = ARRAYS_MOVED["copy"] * n * dtype.itemsize / rows[0][1] / 1e9
     records = []

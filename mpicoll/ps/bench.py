@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..bench import format_bytes, parse_sizes
+from ..bench_kernels import median_seconds
 from ..straggler import Straggler, parse
 from . import ParameterServer, make
 
@@ -29,13 +30,7 @@ _RULE_OPTIONS = {"sync": dict(lr=1e-6), "softsync": dict(lr=1e-6, k=2), "async":
 
 def _copy_gbps(count: int, dtype) -> float:
     source, target = np.ones(count, dtype), np.empty(count, dtype)
-    np.copyto(target, source)                 # first touch: page faults are not bandwidth
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        np.copyto(target, source)
-        times.append(time.perf_counter() - start)
-    return 2 * source.nbytes / float(np.median(times)) / 1e9
+    return 2 * source.nbytes / median_seconds(lambda: np.copyto(target, source), 5, lambda: None) / 1e9
 
 
 def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers):
@@ -45,8 +40,8 @@ def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers):
     if server.is_server:
         copy = _copy_gbps(server.weights.size, dtype)
         stats = server.serve()
-        shard_bytes = server.weights.nbytes
-        update_gbps = (rule.arrays_per_gradient * shard_bytes * sum(stats.gradients.values())
+        applied = sum(stats.gradients.values()) - stats.dropped - stats.nonfinite   # stale ones move nothing
+        update_gbps = (rule.arrays_per_gradient * server.weights.nbytes * applied
                        / max(stats.update_s, 1e-12) / 1e9)
         record = {"rule": rule_name, "params": count, "dtype": np.dtype(dtype).name, "servers": len(server.layout.servers),
                   "workers": len(server.layout.workers), "straggler": straggle, "updates": stats.updates,

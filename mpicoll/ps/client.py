@@ -52,20 +52,20 @@ class Client:
                 raise ValueError(f"gradient of {gradient.size} {gradient.dtype} values; the servers hold "
                                  f"{self.layout.size} {self.weights.dtype} parameters")
         servers = list(self.layout.servers)
-        receives = []
+        requests, peers = [], []
         if kind.wants_weights:       # posted first, so answers land straight in place
             for server in servers:
-                receives += [self.ctx.irecv(self._answers[server], server, TAG_ANSWER),
+                requests += [self.ctx.irecv(self._answers[server], server, TAG_ANSWER),
                              self.ctx.irecv(self.weights[self.layout.shard(server)], server, TAG_WEIGHTS)]
-        sends = []
+                peers += [server, server]
         for server in servers:
-            sends.append(self.ctx.isend(np.array([int(kind), self.versions[server]], np.int64), server,
-                                        TAG_REQUEST))
+            requests.append(self.ctx.isend(np.array([int(kind), self.versions[server]], np.int64), server,
+                                           TAG_REQUEST))
+            peers.append(server)
             if kind.carries_gradient:
-                sends.append(self.ctx.isend(gradient[self.layout.shard(server)], server, TAG_GRADIENT))
-        peers = [s for s in servers for _ in range(2)] if kind.wants_weights else []
-        self.ctx.waitall(receives + sends, peers + [s for s in servers for _ in
-                                                      range(2 if kind.carries_gradient else 1)])
+                requests.append(self.ctx.isend(gradient[self.layout.shard(server)], server, TAG_GRADIENT))
+                peers.append(server)
+        self.ctx.waitall(requests, peers)
         if kind.wants_weights:
             self.versions = {server: int(self._answers[server][0]) for server in servers}
             return self.weights
