@@ -45,6 +45,7 @@ def _bench_ps_parser(commands) -> None:
     bench.add_argument("--sizes", default="4M,64M", help="parameter bytes: '4M,64M' or LOW:HIGH[:FACTOR]")
     bench.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
     bench.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
+    bench.add_argument("--transports", default="p2p", help="comma-separated: p2p, onesided (default p2p)")
     bench.add_argument("--seconds", type=float, default=3.0, help="length of each run (default 3)")
     bench.add_argument("--compute-ms", type=float, default=20.0, help="simulated gradient time (default 20)")
     bench.add_argument("--straggler", help="RANK=FACTOR: also run with that rank slowed, e.g. 3=3")

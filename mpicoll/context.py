@@ -137,15 +137,18 @@ class Context:
         """Complete one request to or from ``peer``."""
         self.waitall([request], [peer])
 
-    def waitall(self, requests: list, peers) -> None:
-        """Complete all requests; ``peers`` names the rank behind each (or one rank for all)."""
+    def waitall(self, requests: list, peers, limit: float | None = None) -> None:
+        """Complete all requests; ``peers`` names the rank behind each (or one rank for all).
+
+        ``limit``: seconds before giving up, when not the communicator's timeout.
+        """
         if not requests:
             return
         try:
             if self.timeout == 0:
                 MPI.Request.Waitall(requests)
             elif not MPI.Request.Testall(requests):
-                self._wait_with_deadline(requests, peers)
+                self._wait_with_deadline(requests, peers, limit)
         except MPI.Exception as error:
             if error.Get_error_class() == MPI.ERR_TRUNCATE:
                 raise MismatchError(self.collective, {
@@ -172,9 +175,9 @@ class Context:
             return self._poll(any_done, give_up)
         return self._poll(any_done, lambda: None, limit=patience)
 
-    def _wait_with_deadline(self, requests: list, peers) -> None:
+    def _wait_with_deadline(self, requests: list, peers, limit: float | None = None) -> None:
         self._poll(lambda: True if MPI.Request.Testall(requests) else None,
-                   lambda: self._give_up(requests, peers))
+                   lambda: self._give_up(requests, peers, limit), limit)
 
     def _poll(self, ready, give_up, limit: float | None = None, default=None):
         """Call ``ready`` until it returns something: spin briefly, then yield the core, then nap.
@@ -199,7 +202,7 @@ class Context:
                 time.sleep(nap)
         return result
 
-    def _give_up(self, requests: list, peers) -> None:
+    def _give_up(self, requests: list, peers, limit: float | None = None) -> None:
         if isinstance(peers, int):
             peers = [peers] * len(requests)
         if len(requests) == 1 and len(peers) > 1:     # a collective request: one or more of peers is missing
@@ -212,6 +215,6 @@ class Context:
                     request.Cancel()
                 except MPI.Exception:       # collective requests cannot be cancelled
                     pass
-        error = CollectiveTimeout(self.collective, self.rank, stuck, self.timeout, some_of=some)
+        error = CollectiveTimeout(self.collective, self.rank, stuck, limit or self.timeout, some_of=some)
         self._broken = str(error)
         raise error

@@ -11,9 +11,11 @@ from mpi4py import MPI
 import mpicoll
 from mpicoll import ps
 from mpicoll.straggler import Straggler, parse
-from conftest import everywhere, shared_seed
+from conftest import everywhere, numba_cuda_or_skip, shared_seed
 
 pytestmark = pytest.mark.mpi(min_size=2)
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["p2p", "onesided"])
 
 WORLD = MPI.COMM_WORLD
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()
@@ -49,23 +51,26 @@ RULES = [("sync", dict(lr=0.1)), ("softsync", dict(lr=0.1, k=0.5)), ("async", di
          ("dcasgd", dict(lr=0.05, lam=0.04, adaptive=True)), ("downpour", dict(lr=0.3))]
 
 
+@TRANSPORTS
 @pytest.mark.parametrize("name, options", RULES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in RULES])
-def test_every_rule_reaches_the_least_squares_optimum(name, options):
+def test_every_rule_reaches_the_least_squares_optimum(name, options, transport):
     seed = shared_seed()
     X, y, optimum = problem(seed)
-    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.make(name, **options), servers=1)
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.make(name, **options), servers=1,
+                                transport=transport)
     final = train(server, X, y, steps=200, seed=seed)
     error = np.linalg.norm(final - optimum) / np.linalg.norm(optimum)
     everywhere(error < 1e-2, f"seed {seed}: {name} ended {error:.2e} from the optimum")
 
 
 @pytest.mark.mpi(min_size=3)
-def test_sync_equals_single_process_sgd_on_the_combined_batch():
+@TRANSPORTS
+def test_sync_equals_single_process_sgd_on_the_combined_batch(transport):
     """Sharded over two servers too: the shards must reassemble into the same trajectory."""
     seed = shared_seed()
     X, y, _ = problem(seed)
     servers = 2 if P >= 4 else 1
-    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Sync(lr=0.1), servers=servers)
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Sync(lr=0.1), servers=servers, transport=transport)
     workers = server.layout.workers
     batches = [[np.random.default_rng([seed, step, worker]).integers(0, len(y), 16) for worker in workers]
                for step in range(25)]
@@ -88,13 +93,14 @@ def test_sync_equals_single_process_sgd_on_the_combined_batch():
 
 
 @pytest.mark.mpi(min_size=3)
-def test_dcasgd_compensates_stale_gradients_exactly():
+@TRANSPORTS
+def test_dcasgd_compensates_stale_gradients_exactly(transport):
     """B updates, then A's gradient on the initial weights arrives, then B's on the weights B got."""
     seed = shared_seed()
     rng = np.random.default_rng(seed)
     w0, g_b, g_a, g_c = (rng.standard_normal(7) for _ in range(4))
     lr, lam = 0.1, 0.5
-    server = ps.ParameterServer(WORLD, w0, ps.DCASGD(lr=lr, lam=lam), servers=1)
+    server = ps.ParameterServer(WORLD, w0, ps.DCASGD(lr=lr, lam=lam), servers=1, transport=transport)
     a, b = server.layout.workers[0], server.layout.workers[1]
     if server.is_server:
         server.serve()
@@ -147,10 +153,11 @@ def test_bad_gradients_and_layouts_are_refused():
 
 
 @pytest.mark.mpi(min_size=3)
-def test_a_silent_worker_is_dropped_and_training_goes_on():
+@TRANSPORTS
+def test_a_silent_worker_is_dropped_and_training_goes_on(transport):
     seed = shared_seed()
     X, y, optimum = problem(seed)
-    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Async(lr=0.05), servers=1)
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Async(lr=0.05), servers=1, transport=transport)
     silent = server.layout.workers[-1]
     lost = None
     if server.is_server:
@@ -204,8 +211,9 @@ def test_sync_names_the_worker_it_lost(monkeypatch):
     everywhere(ok, outcome)
 
 
-def test_a_nan_gradient_is_skipped_and_the_model_stays_finite():
-    server = ps.ParameterServer(WORLD, np.ones(5), ps.Async(lr=0.1), servers=1)
+@TRANSPORTS
+def test_a_nan_gradient_is_skipped_and_the_model_stays_finite(transport):
+    server = ps.ParameterServer(WORLD, np.ones(5), ps.Async(lr=0.1), servers=1, transport=transport)
     skipped = None
     if server.is_server:
         skipped = server.serve().nonfinite
@@ -266,7 +274,8 @@ def test_straggler_specifications():
 
 
 @pytest.mark.mpi(min_size=3)
-def test_a_resumed_sync_run_ends_with_the_same_weights(tmp_path_factory):
+@TRANSPORTS
+def test_a_resumed_sync_run_ends_with_the_same_weights(tmp_path_factory, transport):
     """Stop after 17 steps (checkpoints every 5 updates and at the end), resume: same end as 30 in one go."""
     seed = shared_seed()
     X, y, _ = problem(seed)
@@ -274,7 +283,8 @@ def test_a_resumed_sync_run_ends_with_the_same_weights(tmp_path_factory):
     servers = 2 if P >= 4 else 1
 
     def run(steps, checkpoint=None, resume=False):
-        server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Sync(lr=0.1), servers=servers)
+        server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Sync(lr=0.1), servers=servers,
+                                    transport=transport)
         first = None
         if server.is_server:
             server.serve(checkpoint=checkpoint, every=5, resume=resume)
@@ -297,10 +307,11 @@ def test_a_resumed_sync_run_ends_with_the_same_weights(tmp_path_factory):
 
 
 @pytest.mark.mpi(min_size=3)
-def test_downpour_with_warm_start_and_a_fetch_push_cadence():
+@TRANSPORTS
+def test_downpour_with_warm_start_and_a_fetch_push_cadence(transport):
     seed = shared_seed()
     X, y, optimum = problem(seed)
-    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Downpour(lr=0.3), servers=1)
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Downpour(lr=0.3), servers=1, transport=transport)
     first_version = None
     if server.is_server:
         server.serve(warm_start=20)
@@ -319,3 +330,90 @@ def test_downpour_with_warm_start_and_a_fetch_push_cadence():
     late = first_version is not None and RANK != server.layout.workers[0]
     everywhere(not late or first_version >= 20, f"rank {RANK} started at update {first_version} of a 20-update warm start")
     everywhere(error < 1e-2, f"seed {seed}: ended {error:.2e} from the optimum")
+
+
+@pytest.mark.mpi(min_size=3)
+@TRANSPORTS
+def test_dcasgd_backup_is_what_a_pull_returned(transport):
+    """A pulls after B's update: A's later gradient is compensated against exactly those weights."""
+    rng = np.random.default_rng(shared_seed())
+    w0, g_b, g_c, g_a = (rng.standard_normal(9) for _ in range(4))
+    lr, lam = 0.1, 0.5
+    server = ps.ParameterServer(WORLD, w0, ps.DCASGD(lr=lr, lam=lam), servers=1, transport=transport)
+    a, b = server.layout.workers[0], server.layout.workers[1]
+    if server.is_server:
+        server.serve()
+    elif RANK == b:
+        server.client.pull()
+        server.client.exchange(g_b)
+        WORLD.send(None, dest=a, tag=5)
+        WORLD.recv(source=a, tag=6)                   # A has pulled
+        server.client.exchange(g_c)
+        WORLD.send(None, dest=a, tag=7)
+    elif RANK == a:
+        WORLD.recv(source=b, tag=5)
+        server.client.pull()
+        WORLD.send(None, dest=b, tag=6)
+        WORLD.recv(source=b, tag=7)
+        server.client.exchange(g_a)
+    if not server.is_server:
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    w1 = w0 - lr * g_b
+    w2 = w1 - lr * g_c                                  # B's backup is w1: no compensation
+    w3 = w2 - lr * (g_a + lam * g_a * g_a * (w2 - w1))  # A pulled w1
+    everywhere(np.allclose(final, w3, rtol=1e-14, atol=1e-14), f"got {final}, expected {w3}")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_one_sided_pulls_progress_while_the_server_waits_for_a_straggler():
+    """Sync waits for the last worker for 1.5 s; meanwhile another reads the weights 50 times.
+
+    MPICH's Get needs the target inside MPI: a server that waited outside MPI
+    (a sleep, a blocking call elsewhere) would hold every read for the whole 1.5 s.
+    """
+    server = ps.ParameterServer(WORLD, np.arange(1000.0), ps.Sync(lr=0.1), servers=1, transport="onesided")
+    slow, reader = server.layout.workers[-1], server.layout.workers[0]
+    slowest = 0.0
+    if server.is_server:
+        server.serve()
+    else:
+        server.client.pull()
+        if RANK == slow:
+            time.sleep(1.5)
+        elif RANK == reader:
+            for _ in range(50):
+                start = time.perf_counter()
+                weights = server.client.pull()
+                slowest = max(slowest, time.perf_counter() - start)
+                if not np.array_equal(weights, np.arange(1000.0)):
+                    slowest = np.inf
+        server.client.exchange(np.ones(1000))
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    everywhere(slowest < 0.5, f"rank {RANK}: the slowest of 50 one-sided pulls took {slowest:.3f} s")
+    everywhere(np.allclose(final, np.arange(1000.0) - 0.1), "one sync round from the initial weights")
+
+
+@pytest.mark.mpi(min_size=2)
+@TRANSPORTS
+def test_workers_may_train_on_device_arrays(transport):
+    cuda = numba_cuda_or_skip()
+    server = ps.ParameterServer(WORLD, np.ones(6, np.float32), ps.Async(lr=0.5), servers=1, transport=transport)
+    problems = []
+    if server.is_server:
+        server.serve()
+    else:
+        on_device = cuda.device_array(6, np.float32)
+        server.client.pull(out=on_device)
+        if not np.array_equal(on_device.copy_to_host(), np.ones(6, np.float32)):
+            problems.append(f"pulled {on_device.copy_to_host()}")
+        server.client.exchange(cuda.to_device(np.full(6, 2, np.float32)), out=on_device)
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+    workers = len(server.layout.workers)
+    everywhere(not problems, str(problems))
+    everywhere(np.allclose(final, 1 - workers * 0.5 * 2), f"weights {final}")

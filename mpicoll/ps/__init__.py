@@ -13,7 +13,9 @@
         server.client.close()
     final = server.gather_weights()            # the full vector, on every rank
 
-Run with ``mpiexec -n S+W``: the first S ranks serve one shard each.  See
+Run with ``mpiexec -n S+W``: the first S ranks serve one shard each.
+``transport="onesided"`` moves gradients and weights through MPI windows
+(:mod:`mpicoll.ps.windows`) instead of point-to-point messages.  See
 :mod:`mpicoll.ps.rules` for the rules (sync, softsync, async, dcasgd, downpour).
 """
 
@@ -27,6 +29,9 @@ from .client import Client, Schedule
 from .layout import Layout
 from .rules import DCASGD, Async, Downpour, Rule, SoftSync, Sync, make
 from .server import ServerStats, WorkerLost, serve
+from .windows import Windows
+
+TRANSPORTS = ("p2p", "onesided")
 
 __all__ = ["ParameterServer", "Layout", "Client", "Schedule", "ServerStats", "WorkerLost", "Rule", "Sync", "SoftSync", "Async", "DCASGD",
            "Downpour", "make"]
@@ -40,16 +45,25 @@ class ParameterServer:
     needs its own ``rule`` instance.
     """
 
-    def __init__(self, comm: MPI.Intracomm, init: np.ndarray, rule: Rule, *, servers: int | list[int] = 1):
+    def __init__(self, comm: MPI.Intracomm, init: np.ndarray, rule: Rule, *, servers: int | list[int] = 1,
+                 transport: str = "p2p"):
         init = np.ascontiguousarray(init).reshape(-1)
         if init.dtype not in (np.float32, np.float64):
             raise TypeError(f"parameters must be float32 or float64, got {init.dtype}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.layout = Layout.split(comm, init.size, servers)
         self.context = Context(comm)
         self.rule = rule
+        self.transport = transport
+        self.windows = None
+        if transport == "onesided":
+            self.context.rendezvous()                 # allocating windows blocks until every rank is here
+            self.windows = Windows(self.context.comm, self.layout, init.dtype)
         self.is_server = self.layout.is_server
         self.weights = init[self.layout.shard(self.layout.rank)].copy() if self.is_server else None
-        self.client = None if self.is_server else Client(self.context, self.layout, init.dtype)
+        self.client = None if self.is_server else Client(self.context, self.layout, init.dtype, self.windows,
+                                                         reads_live=rule.reads_live)
         self.stats: ServerStats | None = None
         self._unclean = False
 
@@ -70,7 +84,8 @@ class ParameterServer:
             raise ValueError("resume=True needs the checkpoint prefix to resume from")
         self._unclean = True          # until serve returns: an error leaves messages in flight
         self.stats = serve(self.context, self.layout, self.rule, self.weights, worker_timeout,
-                           checkpoint=checkpoint, every=every, resume=resume, warm_start=warm_start)
+                           checkpoint=checkpoint, every=every, resume=resume, warm_start=warm_start,
+                           windows=self.windows)
         self._unclean = bool(self.stats.lost)
         return self.stats
 
@@ -78,6 +93,8 @@ class ParameterServer:
         """The servers' current full parameter vector, on every rank (collective)."""
         dtype = self.weights.dtype if self.is_server else self.client.weights.dtype
         full = np.empty(self.layout.size, dtype)
+        if not self.is_server and not self.client.closed:
+            raise RuntimeError(f"worker rank {self.layout.rank}: close the client before gathering the weights")
         for server in self.layout.servers:
             part = full[self.layout.shard(server)]
             if self.layout.rank == server:
@@ -91,6 +108,14 @@ class ParameterServer:
         A rank whose run went wrong (a server that dropped a worker or raised, a
         client that timed out) keeps it instead: late messages may still arrive,
         and a freed communicator's identity can be reused by the next one, where
-        they would be taken for new requests.
+        they would be taken for new requests.  Windows (one-sided) are freed only
+        after a clean run: freeing them needs every rank, a lost one included.
         """
+        lost = self.stats.lost if self.is_server and self.stats else self.client and self.client.servers_lost
+        if self.client is not None:
+            self.client.weights = self.client.weights.copy()      # off the window memory
+        if self.windows is not None and not lost and not self._unclean:
+            self.context.rendezvous()
+            self.windows.free()
+        self.windows = None
         self.context.free(keep_channel=self._unclean)

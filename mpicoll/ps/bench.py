@@ -20,7 +20,7 @@ from mpi4py import MPI
 from ..bench import format_bytes, parse_sizes
 from ..bench_kernels import median_seconds
 from ..straggler import Straggler, parse
-from . import ParameterServer, make
+from . import TRANSPORTS, ParameterServer, make
 
 __all__ = ["run"]
 
@@ -33,9 +33,9 @@ def _copy_gbps(count: int, dtype) -> float:
     return 2 * source.nbytes / median_seconds(lambda: np.copyto(target, source), 5, lambda: None) / 1e9
 
 
-def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers):
+def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers, transport):
     rule = make(rule_name, **_RULE_OPTIONS[rule_name])
-    server = ParameterServer(comm, np.zeros(count, dtype), rule, servers=servers)
+    server = ParameterServer(comm, np.zeros(count, dtype), rule, servers=servers, transport=transport)
     record = None
     if server.is_server:
         copy = _copy_gbps(server.weights.size, dtype)
@@ -43,7 +43,7 @@ def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers):
         applied = sum(stats.gradients.values()) - stats.dropped - stats.nonfinite   # stale ones move nothing
         update_gbps = (rule.arrays_per_gradient * server.weights.nbytes * applied
                        / max(stats.update_s, 1e-12) / 1e9)
-        record = {"rule": rule_name, "params": count, "dtype": np.dtype(dtype).name, "servers": len(server.layout.servers),
+        record = {"rule": rule_name, "transport": transport, "params": count, "dtype": np.dtype(dtype).name, "servers": len(server.layout.servers),
                   "workers": len(server.layout.workers), "straggler": straggle, "updates": stats.updates,
                   "updates_per_s": stats.updates / stats.wall_s, "gradients_per_s": sum(stats.gradients.values())
                   / stats.wall_s, "gbps": (stats.bytes_in + stats.bytes_out) / stats.wall_s / 1e9,
@@ -67,31 +67,34 @@ def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers):
 def run(args) -> int:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    rules = args.rules.split(",")
+    rules, transports = args.rules.split(","), args.transports.split(",")
     for name in rules:
         if name not in _RULE_OPTIONS:
             raise SystemExit(f"bench-ps: unknown rule {name!r}; choose from {', '.join(_RULE_OPTIONS)}")
+    for name in transports:
+        if name not in TRANSPORTS:
+            raise SystemExit(f"bench-ps: unknown transport {name!r}; choose from {', '.join(TRANSPORTS)}")
     sizes = [size // np.dtype(args.dtype).itemsize for size in parse_sizes(args.sizes)]
     stragglers = [""] + ([args.straggler] if args.straggler else [])
     parse(args.straggler)
     if rank == 0:
         print(f"# mpicoll bench-ps: {comm.Get_size()} ranks, {args.servers} server(s), {args.dtype}, "
               f"{args.seconds:g} s per run, {args.compute_ms:g} ms per gradient")
-        print(f"{'rule':>9} {'params':>10} {'straggler':>9} {'updates/s':>10} {'grads/s':>8} {'GB/s':>7} "
+        print(f"{'rule':>9} {'transport':>9} {'params':>10} {'straggler':>9} {'updates/s':>10} {'grads/s':>8} {'GB/s':>7} "
               f"{'update GB/s':>11} {'x copy':>7} {'dropped':>7}")
     records = []
     for count in sizes:
         for straggle in stragglers:
-            for name in rules:
+            for name, transport in ((n, t) for n in rules for t in transports):
                 found = [r for r in _one(comm, name, count, args.dtype, args.seconds, args.compute_ms / 1e3,
-                                         straggle, args.servers) if r]
+                                         straggle, args.servers, transport) if r]
                 records += found
                 if rank == 0:
                     first = found[0]
                     ups = sum(r["updates_per_s"] for r in found) / len(found)
                     gps = sum(r["gradients_per_s"] for r in found) / len(found)
                     gbps = sum(r["gbps"] for r in found)
-                    print(f"{name:>9} {format_bytes(count * np.dtype(args.dtype).itemsize):>10} "
+                    print(f"{name:>9} {transport:>9} {format_bytes(count * np.dtype(args.dtype).itemsize):>10} "
                           f"{straggle or '-':>9} {ups:>10.1f} {gps:>8.1f} {gbps:>7.2f} "
                           f"{first['update_gbps']:>11.1f} {first['update_fraction_of_copy']:>7.2f} "
                           f"{sum(r['dropped'] for r in found):>7}", flush=True)

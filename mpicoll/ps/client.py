@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import compute
 from ..context import Context
 from .layout import Layout
-from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind
+from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind, lost_in
+from .windows import Windows
 
 __all__ = ["Client", "Schedule"]
 
@@ -16,41 +18,82 @@ class Client:
 
     ``weights`` is the worker's copy of the full parameter vector, refreshed by
     ``pull`` and ``exchange``; treat it as read-only (copy it to modify it).
+    Gradients may be numpy or CUDA arrays (copied to the host on the way);
+    ``out=`` (any array, a CUDA one included) also receives the weights.
     """
 
-    def __init__(self, ctx: Context, layout: Layout, dtype):
-        self.ctx, self.layout = ctx, layout
-        self.weights = np.zeros(layout.size, dtype)
+    def __init__(self, ctx: Context, layout: Layout, dtype, windows: Windows | None = None,
+                 reads_live: bool = True):
+        self.ctx, self.layout, self.windows = ctx, layout, windows
+        self.reads_live = reads_live
+        self.weights = np.zeros(layout.size, dtype) if windows is None else windows.weights
         self.versions = {server: 0 for server in layout.servers}
         self._answers = {server: np.zeros(1, np.int64) for server in layout.servers}
+        self._unsettled: tuple = ([], [])  # one-sided: our last push's messages, and their peers
+        self._host_gradient = None
         self.closed = False
+        self._joined = False               # the first pull goes through the servers (a warm start may hold it)
+        self.servers_lost = 0              # workers the servers dropped (known after close)
 
-    def pull(self) -> np.ndarray:
+    def pull(self, out=None):
         """Fetch the current weights from every server."""
-        return self._request(Kind.PULL)
+        return self._request(Kind.PULL, out=out)
 
-    def push(self, gradient: np.ndarray) -> None:
+    def push(self, gradient) -> None:
         """Send a gradient without waiting for weights (Downpour's push)."""
         self._request(Kind.PUSH, gradient)
 
-    def exchange(self, gradient: np.ndarray) -> np.ndarray:
+    def exchange(self, gradient, out=None):
         """Send a gradient and return the weights the servers answer with."""
-        return self._request(Kind.EXCHANGE, gradient)
+        return self._request(Kind.EXCHANGE, gradient, out)
 
     def close(self) -> None:
-        """Tell every server this worker is done (servers return once all workers are)."""
-        if not self.closed:
-            self._request(Kind.DONE)
-            self.closed = True
+        """Tell every server this worker is done (servers return once all workers are).
 
-    def _request(self, kind: Kind, gradient: np.ndarray | None = None):
+        With windows, waits for the servers' last word (they answer once every
+        worker is done or dropped), since freeing windows needs every rank.
+        """
+        if self.closed:
+            return
+        self._request(Kind.DONE)
+        self.closed = True
+
+    def _host(self, gradient) -> np.ndarray:
+        if compute.is_device_array(gradient):
+            backend, device = compute.as_device_array(gradient)
+            if self._host_gradient is None or self._host_gradient.size != device.size:
+                self._host_gradient = np.empty(device.size, self.weights.dtype)
+            if device.dtype != self.weights.dtype:
+                raise ValueError(f"gradient of {device.size} {device.dtype} values; the servers hold "
+                                 f"{self.layout.size} {self.weights.dtype} parameters")
+            flat = device.reshape(-1)
+            if backend == "cupy":
+                flat.get(out=self._host_gradient)
+            else:
+                flat.copy_to_host(self._host_gradient)
+            return self._host_gradient
+        return np.ascontiguousarray(gradient).reshape(-1)
+
+    def _request(self, kind: Kind, gradient=None, out=None):
         if self.closed:
             raise RuntimeError("this parameter-server client is closed")
         if gradient is not None:
-            gradient = np.ascontiguousarray(gradient).reshape(-1)
+            gradient = self._host(gradient)
             if gradient.size != self.layout.size or gradient.dtype != self.weights.dtype:
                 raise ValueError(f"gradient of {gradient.size} {gradient.dtype} values; the servers hold "
                                  f"{self.layout.size} {self.weights.dtype} parameters")
+        if self.windows is None:
+            self._point_to_point(kind, gradient)
+        else:
+            self._one_sided(kind, gradient)
+        if not kind.wants_weights:
+            return None
+        if out is not None:
+            _copy_into(out, self.weights)
+            return out
+        return self.weights
+
+    def _point_to_point(self, kind: Kind, gradient) -> None:
         servers = list(self.layout.servers)
         requests, peers = [], []
         if kind.wants_weights:       # posted first, so answers land straight in place
@@ -58,18 +101,61 @@ class Client:
                 requests += [self.ctx.irecv(self._answers[server], server, TAG_ANSWER),
                              self.ctx.irecv(self.weights[self.layout.shard(server)], server, TAG_WEIGHTS)]
                 peers += [server, server]
-        for server in servers:
-            requests.append(self.ctx.isend(np.array([int(kind), self.versions[server]], np.int64), server,
-                                           TAG_REQUEST))
-            peers.append(server)
-            if kind.carries_gradient:
-                requests.append(self.ctx.isend(gradient[self.layout.shard(server)], server, TAG_GRADIENT))
-                peers.append(server)
+        self._send_headers(kind, gradient, requests, peers)
         self.ctx.waitall(requests, peers)
         if kind.wants_weights:
             self.versions = {server: int(self._answers[server][0]) for server in servers}
-            return self.weights
-        return None
+
+    def _one_sided(self, kind: Kind, gradient) -> None:
+        servers = list(self.layout.servers)
+        self.ctx.waitall(*self._unsettled)                  # our inbox slots are free again
+        self._unsettled = ([], [])
+        if kind is Kind.PULL and self.reads_live and self._joined:
+            self.windows.get_live()
+            self.versions = dict(zip(servers, map(int, self.windows.versions)))
+            return
+        if kind.carries_gradient:
+            self.windows.put_gradient(gradient)
+        requests = [self.ctx.irecv(self._answers[server], server, TAG_ANSWER) for server in servers]
+        peers = list(servers)
+        self._send_headers(kind, None, requests, peers)
+        if kind is Kind.PUSH:
+            self._unsettled = (requests, peers)
+            return
+        # the servers answer DONE only once every worker is done or dropped
+        self.ctx.waitall(requests, peers, limit=2 * self.ctx.timeout if kind is Kind.DONE else None)
+        lost = {server: lost_in(int(self._answers[server][0])) for server in servers}
+        ended = [server for server, count in lost.items() if count is not None]
+        if kind is Kind.DONE:
+            self.servers_lost = max(count or 0 for count in lost.values())
+        elif ended:
+            raise RuntimeError(f"worker rank {self.layout.rank}: server rank(s) {ended} finished without it "
+                               "(it was silent for longer than their worker_timeout and was dropped)")
+        else:
+            self.windows.see_puts()
+            self.versions = dict(zip(servers, map(int, self.windows.versions)))
+            self._joined = True
+
+    def _send_headers(self, kind: Kind, gradient, requests: list, peers: list) -> None:
+        """The request header to every server (and, point to point, the gradient slice after it)."""
+        for server in self.layout.servers:
+            requests.append(self.ctx.isend(np.array([int(kind), self.versions[server]], np.int64), server,
+                                           TAG_REQUEST))
+            peers.append(server)
+            if gradient is not None:
+                requests.append(self.ctx.isend(gradient[self.layout.shard(server)], server, TAG_GRADIENT))
+                peers.append(server)
+
+
+def _copy_into(out, weights: np.ndarray) -> None:
+    if compute.is_device_array(out):
+        backend, device = compute.as_device_array(out)
+        if backend == "cupy":
+            device.reshape(-1).set(weights)
+        else:
+            device.reshape(-1).copy_to_device(weights)
+    else:
+        np.copyto(np.asarray(out).reshape(-1), weights)
 
 
 class Schedule:

@@ -3,7 +3,10 @@
 A worker's request is a small header ``[kind, version]`` (version: how many
 updates its weights of that shard had seen), followed, for the kinds that carry
 one, by the gradient slice for that server.  A server's answer is a header
-``[version]`` followed by the shard's weights.  Messages between two ranks on
+``[version]`` followed by the shard's weights.  With windows (one-sided) the
+data moves by RMA and only the headers travel here; every request but DONE is
+answered, and every worker gets a last, negative answer once the server is done
+(:func:`final_note`), which says how many workers it lost.  Messages between two ranks on
 one tag arrive in order, so a header and its payload always pair up.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Kind", "TAG_REQUEST", "TAG_GRADIENT", "TAG_ANSWER", "TAG_WEIGHTS"]
+__all__ = ["Kind", "TAG_REQUEST", "TAG_GRADIENT", "TAG_ANSWER", "TAG_WEIGHTS", "final_note", "lost_in"]
 
 TAG_REQUEST, TAG_GRADIENT, TAG_ANSWER, TAG_WEIGHTS = 71, 72, 73, 74
 
@@ -29,3 +32,13 @@ class Kind(enum.IntEnum):
     @property
     def wants_weights(self) -> bool:
         return self in (Kind.EXCHANGE, Kind.PULL)
+
+
+def final_note(lost: int) -> int:
+    """The server's last answer: negative, so it cannot pass for a version; it counts the lost workers."""
+    return -1 - lost
+
+
+def lost_in(answer: int) -> int | None:
+    """The lost-worker count of a final note; None for an ordinary answer (a version)."""
+    return -1 - answer if answer < 0 else None

@@ -61,6 +61,11 @@ class Rule:
         self.w[...] = state["w"]
         self.version, self.dropped = int(state["version"]), int(state["dropped"])
 
+    def on_pull(self, worker: int) -> None:
+        """``worker`` is about to be sent the current weights without a gradient of its own."""
+
+    reads_live = True                 # may workers read the weights without telling the server?
+
     def on_leave(self, worker: int) -> list[int]:
         """A worker has finished (or was lost); returns who may now get weights."""
         self.active.discard(worker)
@@ -208,6 +213,11 @@ class DCASGD(Rule):
             compute.dcasgd(self.w, gradient, self.backup[worker], self.lr, self.lam, refresh_backup=True)
         self.version += 1
         return [worker]       # it gets exactly the weights its backup now holds
+
+    reads_live = False                # the backup must be exactly what each worker got
+
+    def on_pull(self, worker):
+        self.backup[worker][...] = self.w
 
 
 class Downpour(Rule):

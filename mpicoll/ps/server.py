@@ -3,7 +3,10 @@
 Every worker always has a request receive posted; the loop takes whichever
 arrives first, feeds gradients to the rule, and answers with nonblocking sends
 from per-worker snapshots of the weights, so a worker that is slow to collect
-its answer holds up nobody.
+its answer holds up nobody.  With the one-sided transport the gradients are
+already in the server's window when the request arrives, and answers are
+``Put`` into the worker's window, which completes without the worker's help.
+Between requests the server waits inside MPI, so workers' reads progress.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import numpy as np
 
 from ..context import Context
 from .layout import Layout
-from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind
+from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind, final_note
 from .rules import Rule
+from .windows import Windows
 
 __all__ = ["ServerStats", "WorkerLost", "serve"]
 
@@ -80,7 +84,7 @@ def load_checkpoint(prefix: str, server: int, rule: Rule) -> int:
 
 def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
           worker_timeout: float | None = None, checkpoint: str | None = None, every: int = 100,
-          resume: bool = False, warm_start: int = 0) -> ServerStats:
+          resume: bool = False, warm_start: int = 0, windows: Windows | None = None) -> ServerStats:
     """Serve ``weights`` (this server's shard, updated in place) until every worker is done.
 
     A worker that sends nothing for ``worker_timeout`` seconds (default: the
@@ -90,40 +94,68 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
     updates and at the end; ``resume`` continues from the saved state.
     ``warm_start=k``: only the first worker is answered until k updates are in
     (Downpour's warm start); the others' first pulls wait for that.
+    ``windows``: the one-sided transport (:mod:`mpicoll.ps.windows`); the rule
+    then works on the window's live weights, copied back at the end.
     """
     if warm_start and rule.waits_for_rounds:
         raise ValueError(f"a warm start lets one worker train alone; {rule.name} rounds need every worker: "
                          "use async, dcasgd or downpour")
     worker_timeout = ctx.timeout if worker_timeout is None else worker_timeout
     workers = list(layout.workers)
-    rule.setup(weights, tuple(workers))
+    live = weights
+    if windows is not None:
+        live = windows.weights
+        live[...] = weights
+    rule.setup(live, tuple(workers))
     if resume:
         load_checkpoint(checkpoint, layout.rank, rule)
+    if windows is not None:
+        windows.version[0] = rule.version
     saved_at = rule.version
     stats = ServerStats()
     headers = {w: np.zeros(2, np.int64) for w in workers}
-    gradient = np.empty_like(weights)
-    snapshots = {w: np.empty_like(weights) for w in workers}
+    gradient = np.empty_like(weights) if windows is None else None
+    snapshots = {w: np.empty_like(weights) for w in workers} if windows is None else {}
     answers: dict[int, list] = {w: [] for w in workers}
-    waiting: set[int] = set()
+    waiting: dict[int, Kind] = {}       # workers owed weights, and what they asked with
     deferred: set[int] = set()          # first pulls held back by the warm start
     requests = [ctx.irecv(headers[w], w, TAG_REQUEST) for w in workers]
     start = time.perf_counter()
 
+    def note(worker: int, value: int) -> None:
+        """The small answer header; with windows, all there is to send after a Put."""
+        ctx.waitall(answers[worker], worker)                 # its previous answer has left
+        answers[worker] = [ctx.isend(np.array([value], np.int64), worker, TAG_ANSWER)]
+
     def answer(worker: int) -> None:
-        ctx.waitall(answers[worker], worker)                 # its previous snapshot has left
-        snapshots[worker][...] = weights
-        answers[worker] = [ctx.isend(np.array([rule.version], np.int64), worker, TAG_ANSWER),
-                           ctx.isend(snapshots[worker], worker, TAG_WEIGHTS)]
-        stats.bytes_out += weights.nbytes
-        waiting.discard(worker)
+        if waiting.pop(worker) is Kind.PULL:
+            rule.on_pull(worker)
+        if windows is None:
+            note(worker, rule.version)
+            snapshots[worker][...] = live
+            answers[worker].append(ctx.isend(snapshots[worker], worker, TAG_WEIGHTS))
+        else:
+            windows.put_weights(worker)                      # complete when this returns
+            note(worker, rule.version)
+        stats.bytes_out += live.nbytes
+
+    def update(worker: int, version: int, gradient: np.ndarray) -> list[int]:
+        before = time.perf_counter()
+        if windows is None:
+            ready = rule.on_gradient(worker, version, gradient)
+        else:
+            with windows.updating():
+                ready = rule.on_gradient(worker, version, gradient)
+                windows.version[0] = rule.version
+        stats.update_s += time.perf_counter() - before
+        return ready
 
     active = set(workers)
     last_heard = {w: start for w in workers}
 
     def drop_silent_workers() -> None:
         now = time.perf_counter()
-        for worker in sorted(active - waiting):          # a worker waiting for us is not silent
+        for worker in sorted(active - set(waiting)):          # a worker waiting for us is not silent
             if worker_timeout and now - last_heard[worker] > worker_timeout:
                 message = (f"[server rank {layout.rank}] worker rank {worker} sent nothing for "
                            f"{worker_timeout:g} s")
@@ -153,24 +185,27 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
         kind, version = Kind(int(headers[worker][0])), int(headers[worker][1])
         ready: list[int] = []
         if kind.carries_gradient:
-            ctx.wait(ctx.irecv(gradient, worker, TAG_GRADIENT), worker)
+            if windows is None:
+                ctx.wait(ctx.irecv(gradient, worker, TAG_GRADIENT), worker)
+            else:
+                gradient = windows.inbox(worker)
             stats.bytes_in += gradient.nbytes
             stats.gradients[worker] = stats.gradients.get(worker, 0) + 1
             lag = rule.version - version
             stats.staleness[lag] = stats.staleness.get(lag, 0) + 1
             if kind.wants_weights:
-                waiting.add(worker)
+                waiting[worker] = kind
             if _finite(gradient):
-                before = time.perf_counter()
-                ready = rule.on_gradient(worker, version, gradient)
-                stats.update_s += time.perf_counter() - before
+                ready = update(worker, version, gradient)
             else:                                              # never let NaN or Inf into the model
                 stats.nonfinite += 1
                 print(f"[server rank {layout.rank}] worker rank {worker} sent a gradient with NaN or Inf "
                       f"(update {rule.version}): skipped", file=sys.stderr, flush=True)
                 ready = [worker]
+            if windows is not None and not kind.wants_weights:
+                note(worker, rule.version)                     # its inbox slot is free again
         elif kind is Kind.PULL:
-            waiting.add(worker)
+            waiting[worker] = kind
             if rule.version < warm_start and worker != workers[0]:
                 deferred.add(worker)
             else:
@@ -189,11 +224,19 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
             save_checkpoint(checkpoint, layout.rank, rule)
             saved_at = rule.version
         drop_silent_workers()
-    for worker in workers:
-        if worker not in stats.lost:
-            ctx.waitall(answers[worker], worker)
+    finished = [worker for worker in workers if worker not in stats.lost]
+    if windows is not None:            # the last word, to every worker: how the run ended (lost ones may read it)
+        for worker in workers:
+            if worker in finished:
+                note(worker, final_note(len(stats.lost)))
+            else:
+                ctx.isend(np.array([final_note(len(stats.lost))], np.int64), worker, TAG_ANSWER)
+    for worker in finished:
+        ctx.waitall(answers[worker], worker)
     if checkpoint:
         save_checkpoint(checkpoint, layout.rank, rule)
+    if live is not weights:
+        weights[...] = live
     stats.updates, stats.dropped = rule.version, rule.dropped
     stats.wall_s = time.perf_counter() - start
     return stats
