@@ -175,6 +175,17 @@ class Context:
             return self._poll(any_done, give_up)
         return self._poll(any_done, lambda: None, limit=patience)
 
+    def wait_until(self, ready, peers: list[int]) -> None:
+        """Poll ``ready()`` until it is true (spinning, then yielding the core), for
+        waits that are not requests, such as data landing in a window; past the
+        deadline a :class:`CollectiveTimeout` names ``peers``."""
+        def give_up():
+            error = CollectiveTimeout(self.collective, self.rank, peers, self.timeout)
+            self._broken = str(error)
+            raise error
+
+        self._poll(lambda: True if ready() else None, give_up)
+
     def _wait_with_deadline(self, requests: list, peers, limit: float | None = None) -> None:
         self._poll(lambda: True if MPI.Request.Testall(requests) else None,
                    lambda: self._give_up(requests, peers, limit), limit)

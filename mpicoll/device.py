@@ -199,6 +199,18 @@ def _gather_into(ctx, arrays, buffers, chunk, target, bounds, staged) -> None:
         arrays.to_device(host, target)
 
 
+def to_host(device_array, host: np.ndarray) -> None:
+    """Copy any CUDA array (CuPy, Numba, or one they can view) into the host array ``host``."""
+    library, array = as_device_array(device_array)
+    _Arrays(library).to_host(array.reshape(-1), host.reshape(-1))
+
+
+def from_host(host: np.ndarray, device_array) -> None:
+    """Copy the host array ``host`` into any CUDA array of the same size."""
+    library, array = as_device_array(device_array)
+    _Arrays(library).to_device(np.ascontiguousarray(host).reshape(-1), array.reshape(-1))
+
+
 def _setup(ctx, *device_arrays):
     libraries = {as_device_array(a)[0] for a in device_arrays if a is not None}
     if len(libraries) != 1:

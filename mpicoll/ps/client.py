@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import compute
+from .. import compute, device
 from ..context import Context
 from .layout import Layout
 from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind, lost_in
@@ -59,20 +59,15 @@ class Client:
         self.closed = True
 
     def _host(self, gradient) -> np.ndarray:
-        if compute.is_device_array(gradient):
-            backend, device = compute.as_device_array(gradient)
-            if self._host_gradient is None or self._host_gradient.size != device.size:
-                self._host_gradient = np.empty(device.size, self.weights.dtype)
-            if device.dtype != self.weights.dtype:
-                raise ValueError(f"gradient of {device.size} {device.dtype} values; the servers hold "
-                                 f"{self.layout.size} {self.weights.dtype} parameters")
-            flat = device.reshape(-1)
-            if backend == "cupy":
-                flat.get(out=self._host_gradient)
-            else:
-                flat.copy_to_host(self._host_gradient)
-            return self._host_gradient
-        return np.ascontiguousarray(gradient).reshape(-1)
+        if not compute.is_device_array(gradient):
+            return np.ascontiguousarray(gradient).reshape(-1)
+        if gradient.dtype != self.weights.dtype or gradient.size != self.layout.size:
+            raise ValueError(f"gradient of {gradient.size} {gradient.dtype} values; the servers hold "
+                             f"{self.layout.size} {self.weights.dtype} parameters")
+        if self._host_gradient is None:
+            self._host_gradient = np.empty(self.layout.size, self.weights.dtype)
+        device.to_host(gradient, self._host_gradient)
+        return self._host_gradient
 
     def _request(self, kind: Kind, gradient=None, out=None):
         if self.closed:
@@ -149,11 +144,7 @@ class Client:
 
 def _copy_into(out, weights: np.ndarray) -> None:
     if compute.is_device_array(out):
-        backend, device = compute.as_device_array(out)
-        if backend == "cupy":
-            device.reshape(-1).set(weights)
-        else:
-            device.reshape(-1).copy_to_device(weights)
+        device.from_host(weights, out)
     else:
         np.copyto(np.asarray(out).reshape(-1), weights)
 

@@ -1,0 +1,226 @@
+"""Where push-sum messages land: a window peers accumulate into, or posted receives.
+
+A message is a packet: a header of four float64 ``[weight share, count,
+round sum, 0]`` followed by the scaled parameters.  Packets of one round are
+summed on arrival, so the count says how many have landed and the round sum
+(the sum of their round numbers) proves they all belong to the round being
+taken.  Every wait has the communicator's deadline and names the missing peers.
+
+``OneSidedMailbox`` (the default): each rank exposes ``slots`` packet slots in
+a window from ``Win.Allocate``; a sender ``Accumulate``\\ s its packet into slot
+``round % slots`` of each out-peer under a shared lock, which completes without
+the receiver's help (measured: MPICH's Put/Accumulate progress while the target
+computes, its Get does not).  The receiver takes a slot under an exclusive lock
+on its own window, so it never sees half a packet, then tells the ranks that
+will next write into that slot that it is free (a ``Put`` into their window).
+
+``PointToPointMailbox``: nonblocking sends, and receives posted when a round
+starts; messages between two ranks arrive in order, so packets pair with rounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
+
+from ..context import Context
+from .topology import Graph
+
+__all__ = ["OneSidedMailbox", "PointToPointMailbox", "HEADER"]
+
+HEADER = 4                      # float64 values before the parameters: weight, count, round sum, padding
+_HEADER_BYTES = HEADER * 8
+
+
+class _Packets:
+    """Packet-sized views into one byte buffer: ``header(i)`` and ``payload(i)`` of packet i."""
+
+    def __init__(self, memory: np.ndarray, count: int, dtype, packets: int):
+        self.dtype, self.count = np.dtype(dtype), count
+        self.stride = _HEADER_BYTES + -(-count * self.dtype.itemsize // 8) * 8
+        self.memory = memory
+        self.headers = [memory[i * self.stride:i * self.stride + _HEADER_BYTES].view(np.float64)
+                        for i in range(packets)]
+        self.payloads = [memory[i * self.stride + _HEADER_BYTES:i * self.stride + _HEADER_BYTES
+                                + count * self.dtype.itemsize].view(self.dtype) for i in range(packets)]
+
+    @classmethod
+    def allocate(cls, count: int, dtype, packets: int) -> "_Packets":
+        stride = _HEADER_BYTES + -(-count * np.dtype(dtype).itemsize // 8) * 8
+        return cls(np.zeros(stride * packets, np.uint8), count, dtype, packets)
+
+    def fill(self, index: int, share: float, x: np.ndarray, weight: float, round: int) -> None:
+        """Packet ``index`` = ``share`` of (x, weight), one message of ``round``."""
+        self.headers[index][:] = (share * weight, 1.0, float(round), 0.0)
+        np.multiply(x, x.dtype.type(share), out=self.payloads[index])
+
+    def packet(self, index: int) -> np.ndarray:
+        return self.memory[index * self.stride:(index + 1) * self.stride]
+
+
+def _by_share(shares: dict[int, float]) -> list[tuple[float, list[int]]]:
+    """Out-peers grouped by the share they get: one scaled copy of x per distinct share."""
+    groups: dict[float, list[int]] = {}
+    for peer, share in shares.items():
+        groups.setdefault(share, []).append(peer)
+    return list(groups.items())
+
+
+def _check_round(header: np.ndarray, round: int, rank: int, peers) -> None:
+    expected = len(peers) * float(round)
+    if header[2] != expected:
+        raise RuntimeError(f"push-sum: rank {rank} took {int(header[1])} message(s) for round {round} whose "
+                           f"rounds sum to {header[2]:g}, not {expected:g}: a peer of {list(peers)} runs a "
+                           "different number of rounds (every rank must call mix() the same number of times)")
+
+
+class OneSidedMailbox:
+    """``slots`` packet slots per rank in one window, written by ``Accumulate``."""
+
+    def __init__(self, ctx: Context, graph: Graph, count: int, dtype, slots: int):
+        self.ctx, self.graph, self.slots = ctx, graph, slots
+        self.rank = ctx.rank
+        self.mpi_type = from_numpy_dtype(np.dtype(dtype))
+        outgoing = _Packets.allocate(count, dtype, 1)
+        self.outgoing = outgoing
+        stride = outgoing.stride
+        self.acks_at = slots * stride
+        ctx.rendezvous()                          # allocating a window blocks until every rank is here
+        self.win = MPI.Win.Allocate(self.acks_at + ctx.size * 8, 1, comm=ctx.comm)
+        memory = np.frombuffer(self.win.tomemory(), np.uint8)
+        memory[:] = 0
+        self.inbox = _Packets(memory[:self.acks_at], count, dtype, slots)
+        # freed[q]: the latest round rank q has taken from its mailbox; starts "before round 0"
+        self.freed = memory[self.acks_at:].view(np.float64)
+        self.freed[:] = -1.0
+        ctx.rendezvous()                          # every mailbox is ready before anyone writes
+
+    def expect(self, round: int) -> None:
+        """Nothing to post: packets land on their own."""
+
+    def send(self, round: int, shares: dict[int, float], x: np.ndarray, weight: float) -> None:
+        """Accumulate each out-peer's share of (x, weight) into its slot for ``round``."""
+        offset = (round % self.slots) * self.outgoing.stride
+        for share, peers in _by_share(shares):
+            self.outgoing.fill(0, share, x, weight, round)
+            for peer in peers:
+                self._wait_for_free_slot(round, peer)
+                self.win.Lock(peer, MPI.LOCK_SHARED)
+                self.win.Accumulate(self.outgoing.headers[0], peer, (offset, HEADER, MPI.DOUBLE), MPI.SUM)
+                if self.outgoing.count:
+                    self.win.Accumulate(self.outgoing.payloads[0], peer,
+                                        (offset + _HEADER_BYTES, self.outgoing.count, self.mpi_type), MPI.SUM)
+                self.win.Unlock(peer)
+
+    def _wait_for_free_slot(self, round: int, peer: int) -> None:
+        """``peer`` must have taken round - slots, the last user of this slot, from its mailbox."""
+        def free() -> bool:
+            self._see_own_window()
+            return self.freed[peer] >= round - self.slots
+
+        if not free():
+            self.ctx.wait_until(free, [peer])
+
+    def take(self, round: int) -> list:
+        """Wait for every packet of ``round``; returns [(weight, payload)] (one, already summed).
+
+        Call :meth:`release` once the payload has been folded in.
+        """
+        peers = self.graph.in_peers(self.rank, round)
+        header = self.inbox.headers[round % self.slots]
+
+        def landed() -> bool:
+            self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+            self.win.Sync()
+            if header[1] >= len(peers):
+                return True                       # keep the lock: senders wait until release()
+            self.win.Unlock(self.rank)
+            return False
+
+        if not landed():
+            self.ctx.wait_until(landed, list(peers))
+        _check_round(header, round, self.rank, peers)
+        self._taking = round
+        return [(float(header[0]), self.inbox.payloads[round % self.slots])] if peers else []
+
+    def release(self) -> None:
+        """Empty the slot just taken and tell the ranks that write into it next that it is free."""
+        round = self._taking
+        slot = round % self.slots
+        self.inbox.headers[slot][:] = 0
+        self.inbox.payloads[slot][...] = 0
+        self.win.Unlock(self.rank)
+        marker = np.array([float(round)])
+        for peer in self.graph.in_peers(self.rank, round + self.slots):
+            self.win.Lock(peer, MPI.LOCK_SHARED)
+            self.win.Put(marker, peer, (self.acks_at + self.rank * 8, 1, MPI.DOUBLE))
+            self.win.Unlock(peer)
+
+    def _see_own_window(self) -> None:
+        self.win.Lock(self.rank, MPI.LOCK_SHARED)
+        self.win.Sync()
+        self.win.Unlock(self.rank)
+
+    def close(self) -> None:
+        """Free the window (collective)."""
+        self.ctx.rendezvous()
+        self.win.Free()
+
+
+class PointToPointMailbox:
+    """Nonblocking sends of packets, receives posted a round ahead of need."""
+
+    TAG = 91
+
+    def __init__(self, ctx: Context, graph: Graph, count: int, dtype, slots: int):
+        self.ctx, self.graph, self.slots = ctx, graph, slots
+        self.rank, self.count, self.dtype = ctx.rank, count, np.dtype(dtype)
+        self.sending = [_Packets.allocate(count, dtype, 1) for _ in range(slots)]
+        self.sends: list[tuple[list, list]] = [([], []) for _ in range(slots)]
+        self.incoming = [_Packets.allocate(count, dtype, 1) for _ in range(slots)]
+        self.receiving: dict[int, list] = {}        # round -> its posted receives
+
+    def expect(self, round: int) -> None:
+        """Post the receives of ``round`` (before our own sends, so packets land in place)."""
+        peers = self.graph.in_peers(self.rank, round)
+        slot = round % self.slots
+        if len(self.incoming[slot].headers) < len(peers):
+            self.incoming[slot] = _Packets.allocate(self.count, self.dtype, len(peers))
+        packets = self.incoming[slot]
+        self.receiving[round] = [self.ctx.comm.Irecv([packets.packet(i), MPI.BYTE], peer, self.TAG)
+                                 for i, peer in enumerate(peers)]
+
+    def send(self, round: int, shares: dict[int, float], x: np.ndarray, weight: float) -> None:
+        """Start sending each out-peer its share of (x, weight); the buffer is reused ``slots`` rounds later."""
+        slot = round % self.slots
+        requests, peers = self.sends[slot]
+        self.ctx.waitall(requests, peers)            # this buffer's previous round has left
+        groups = _by_share(shares)
+        if len(self.sending[slot].headers) < len(groups):
+            self.sending[slot] = _Packets.allocate(self.count, self.dtype, len(groups))
+        packets, requests, peers = self.sending[slot], [], []
+        for index, (share, group) in enumerate(groups):
+            packets.fill(index, share, x, weight, round)
+            for peer in group:
+                requests.append(self.ctx.comm.Isend([packets.packet(index), MPI.BYTE], peer, self.TAG))
+                peers.append(peer)
+        self.sends[slot] = (requests, peers)
+
+    def take(self, round: int) -> list:
+        peers = self.graph.in_peers(self.rank, round)
+        packets = self.incoming[round % self.slots]
+        self.ctx.waitall(self.receiving.pop(round), list(peers))
+        total = np.zeros(HEADER)
+        for i in range(len(peers)):
+            total += packets.headers[i]
+        _check_round(total, round, self.rank, peers)
+        self._taking = round
+        return [(float(packets.headers[i][0]), packets.payloads[i]) for i in range(len(peers))]
+
+    def release(self) -> None:
+        """Nothing to do: the buffers are reposted when their slot comes round again."""
+
+    def close(self) -> None:
+        for requests, peers in self.sends:
+            self.ctx.waitall(requests, peers)
