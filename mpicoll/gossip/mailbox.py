@@ -99,6 +99,12 @@ class OneSidedMailbox:
     def expect(self, round: int) -> None:
         """Nothing to post: packets land on their own."""
 
+    def restart_at(self, round: int) -> None:
+        """Continue a resumed run at ``round``: every slot is free (nothing was sent into them)."""
+        self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        self.freed[:] = np.maximum(self.freed, round - 1)
+        self.win.Unlock(self.rank)
+
     def send(self, round: int, shares: dict[int, float], x: np.ndarray, weight: float) -> None:
         """Accumulate each out-peer's share of (x, weight) into its slot for ``round``."""
         offset = (round % self.slots) * self.outgoing.stride
@@ -220,6 +226,9 @@ class PointToPointMailbox:
 
     def release(self) -> None:
         """Nothing to do: the buffers are reposted when their slot comes round again."""
+
+    def restart_at(self, round: int) -> None:
+        """Nothing to do: receives are posted round by round."""
 
     def close(self) -> None:
         for requests, peers in self.sends:

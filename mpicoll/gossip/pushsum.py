@@ -126,6 +126,7 @@ class PushSum:
         self.x[...] = state["x"]
         self.weight, self.round = float(state["weight"]), int(state["round"])
         self.folded = self.round
+        self.mailbox.restart_at(self.round)
 
     def close(self) -> None:
         """Release the mailbox and the private communicator (collective)."""
