@@ -25,12 +25,14 @@ setup(
         # leave it out and mpi4py uses the system's MPI.
         "mpich": ["mpich"],
         "plot": ["matplotlib"],
+        # The default training data (scikit-learn's handwritten digits, shipped inside the package).
+        "data": ["scikit-learn"],
         # Fused CPU kernels; without them the kernel layer runs on numpy.
         "numba": ["numba>=0.59"],
         # Device arrays: CuPy (pick the wheel for your CUDA, e.g. cupy-cuda12x) and Numba's CUDA target.
         "gpu": ["cupy", "numba>=0.59", "numba-cuda"],
         # The tests also run the Numba CUDA kernels under Numba's CUDA simulator.
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "matplotlib", "numba>=0.59", "numba-cuda"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "matplotlib", "numba>=0.59", "numba-cuda", "scikit-learn"],
     },
     entry_points={"console_scripts": ["mpicoll = mpicoll.cli:main"]},
     classifiers=[

@@ -95,10 +95,10 @@ def run(args) -> int:
         if device is None:
             print(f"# {backend}: skipped ({reason})")
             continue
-        # the numpy backend is what numpy arrays get with MPICOLL_KERNELS=numpy
+        # numpy arrays get the backend MPICOLL_KERNELS names, whatever their size
         previous = os.environ.pop("MPICOLL_KERNELS", None)
-        if backend == "numpy":
-            os.environ["MPICOLL_KERNELS"] = "numpy"
+        if backend in ("numpy", "numba"):
+            os.environ["MPICOLL_KERNELS"] = backend
         try:
             for threads in (threads_list if backend == "numba" else [None]):
                 if threads is not None:

@@ -52,6 +52,22 @@ def _bench_ps_parser(commands) -> None:
     bench.add_argument("--output", metavar="FILE.json", help="write one record per (rule, size, straggler, server)")
 
 
+def _bench_gossip_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-gossip", help="SGP gossip rounds against ring allreduce, per training iteration",
+        description="Run under mpiexec, e.g.: mpiexec -n 8 mpicoll bench-gossip --straggler 3=3")
+    bench.add_argument("--graphs", default="time-varying-exponential,exponential",
+                       help="comma-separated: time-varying-exponential, exponential, ring, complete")
+    bench.add_argument("--transports", default="onesided,p2p", help="comma-separated: onesided, p2p")
+    bench.add_argument("--taus", default="0,1", help="comma-separated overlap bounds (default 0,1)")
+    bench.add_argument("--sizes", default="4M,64M", help="parameter bytes: '4M,64M' or LOW:HIGH[:FACTOR]")
+    bench.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+    bench.add_argument("--iters", type=int, default=20, help="iterations per method (default 20)")
+    bench.add_argument("--compute-ms", type=float, default=20.0, help="simulated gradient time (default 20)")
+    bench.add_argument("--straggler", help="RANK=FACTOR: also run with that rank slowed, e.g. 3=3")
+    bench.add_argument("--output", metavar="FILE.json", help="write the averaging and iteration records")
+
+
 def _info_parser(commands) -> None:
     commands.add_parser("info", help="versions, MPI library, auto rules, kernel backends, GPU and CUDA-awareness")
 
@@ -112,8 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     _bench_parser(commands)
     _bench_kernels_parser(commands)
     _bench_ps_parser(commands)
+    _bench_gossip_parser(commands)
+    from .train import add_compare_parsers, add_parser as add_train_parser
+    add_train_parser(commands)
+    add_compare_parsers(commands)
     _info_parser(commands)
-    args = parser.parse_args(argv)
+    args, passthrough = parser.parse_known_args(argv)
+    if passthrough and args.command != "compare":
+        parser.error(f"unrecognized arguments: {' '.join(passthrough)}")
     if args.command == "bench":
         from .bench import run
         return run(args)
@@ -122,6 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench-ps":
         from .ps.bench import run
+        return run(args)
+    if args.command == "compare":
+        from .train import compare_main
+        return compare_main(args, passthrough)
+    if args.command == "plot":
+        from .train import plot_main
+        return plot_main(args)
+    if args.command == "train":
+        from .train import main as train_main
+        return train_main(args)
+    if args.command == "bench-gossip":
+        from .gossip.bench import run
         return run(args)
     return info()
 

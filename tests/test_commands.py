@@ -244,6 +244,23 @@ def test_bench_ps_reports_every_rule(tmp_path):
         assert 0 < record["update_fraction_of_copy"] and record["gbps"] > 0
 
 
+def test_bench_gossip_reports_sgp_against_allreduce(tmp_path):
+    out = tmp_path / "gossip.json"
+    result = launch(3, "-m", "mpicoll", "bench-gossip", "--sizes", "64K", "--iters", "3", "--compute-ms", "1",
+                    "--straggler", "2=2", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    records = json.loads(out.read_text())
+    averaging = [r for r in records if r["kind"] == "averaging"]
+    assert {r["graph"] for r in averaging} == {"time-varying-exponential", "exponential"}
+    assert all(r["rounds"] and r["theory_rounds"] for r in averaging), averaging
+    runs = [r for r in records if r["kind"] == "iterations"]
+    assert {(r["method"], r["transport"], r["tau"], r["straggler"]) for r in runs} >= {
+        ("allreduce", "ring", 0, ""), ("sgp", "onesided", 1, "2=2"), ("sgp", "p2p", 0, "")}
+    for record in runs:
+        assert record["iterations_per_s"] > 0 and record["bytes_per_iteration"] > 0 and record["ranks"] == 3
+        assert record["method"] != "allreduce" or record["ratio_to_allreduce"] == 1.0
+
+
 @pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "bcast"])
 def test_bench_times_every_collective(tmp_path, collective):
     out = tmp_path / "bench.json"

@@ -83,19 +83,6 @@ def test_push_sum_matches_the_mixing_matrices_round_by_round(graph_name, tau, tr
     everywhere(abs(weights - P) < 1e-12, f"push-sum weights sum to {weights!r}, not {P}")
 
 
-def rounds_the_theory_gives(graph, mixing, tolerance: float) -> int:
-    """Rounds for the de-biased error to fall below ``tolerance`` (relative), from the spectrum of
-    one period's product of mixing matrices: its second eigenvalue modulus per period."""
-    product = np.eye(graph.size)
-    period = getattr(graph, "period", 1)
-    for k in range(period):
-        product = gossip.mixing_matrix(graph, mixing, k) @ product
-    second = sorted(np.abs(np.linalg.eigvals(product)))[-2] if graph.size > 1 else 0.0
-    if second < 1e-12:
-        return period              # exact after one period
-    return period * math.ceil(math.log(tolerance) / math.log(second))
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("graph_name", ["time-varying-exponential", "exponential", "ring", "complete"])
@@ -104,7 +91,7 @@ def test_averaging_reaches_the_exact_mean_at_the_rate_the_graph_implies(graph_na
     everyone = np.random.default_rng(seed).standard_normal((P, 1000))
     mean = everyone.mean(axis=0)
     graph, mixing = graph_and_mixing(graph_name, seed)
-    theory = rounds_the_theory_gives(graph, mixing, 1e-6)
+    theory = gossip.rounds_to_average(graph, mixing, 1e-6)
     pushsum = gossip.PushSum(WORLD, everyone[RANK], graph=graph, transport=transport)
     reached = None
     for k in range(1, 2 * theory + 8):

@@ -16,7 +16,9 @@ backend         arrays                                          how
                 absent
 ==============  ==============================================  =====================================
 
-``MPICOLL_KERNELS=numpy`` keeps numpy arrays on the reference backend.  All
+Host arrays below ``NUMBA_FROM`` elements (64Ki) stay on numpy: one numpy pass
+costs less than waking Numba's threads, and a short job skips the JIT.
+``MPICOLL_KERNELS=numpy`` or ``=numba`` forces one or the other.  All
 updates happen in place; scalars are passed to the kernels in the arrays'
 compute precision (float32 for float16 and float32 arrays, float64 for float64).
 
@@ -130,10 +132,18 @@ def as_device_array(obj):
                     "view it here (DLPack arrays need CuPy): pip install -e '.[gpu]'")
 
 
+NUMBA_FROM = 1 << 16     # elements: below this, a numpy pass beats waking Numba's threads (and its JIT)
+
+
 def _host_backend(arrays) -> str:
-    """numba for contiguous float32/64 (and integer) host arrays when Numba loads, numpy otherwise."""
-    if (os.environ.get("MPICOLL_KERNELS", "").lower() == "numpy"
-            or any(a.dtype == np.float16 or not a.flags.c_contiguous for a in arrays) or _backend("numba") is None):
+    """numba for large contiguous float32/64 (and integer) host arrays when Numba loads, numpy otherwise.
+
+    MPICOLL_KERNELS=numpy or =numba forces one (numba still only where it applies).
+    """
+    choice = os.environ.get("MPICOLL_KERNELS", "").lower()
+    if (choice == "numpy" or any(a.dtype == np.float16 or not a.flags.c_contiguous for a in arrays)
+            or (choice != "numba" and max(a.size for a in arrays) < NUMBA_FROM)
+            or _backend("numba") is None):            # last: importing Numba takes a while
         return "numpy"
     return "numba"
 

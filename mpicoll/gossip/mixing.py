@@ -8,11 +8,13 @@ on directed, asymmetric graphs, and why the de-biasing weight is carried along.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .topology import Graph, MatrixGraph
 
-__all__ = ["Mixing", "UniformMixing", "MatrixMixing", "mixing_matrix"]
+__all__ = ["Mixing", "UniformMixing", "MatrixMixing", "mixing_matrix", "rounds_to_average"]
 
 
 class Mixing:
@@ -62,3 +64,20 @@ def mixing_matrix(graph: Graph, mixing: Mixing, round: int) -> np.ndarray:
         for peer, share in sends.items():
             matrix[peer, rank] = share
     return matrix
+
+
+def rounds_to_average(graph: Graph, mixing: Mixing, tolerance: float) -> int:
+    """Rounds the theory gives for push-sum's de-biased error to fall by ``tolerance``.
+
+    One period's product of mixing matrices has eigenvalue 1 (the preserved
+    mass) and contracts everything else by its second-largest eigenvalue
+    modulus per period; a product that is exactly rank one (the time-varying
+    exponential graph at a power-of-two size) averages exactly in one period.
+    """
+    product = np.eye(graph.size)
+    for round in range(graph.period):
+        product = mixing_matrix(graph, mixing, round) @ product
+    second = sorted(np.abs(np.linalg.eigvals(product)))[-2] if graph.size > 1 else 0.0
+    if second < 1e-12:
+        return graph.period
+    return graph.period * math.ceil(math.log(tolerance) / math.log(second))

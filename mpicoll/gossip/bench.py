@@ -1,0 +1,147 @@
+"""``mpicoll bench-gossip``: SGP's gossip against ring allreduce, per training iteration.
+
+Run under mpiexec.  Every iteration "computes" for ``--compute-ms`` (a sleep,
+so oversubscribed ranks do not steal each other's cores; ``--straggler``
+makes one rank slower) and then communicates the parameter buffer: a ring
+allreduce (the synchronous data-parallel baseline), or one push-sum round per
+graph, transport and tau.  Each method runs in the same job, in turn, on the
+same buffer.  Reported per method: iterations per second (of the slowest rank,
+which sets the pace), its ratio to the allreduce, bytes each rank sends per
+iteration, and the time per iteration spent communicating and, of that, blocked
+waiting for peers.  A first section measures how many rounds each graph needs
+to average to 1e-6 against what its spectrum predicts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import Communicator
+from ..bench import format_bytes, parse_sizes
+from ..straggler import Straggler, parse
+from . import GRAPHS, TRANSPORTS, PushSum, UniformMixing, make, rounds_to_average
+
+__all__ = ["run"]
+
+
+def _averaging(comm, graph_name: str, transport: str, tolerance: float = 1e-6, limit: int = 400) -> dict:
+    """Rounds for push-sum to average random vectors to ``tolerance``, measured and predicted."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    graph = make(graph_name, size)
+    everyone = np.random.default_rng(7).standard_normal((size, 1000))
+    mean = everyone.mean(axis=0)
+    pushsum = PushSum(comm, everyone[rank], graph=graph, transport=transport)
+    reached = None
+    for round in range(1, limit + 1):
+        z = pushsum.mix()
+        error = comm.allreduce(float(np.linalg.norm(z - mean) / np.linalg.norm(mean)), op=MPI.MAX)
+        if error < tolerance:
+            reached = round
+            break
+    pushsum.close()
+    return {"graph": graph_name, "transport": transport, "ranks": size, "tolerance": tolerance,
+            "rounds": reached, "theory_rounds": rounds_to_average(graph, UniformMixing(), tolerance)}
+
+
+def _iterations(comm, method: dict, count: int, dtype, iters: int, compute_s: float, straggle: str) -> dict:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    slow = Straggler.for_rank(rank, straggle)
+    x = np.random.default_rng(rank).standard_normal(count).astype(dtype)
+    if method["method"] == "allreduce":
+        channel = Communicator(comm, algorithm="ring")
+        average = np.empty_like(x)
+
+        def communicate():
+            channel.Allreduce(x, average)
+        sent = 2 * (size - 1) / size * x.nbytes
+    else:
+        gossip = PushSum(comm, x, graph=method["graph"], tau=method["tau"], transport=method["transport"])
+        communicate = gossip.mix
+        sent = 0.0
+    comm.Barrier()
+    communicating = 0.0
+    start = time.perf_counter()
+    for _ in range(iters):
+        with slow:
+            time.sleep(compute_s)
+        before = time.perf_counter()
+        communicate()
+        communicating += time.perf_counter() - before
+    wall = time.perf_counter() - start
+    if method["method"] == "allreduce":
+        waited = communicating          # a collective is all waiting, from the rank's side
+        channel.close()
+    else:
+        waited, sent = gossip.wait_s, gossip.bytes_sent / iters      # before draining the last rounds
+        gossip.drain()
+        gossip.close()
+    walls = comm.allgather(wall)
+    return {**method, "params": count, "dtype": np.dtype(dtype).name, "ranks": size, "straggler": straggle,
+            "iterations": iters, "iterations_per_s": iters / max(walls), "bytes_per_iteration": sent,
+            "comm_ms": 1e3 * communicating / iters, "wait_ms": 1e3 * waited / iters, "rank": rank}
+
+
+def methods(graphs: list[str], transports: list[str], taus: list[int]) -> list[dict]:
+    found = [{"method": "allreduce", "graph": "-", "transport": "ring", "tau": 0}]
+    found += [{"method": "sgp", "graph": g, "transport": t, "tau": tau} for g in graphs for t in transports
+              for tau in taus]
+    return found
+
+
+def run(args) -> int:
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    graphs, transports = args.graphs.split(","), args.transports.split(",")
+    taus = [int(t) for t in args.taus.split(",")]
+    for name in graphs:
+        if name not in GRAPHS:
+            raise SystemExit(f"bench-gossip: unknown graph {name!r}; choose from {', '.join(GRAPHS)}")
+    for name in transports:
+        if name not in TRANSPORTS:
+            raise SystemExit(f"bench-gossip: unknown transport {name!r}; choose from {', '.join(TRANSPORTS)}")
+    parse(args.straggler)
+    dtype = np.dtype(args.dtype)
+    sizes = [size // dtype.itemsize for size in parse_sizes(args.sizes)]
+    records = []
+    if rank == 0:
+        print(f"# mpicoll bench-gossip: {comm.Get_size()} ranks, {dtype.name}, {args.iters} iterations, "
+              f"{args.compute_ms:g} ms of computation each")
+        print(f"{'graph':>25} {'transport':>9} {'rounds to 1e-6':>14} {'theory':>6}")
+    for graph in graphs:
+        record = _averaging(comm, graph, transports[0])
+        records.append({"kind": "averaging", **record})
+        if rank == 0:
+            print(f"{graph:>25} {transports[0]:>9} {record['rounds'] or '>400':>14} {record['theory_rounds']:>6}",
+                  flush=True)
+    if rank == 0:
+        print(f"\n{'method':>9} {'graph':>25} {'transport':>9} {'tau':>3} {'params':>9} {'straggler':>9} "
+              f"{'it/s':>7} {'x allreduce':>11} {'sent/it':>9} {'comm ms':>8} {'wait ms':>8}")
+    for count in sizes:
+        for straggle in [""] + ([args.straggler] if args.straggler else []):
+            baseline = None
+            for method in methods(graphs, transports, taus):
+                found = comm.gather(_iterations(comm, method, count, dtype, args.iters, args.compute_ms / 1e3,
+                                                straggle), root=0)
+                if rank != 0:
+                    continue
+                first = found[0]
+                summary = {**{k: v for k, v in first.items() if k != "rank"}, "kind": "iterations",
+                           "comm_ms": max(r["comm_ms"] for r in found), "wait_ms": max(r["wait_ms"] for r in found),
+                           "bytes_per_iteration": max(r["bytes_per_iteration"] for r in found)}
+                baseline = baseline or summary["iterations_per_s"]
+                summary["ratio_to_allreduce"] = summary["iterations_per_s"] / baseline
+                records.append(summary)
+                print(f"{method['method']:>9} {method['graph']:>25} {method['transport']:>9} {method['tau']:>3} "
+                      f"{format_bytes(count * dtype.itemsize):>9} {straggle or '-':>9} "
+                      f"{summary['iterations_per_s']:>7.1f} {summary['ratio_to_allreduce']:>11.2f} "
+                      f"{format_bytes(summary['bytes_per_iteration']):>9} {summary['comm_ms']:>8.1f} "
+                      f"{summary['wait_ms']:>8.1f}", flush=True)
+    if rank == 0 and args.output:
+        with open(args.output, "w") as handle:
+            json.dump(records, handle, indent=1)
+        print(f"# wrote {args.output}")
+    return 0

@@ -1,0 +1,124 @@
+"""``mpicoll train``: distributed SGD on real data with any of mpicoll's algorithms.
+
+    mpiexec -n 4 mpicoll train --algorithm allreduce-ring
+    mpiexec -n 4 mpicoll train --algorithm dcasgd --straggler 3=3 --output run.jsonl
+
+Pieces: :mod:`.data` (digits or an .npz file, sharded per worker),
+:mod:`.models` (softmax regression, MLP, or your own over a flat vector),
+:mod:`.run` (one runner per family of algorithms), :mod:`.report` (progress
+bar and JSON-lines log), :mod:`.compare` (several runs side by side, plots).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from .data import Dataset, load
+from .models import MLP, Model, SoftmaxRegression
+from .run import ALGORITHMS, Options, train
+
+__all__ = ["ALGORITHMS", "Options", "train", "load", "Dataset", "Model", "SoftmaxRegression", "MLP", "main"]
+
+
+def _array_namespace(device: str):
+    if device == "cpu":
+        return np
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:                       # no CuPy, or no GPU behind it
+        raise SystemExit(f"--device cuda needs CuPy and a GPU: {error}") from None
+    return cupy
+
+
+def main(args) -> int:
+    """The ``mpicoll train`` command (run under mpiexec)."""
+    from .models import make
+    comm = MPI.COMM_WORLD
+    try:
+        data = load(args.data, seed=args.seed)
+    except ValueError as error:
+        if comm.Get_rank() == 0:
+            print(f"mpicoll train: {error}", file=sys.stderr)
+        return 2
+    xp = _array_namespace(args.device)
+    hidden = [int(h) for h in args.hidden.split(",")] if args.hidden else None
+    model = make(args.model, data.features, data.classes, hidden, xp)
+    options = Options(algorithm=args.algorithm, epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
+                      straggler=args.straggler, servers=args.servers, softsync_k=args.softsync_k,
+                      staleness=args.staleness, lam=args.lam, adaptive=args.adaptive, n_fetch=args.n_fetch,
+                      n_push=args.n_push, warm_start=args.warm_start, transport=args.transport, graph=args.graph,
+                      tau=args.tau, output=args.output, progress=not args.quiet)
+    train(comm, options, model, data, xp)
+    return 0
+
+
+def add_parser(commands) -> None:
+    train_ = commands.add_parser(
+        "train", help="distributed SGD on real data with any algorithm (run under mpiexec)",
+        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll train --algorithm allreduce-ring")
+    train_.add_argument("--algorithm", default="allreduce-ring", choices=ALGORITHMS)
+    train_.add_argument("--data", metavar="FILE.npz", help="arrays X, y (optional X_test, y_test); "
+                        "default: scikit-learn's digits (pip install -e '.[data]')")
+    train_.add_argument("--model", default="softmax", choices=("softmax", "mlp"))
+    train_.add_argument("--hidden", default="", help="MLP hidden sizes, e.g. 64 or 128,64 (default 64)")
+    train_.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    train_.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
+    train_.add_argument("--batch", type=int, default=32, help="samples per gradient per worker (default 32)")
+    train_.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    train_.add_argument("--seed", type=int, default=0)
+    train_.add_argument("--straggler", help="RANK=FACTOR: make that rank FACTOR times slower, e.g. 3=3")
+    train_.add_argument("--output", metavar="RUN.jsonl", help="one JSON record per evaluation, then a summary")
+    train_.add_argument("--quiet", action="store_true", help="no progress bar")
+    group = train_.add_argument_group("parameter servers (ps-*, dcasgd, downpour)")
+    group.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
+    group.add_argument("--softsync-k", type=float, default=0.5, help="ps-softsync: first K gradients per round, "
+                       "a count or a fraction of the workers (default 0.5)")
+    group.add_argument("--staleness", default="tau", choices=("none", "tau", "workers"),
+                       help="ps-async: scale the rate by 1/tau, 1/W, or not (default tau)")
+    group.add_argument("--lam", type=float, default=0.04, help="dcasgd: compensation strength (default 0.04)")
+    group.add_argument("--adaptive", action="store_true", help="dcasgd: DC-ASGD-a")
+    group.add_argument("--n-fetch", type=int, default=1, help="downpour: fetch every N steps")
+    group.add_argument("--n-push", type=int, default=1, help="downpour: push every N steps")
+    group.add_argument("--warm-start", type=int, default=0, help="downpour: updates by one worker before the rest")
+    group.add_argument("--transport", default="auto", choices=("auto", "p2p", "onesided"),
+                       help="ps: p2p (auto) or onesided; sgp: onesided (auto) or p2p")
+    group = train_.add_argument_group("stochastic gradient push (sgp)")
+    group.add_argument("--graph", default="time-varying-exponential",
+                       choices=("time-varying-exponential", "exponential", "ring", "complete"))
+    group.add_argument("--tau", type=int, default=0, help="rounds a gossip message may stay in flight (default 0)")
+
+
+def add_compare_parsers(commands) -> None:
+    compare = commands.add_parser(
+        "compare", help="train with several algorithms (each under mpiexec) and write a report with plots",
+        description="Any other option is passed to every 'mpicoll train' run, e.g. --epochs 5 --straggler 3=3")
+    compare.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
+    compare.add_argument("-n", "--ranks", type=int, default=4, help="MPI ranks per run (default 4)")
+    compare.add_argument("--output", default="compare-report", help="report folder (default compare-report)")
+    compare.add_argument("--target", type=float, default=0.9, help="accuracy to time (default 0.9)")
+    compare.add_argument("--timeout", type=float, default=600, help="seconds per run before giving up")
+    plot = commands.add_parser("plot", help="the compare report (table and plots) from train logs")
+    plot.add_argument("logs", nargs="+", help="mpicoll train --output files (JSON lines)")
+    plot.add_argument("--output", default="compare-report", help="report folder (default compare-report)")
+    plot.add_argument("--target", type=float, default=0.9, help="accuracy to time (default 0.9)")
+
+
+def compare_main(args, passthrough: list[str]) -> int:
+    from .compare import compare
+    compare(args.algorithms.split(","), args.ranks, args.output, passthrough, args.target, args.timeout)
+    return 0
+
+
+def plot_main(args) -> int:
+    from .compare import report
+    try:
+        markdown = report(args.logs, args.output, args.target)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"mpicoll plot: {error}", file=sys.stderr)
+        return 2
+    print(f"mpicoll plot: wrote {markdown} and the plots beside it", file=sys.stderr)
+    return 0

@@ -1,0 +1,134 @@
+"""``mpicoll compare`` and ``mpicoll plot``: several training runs side by side.
+
+``compare`` launches ``mpicoll train`` once per algorithm under mpiexec, on
+the same data, model, seed and budget (training options are passed through),
+then writes a report folder; ``plot`` writes the same report from existing
+JSON-lines logs.  The report: ``report.md`` (final accuracy, time to the target
+accuracy, samples per second, wall time) and two plots, loss against wall time
+and accuracy against epochs, one line per algorithm.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .run import ALGORITHMS
+
+__all__ = ["compare", "report", "read_log", "mpiexec_command"]
+
+
+def mpiexec_command(ranks: int) -> list[str]:
+    """The launcher next to this Python (the MPICH wheel's) or on PATH, with the flags it needs."""
+    import os
+    found = os.environ.get("MPIEXEC") or (str(Path(sys.executable).parent / "mpiexec")
+                                          if (Path(sys.executable).parent / "mpiexec").exists()
+                                          else shutil.which("mpiexec"))
+    if not found:
+        raise SystemExit("mpicoll compare: no mpiexec found; pip install mpich, or load your site's MPI")
+    version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+    extra = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
+    return [found, *extra, "-n", str(ranks)]
+
+
+def read_log(path: str | Path) -> tuple[list[dict], dict]:
+    """(evaluation records, summary) of one ``mpicoll train --output`` log, with a clear error if malformed."""
+    records, summary = [], None
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} line {number}: not JSON ({error.msg})") from None
+        if record.get("summary"):
+            summary = record
+        else:
+            missing = {"time_s", "epoch", "samples", "loss", "accuracy"} - set(record)
+            if missing:
+                raise ValueError(f"{path} line {number}: an evaluation record without {', '.join(sorted(missing))}")
+            records.append(record)
+    if summary is None:
+        raise ValueError(f"{path}: no summary record; the run did not finish")
+    return records, summary
+
+
+def _time_to(records: list[dict], target: float) -> float | None:
+    return next((r["time_s"] for r in records if r["accuracy"] >= target), None)
+
+
+def report(logs: list[str | Path], folder: str | Path, target: float = 0.9) -> Path:
+    """Write ``report.md`` and the plots for ``logs`` into ``folder``; returns the markdown's path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = [(Path(path), *read_log(path)) for path in logs]
+    lines = [f"| algorithm | ranks | final accuracy | time to {target:.0%} (s) | samples/s | wall (s) | log |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for path, records, summary in runs:
+        reached = _time_to(records, target)
+        lines.append(f"| {summary['algorithm']} | {summary['ranks']} | {summary['final_accuracy']:.1%} | "
+                     f"{'-' if reached is None else f'{reached:.2f}'} | {summary['samples_per_s']:,.0f} | "
+                     f"{summary['wall_s']:.2f} | {path.name} |")
+    options = runs[0][2].get("options", {}) if runs else {}
+    text = "\n".join([f"# mpicoll compare: {runs[0][2].get('data', '?') if runs else ''}", "",
+                      f"Options of the first run: `{json.dumps(options)}`", "", *lines, "",
+                      "![loss against wall time](loss_vs_time.png)", "",
+                      "![accuracy against epochs](accuracy_vs_epoch.png)", ""])
+    markdown = folder / "report.md"
+    markdown.write_text(text)
+    _plots(runs, folder)
+    return markdown
+
+
+def _plots(runs, folder: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("mpicoll: matplotlib is not installed (pip install -e '.[plot]'); wrote the table only",
+              file=sys.stderr)
+        return
+    for name, x_key, y_key, x_label, y_label in [
+            ("loss_vs_time.png", "time_s", "loss", "wall time (s)", "test loss"),
+            ("accuracy_vs_epoch.png", "epoch", "accuracy", "epoch", "test accuracy")]:
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for _, records, summary in runs:
+            axes.plot([r[x_key] for r in records], [r[y_key] for r in records], marker="o", markersize=3,
+                      label=summary["algorithm"])
+        axes.set_xlabel(x_label)
+        axes.set_ylabel(y_label)
+        if y_key == "loss":
+            axes.set_yscale("log")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(folder / name, dpi=110)
+        plt.close(figure)
+
+
+def compare(algorithms: list[str], ranks: int, folder: str | Path, train_args: list[str], target: float = 0.9,
+            timeout: float = 600) -> Path:
+    """Run ``mpicoll train`` for each algorithm (one job each) and write the report."""
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise SystemExit(f"mpicoll compare: unknown algorithm(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(ALGORITHMS)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    logs = []
+    for algorithm in algorithms:
+        log = folder / f"{algorithm}.jsonl"
+        command = [*mpiexec_command(ranks), sys.executable, "-m", "mpicoll", "train", "--algorithm", algorithm,
+                   "--output", str(log), *train_args]
+        print(f"+ {' '.join(command)}", file=sys.stderr, flush=True)
+        result = subprocess.run(command, timeout=timeout)
+        if result.returncode != 0:
+            raise SystemExit(f"mpicoll compare: {algorithm} failed (exit {result.returncode}); see its output above")
+        logs.append(log)
+    markdown = report(logs, folder, target)
+    print(f"mpicoll compare: wrote {markdown} and the plots beside it", file=sys.stderr)
+    return markdown

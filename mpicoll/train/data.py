@@ -1,0 +1,98 @@
+"""Training data: scikit-learn's handwritten digits by default (shipped with the
+package, no download), or the user's own ``.npz`` file; each worker takes its shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Dataset", "load"]
+
+
+@dataclass
+class Dataset:
+    X: np.ndarray          # float32, standardised with the training statistics
+    y: np.ndarray          # int64 class labels 0..classes-1
+    X_test: np.ndarray
+    y_test: np.ndarray
+    name: str
+
+    @property
+    def classes(self) -> int:
+        return int(max(self.y.max(), self.y_test.max())) + 1
+
+    @property
+    def features(self) -> int:
+        return self.X.shape[1]
+
+    def shard(self, index: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Worker ``index`` of ``count``'s rows of the training set (every count-th row)."""
+        return self.X[index::count], self.y[index::count]
+
+
+def _digits():
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise SystemExit("the default data set is scikit-learn's digits: pip install -e '.[data]' "
+                         "(or pass --data FILE.npz with arrays X and y)") from None
+    digits = load_digits()
+    return digits.data, digits.target, None, None
+
+
+def _npz(path: str):
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--data {path}: no such file")
+    try:
+        arrays = np.load(file, allow_pickle=False)
+    except Exception as error:                    # numpy raises several kinds for a bad file
+        raise ValueError(f"--data {path}: not a readable .npz file ({error})") from None
+    with arrays:
+        missing = [name for name in ("X", "y") if name not in arrays.files]
+        if missing:
+            raise ValueError(f"--data {path}: missing array(s) {', '.join(missing)}; it has "
+                             f"{', '.join(arrays.files) or 'none'} (need X: samples x features, y: labels)")
+        X, y = arrays["X"], arrays["y"]
+        X_test = arrays["X_test"] if "X_test" in arrays.files else None
+        y_test = arrays["y_test"] if "y_test" in arrays.files else None
+    if (X_test is None) != (y_test is None):
+        raise ValueError(f"--data {path}: give both X_test and y_test, or neither")
+    return X, y, X_test, y_test
+
+
+def _check(X, y, where: str):
+    if X.ndim != 2 or y.ndim != 1 or len(X) != len(y):
+        raise ValueError(f"{where}: X must be samples x features and y one label per sample; got X {X.shape}, "
+                         f"y {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer) and not np.array_equal(y, np.round(y)):
+        raise ValueError(f"{where}: labels must be integers 0..classes-1, got {y.dtype} values")
+    if len(y) and y.min() < 0:
+        raise ValueError(f"{where}: labels must be integers 0..classes-1, found {y.min()}")
+    if not np.isfinite(X).all():
+        raise ValueError(f"{where}: X contains NaN or Inf")
+
+
+def load(path: str | None = None, *, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """The digits (``path`` None) or an .npz file; a test split is cut when the file has none."""
+    X, y, X_test, y_test = _digits() if path is None else _npz(path)
+    where = path or "digits"
+    _check(np.asarray(X), np.asarray(y), where)
+    X, y = np.asarray(X, np.float64), np.asarray(y).astype(np.int64)
+    if X_test is None:
+        order = np.random.default_rng(seed).permutation(len(y))
+        cut = int(round(len(y) * (1 - test_fraction)))
+        X, y, X_test, y_test = X[order[:cut]], y[order[:cut]], X[order[cut:]], y[order[cut:]]
+    else:
+        _check(np.asarray(X_test), np.asarray(y_test), f"{where} (test)")
+        X_test, y_test = np.asarray(X_test, np.float64), np.asarray(y_test).astype(np.int64)
+        if X_test.shape[1] != X.shape[1]:
+            raise ValueError(f"{where}: X_test has {X_test.shape[1]} features, X has {X.shape[1]}")
+    if len(y) == 0 or len(y_test) == 0:
+        raise ValueError(f"{where}: need at least one training and one test sample")
+    mean, scale = X.mean(axis=0), X.std(axis=0)
+    scale[scale == 0] = 1.0
+    return Dataset(((X - mean) / scale).astype(np.float32), y, ((X_test - mean) / scale).astype(np.float32),
+                   y_test, "digits" if path is None else Path(path).name)

@@ -1,0 +1,75 @@
+"""What one training run shows and leaves behind: a progress bar and a JSON-lines log.
+
+One record per evaluation (``time_s``, ``epoch``, ``samples``, ``loss``,
+``accuracy``, ``samples_per_s``) and a final summary (``final_accuracy``,
+``final_loss``, ``wall_s``, ``samples_per_s``, ``algorithm``, ``ranks`` and
+the options).  The bar redraws in place on a terminal and prints one line per
+evaluation elsewhere (a Slurm log, a pipe).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+
+__all__ = ["Reporter"]
+
+
+class Reporter:
+    def __init__(self, options, model, data, xp, ranks: int):
+        self.options, self.model, self.data, self.ranks = options, model, data, ranks
+        self.X_test, self.y_test = xp.asarray(data.X_test), xp.asarray(data.y_test)
+        self.start = time.perf_counter()
+        self.samples = 0
+        self.log = open(options.output, "w") if options.output else None
+        self.stream = sys.stderr
+        self.live = options.progress and self.stream.isatty()
+        self.last: dict = {}
+
+    def evaluate(self, params, epoch: int, samples: int) -> dict:
+        loss, accuracy = self.model.evaluate(params, self.X_test, self.y_test)
+        elapsed = time.perf_counter() - self.start
+        self.samples = samples
+        record = {"time_s": round(elapsed, 4), "epoch": epoch, "samples": int(samples), "loss": loss,
+                  "accuracy": accuracy, "samples_per_s": samples / max(elapsed, 1e-9)}
+        self._write(record)
+        self._draw(record)
+        self.last = record
+        return record
+
+    def finish(self, params) -> dict:
+        loss, accuracy = self.model.evaluate(params, self.X_test, self.y_test)
+        wall = time.perf_counter() - self.start
+        options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "extra")}
+        summary = {"summary": True, "algorithm": self.options.algorithm, "ranks": self.ranks,
+                   "final_accuracy": accuracy, "final_loss": loss, "wall_s": round(wall, 4),
+                   "samples": int(self.samples), "samples_per_s": self.samples / max(wall, 1e-9),
+                   "data": self.data.name, "model_size": self.model.size, "options": options}
+        self._write(summary)
+        if self.options.progress:
+            if self.live:
+                self.stream.write("\n")
+            self.stream.write(f"{self.options.algorithm}: test accuracy {accuracy:.1%}, loss {loss:.4f}, "
+                              f"{wall:.1f} s, {summary['samples_per_s']:,.0f} samples/s on {self.ranks} ranks\n")
+            self.stream.flush()
+        if self.log:
+            self.log.close()
+        return summary
+
+    def _write(self, record: dict) -> None:
+        if self.log:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
+
+    def _draw(self, record: dict) -> None:
+        if not self.options.progress:
+            return
+        total = self.options.epochs
+        filled = int(20 * min(record["epoch"], total) / total)
+        line = (f"{self.options.algorithm:>18} epoch {record['epoch']:>3}/{total} [{'#' * filled:<20}] "
+                f"loss {record['loss']:.4f}  accuracy {record['accuracy']:6.1%}  "
+                f"{record['samples_per_s']:>9,.0f} samples/s")
+        self.stream.write(("\r" + line) if self.live else line + "\n")
+        self.stream.flush()

@@ -1,0 +1,183 @@
+"""Distributed SGD with any of mpicoll's algorithms on one problem: ``mpicoll train``.
+
+Every algorithm spends the same budget, ``epochs`` passes over the training
+set counted over all workers, on the same model, data, batches and seed, so
+runs compare: synchronous ones (allreduce, ps-sync, SGP) take equal steps on
+every rank; asynchronous parameter servers let fast workers take more steps
+than slow ones until the servers have seen the whole budget.  One rank (rank
+0, or the first worker of a parameter-server job) evaluates on the test set
+after each epoch, draws the progress bar and writes the log.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import Communicator, gossip, ps
+from ..straggler import Straggler
+from .data import Dataset
+from .models import Model
+from .report import Reporter
+
+__all__ = ["Options", "ALGORITHMS", "train"]
+
+ALGORITHMS = ("allreduce-ring", "allreduce-parallel", "allreduce-auto", "ps-sync", "ps-softsync", "ps-async",
+              "dcasgd", "downpour", "sgp")
+
+
+@dataclass
+class Options:
+    algorithm: str = "allreduce-ring"
+    epochs: int = 10
+    batch: int = 32                   # samples per gradient, per worker
+    lr: float = 0.1
+    seed: int = 0
+    straggler: str | None = None      # "RANK=FACTOR"
+    servers: int = 1                  # parameter servers
+    softsync_k: float = 0.5           # ps-softsync: a count, or a fraction of the workers
+    staleness: str = "tau"            # ps-async: none, tau or workers
+    lam: float = 0.04                 # dcasgd
+    adaptive: bool = False            # dcasgd-a
+    n_fetch: int = 1                  # downpour
+    n_push: int = 1
+    warm_start: int = 0
+    transport: str = "auto"           # ps: p2p or onesided; sgp: onesided or p2p
+    graph: str = "time-varying-exponential"
+    tau: int = 0                      # sgp overlap
+    output: str | None = None         # JSON lines log
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def _batches(rows: int, batch: int, steps: int, seed) -> list[np.ndarray]:
+    """``steps`` batches of row indices from a fresh permutation per pass (same on every run)."""
+    rng, order, out = np.random.default_rng(seed), np.empty(0, np.int64), []
+    while len(out) < steps:
+        if len(order) < batch:
+            order = np.concatenate([order, rng.permutation(rows)])
+        out.append(order[:batch])
+        order = order[batch:]
+    return out
+
+
+def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp=np) -> dict | None:
+    """Run one training job; returns the summary record on the reporting rank, None elsewhere."""
+    if options.algorithm not in ALGORITHMS:
+        raise ValueError(f"Unrecognized algorithm: {options.algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+    family = options.algorithm.split("-")[0]
+    runner = {"allreduce": _allreduce, "sgp": _sgp}.get(family, _parameter_server)
+    return runner(comm, options, model, data, xp)
+
+
+def _setup(comm, options, data, xp, workers: tuple[int, ...]):
+    rank = comm.Get_rank()
+    me = workers.index(rank) if rank in workers else None
+    steps = math.ceil(len(data.y) / (len(workers) * options.batch))      # per worker per epoch
+    shard = data.shard(me, len(workers)) if me is not None else (data.X[:0], data.y[:0])
+    X, y = xp.asarray(shard[0]), xp.asarray(shard[1])
+    return me, steps, X, y, Straggler.for_rank(rank, options.straggler)
+
+
+def _allreduce(comm, options, model, data, xp):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
+    reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
+    params = model.init(options.seed)
+    average = xp.empty_like(params)
+    with Communicator(comm, algorithm=options.algorithm.split("-", 1)[1]) as channel:
+        for epoch in range(options.epochs):
+            for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
+                with slow:
+                    loss, grad = model.loss_and_gradient(params, X[batch], y[batch])
+                channel.Allreduce(grad, average)
+                params -= (options.lr / size) * average
+            if reporter:
+                reporter.evaluate(params, epoch + 1, (epoch + 1) * steps * options.batch * size)
+    return reporter.finish(params) if reporter else None
+
+
+def _sgp(comm, options, model, data, xp):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
+    reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
+    transport = "onesided" if options.transport == "auto" else options.transport
+    pushsum = gossip.PushSum(comm, model.init(options.seed), graph=options.graph, tau=options.tau,
+                             transport=transport)
+    sgp = gossip.SGP(pushsum, options.lr)
+    z = xp.asarray(sgp.parameters)
+    for epoch in range(options.epochs):
+        for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
+            with slow:
+                loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
+            z = xp.asarray(sgp.step(grad))
+        if reporter:
+            reporter.evaluate(z, epoch + 1, (epoch + 1) * steps * options.batch * size)
+    pushsum.drain()
+    consensus = comm.allreduce(pushsum.debiased().copy()) / size    # the model one would deploy
+    pushsum.close()
+    return reporter.finish(xp.asarray(consensus.astype(pushsum.x.dtype))) if reporter else None
+
+
+def _rule(options: Options, workers: int) -> tuple[ps.Rule, int]:
+    """The server rule and how many gradients one of its updates consumes."""
+    name = options.algorithm
+    if name == "ps-sync":
+        return ps.Sync(options.lr), workers
+    if name == "ps-softsync":
+        k = options.softsync_k
+        return ps.SoftSync(options.lr, k), (math.ceil(k * workers) if k < 1 else int(k))
+    if name == "ps-async":
+        return ps.Async(options.lr, options.staleness), 1
+    if name == "dcasgd":
+        return ps.DCASGD(options.lr, options.lam, adaptive=options.adaptive), 1
+    return ps.Downpour(options.lr), options.n_push
+
+
+def _parameter_server(comm, options, model, data, xp):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size <= options.servers:
+        raise SystemExit(f"{options.algorithm} needs more ranks than its {options.servers} server(s): "
+                         f"mpiexec -n {options.servers + 1} or more")
+    workers = tuple(range(options.servers, size))
+    rule, per_update = _rule(options, len(workers))
+    transport = "p2p" if options.transport == "auto" else options.transport
+    server = ps.ParameterServer(comm, np.asarray(_host(model.init(options.seed))), rule,
+                                servers=options.servers, transport=transport)
+    me, steps, X, y, slow = _setup(comm, options, data, xp, workers)
+    budget = options.epochs * steps * len(workers)        # gradients, over every worker
+    reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
+    if server.is_server:
+        server.serve(warm_start=options.warm_start)
+    else:
+        client = server.client
+        schedule = ps.Schedule(client, options.n_fetch, options.n_push) if options.algorithm == "downpour" else None
+        w = xp.asarray(client.pull())
+        done, reported, epoch = 0, 0, 0
+        while done < budget:
+            for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
+                with slow:
+                    loss, grad = model.loss_and_gradient(w, X[batch], y[batch])
+                w = xp.asarray(schedule.step(_host(grad)) if schedule else client.exchange(grad))
+                done = min(client.versions.values()) * per_update     # gradients the servers have taken
+                if done >= budget:
+                    break
+                if reporter and done * options.epochs // budget > reported:
+                    reported = done * options.epochs // budget
+                    reporter.evaluate(w, reported, done * options.batch)
+            epoch += 1
+        client.close()
+    final = server.gather_weights()
+    server.close()
+    if reporter:
+        reporter.evaluate(xp.asarray(final), options.epochs, budget * options.batch)
+        return reporter.finish(xp.asarray(final))
+    return None
+
+
+def _host(array) -> np.ndarray:
+    return array.get() if hasattr(array, "get") else np.asarray(array)
