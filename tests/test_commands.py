@@ -164,6 +164,23 @@ def test_slurm_script_runs_the_benchmark_outside_slurm(tmp_path):
     assert prefix.with_suffix(".png").exists()
 
 
+def test_slurm_train_and_compare_scripts_run_outside_slurm(tmp_path):
+    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
+    mpiexec()
+    env = script_env(MPICOLL_LAUNCHER="mpiexec", SLURM_NTASKS="2", MPICOLL_TRAIN_ARGS="--epochs 2 --quiet",
+                     MPICOLL_COMPARE_ARGS="--algorithms allreduce-ring,sgp --epochs 2 --quiet",
+                     MPICOLL_OUTPUT=str(tmp_path / "out.jsonl"))
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "train.sbatch")], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((tmp_path / "out.jsonl").read_text().splitlines()[-1])["ranks"] == 2
+    env["MPICOLL_OUTPUT"] = str(tmp_path / "report")
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "compare.sbatch")], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| sgp | 2 |" in (tmp_path / "report" / "report.md").read_text()
+
+
 def test_bench_kernels_reports_bandwidth_against_copy(tmp_path):
     out = tmp_path / "kernels.json"
     result = subprocess.run([sys.executable, "-m", "mpicoll", "bench-kernels", "--elements", "100003", "--iters", "2",
@@ -242,6 +259,36 @@ def test_bench_ps_reports_every_rule(tmp_path):
     for record in records:
         assert record["params"] == 65536 // 4 and record["workers"] == 2 and record["updates_per_s"] > 0
         assert 0 < record["update_fraction_of_copy"] and record["gbps"] > 0
+
+
+def test_train_shows_progress_and_refuses_a_bad_data_file(tmp_path):
+    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
+    result = launch(2, "-m", "mpicoll", "train", "--algorithm", "allreduce-auto", "--epochs", "3",
+                    "--output", str(tmp_path / "run.jsonl"))
+    assert result.returncode == 0, result.stderr
+    assert "epoch   3/3 [####################]" in result.stderr and "test accuracy" in result.stderr
+    assert json.loads((tmp_path / "run.jsonl").read_text().splitlines()[-1])["final_accuracy"] > 0.8
+    (tmp_path / "bad.npz").write_bytes(b"nonsense")
+    result = launch(2, "-m", "mpicoll", "train", "--data", str(tmp_path / "bad.npz"))
+    assert result.returncode != 0 and "not a readable .npz file" in result.stderr, result.stderr
+
+
+def test_compare_writes_a_report_and_plot_redraws_it(tmp_path):
+    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "report"
+    result = subprocess.run([sys.executable, "-m", "mpicoll", "compare", "-n", "3", "--algorithms",
+                             "allreduce-ring,ps-async,sgp", "--output", str(folder), "--epochs", "2", "--quiet"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec()})
+    assert result.returncode == 0, result.stderr
+    table = (folder / "report.md").read_text()
+    assert all(f"| {name} | 3 |" in table for name in ("allreduce-ring", "ps-async", "sgp")), table
+    redrawn = subprocess.run([sys.executable, "-m", "mpicoll", "plot", *map(str, sorted(folder.glob("*.jsonl"))),
+                              "--output", str(tmp_path / "again")], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert redrawn.returncode == 0 and (tmp_path / "again" / "loss_vs_time.png").exists(), redrawn.stderr
+    assert (tmp_path / "again" / "report.md").read_text().count("|") == table.count("|")
 
 
 def test_bench_gossip_reports_sgp_against_allreduce(tmp_path):

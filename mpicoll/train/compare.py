@@ -11,6 +11,8 @@ and accuracy against epochs, one line per algorithm.
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,16 +24,16 @@ __all__ = ["compare", "report", "read_log", "mpiexec_command"]
 
 
 def mpiexec_command(ranks: int) -> list[str]:
-    """The launcher next to this Python (the MPICH wheel's) or on PATH, with the flags it needs."""
-    import os
-    found = os.environ.get("MPIEXEC") or (str(Path(sys.executable).parent / "mpiexec")
-                                          if (Path(sys.executable).parent / "mpiexec").exists()
-                                          else shutil.which("mpiexec"))
-    if not found:
+    """$MPIEXEC (a command, e.g. "srun --mpi=pmix"), else the launcher next to this Python (the
+    MPICH wheel's) or on PATH, with the flags it needs."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    command = shlex.split(os.environ.get("MPIEXEC", "")) or [str(beside) if beside.exists()
+                                                             else shutil.which("mpiexec")]
+    if not command[0]:
         raise SystemExit("mpicoll compare: no mpiexec found; pip install mpich, or load your site's MPI")
-    version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
     extra = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
-    return [found, *extra, "-n", str(ranks)]
+    return [*command, *extra, "-n", str(ranks)]
 
 
 def read_log(path: str | Path) -> tuple[list[dict], dict]:

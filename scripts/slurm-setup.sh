@@ -1,0 +1,25 @@
+# Sourced by the sbatch scripts: the site's modules and virtualenv, then the launcher
+# as the array "launch" (srun, or mpiexec with the job's task count).
+#   MPICOLL_MODULES  modules to 'module load' first, e.g. "openmpi/4.1.5 python/3.11"
+#   MPICOLL_VENV     virtualenv to activate (where mpicoll and mpi4py are installed)
+#   MPICOLL_LAUNCHER srun (default) or mpiexec
+#   MPICOLL_SRUN_ARGS extra srun arguments, e.g. "--mpi=pmix"
+if [ -n "${MPICOLL_MODULES:-}" ]; then
+    # shellcheck disable=SC2086
+    module load $MPICOLL_MODULES
+fi
+if [ -n "${MPICOLL_VENV:-}" ]; then
+    # shellcheck disable=SC1091
+    source "$MPICOLL_VENV/bin/activate"
+fi
+command -v mpicoll >/dev/null || { echo "mpicoll is not installed here: set MPICOLL_VENV" >&2; exit 2; }
+case ${MPICOLL_LAUNCHER:-srun} in
+    srun)
+        read -r -a srun_args <<< "${MPICOLL_SRUN_ARGS:-}"
+        launch=(srun "${srun_args[@]}") ;;
+    mpiexec)
+        launch=(mpiexec -n "${SLURM_NTASKS:?run under sbatch or set SLURM_NTASKS}") ;;
+    *)
+        echo "MPICOLL_LAUNCHER must be srun or mpiexec, got '${MPICOLL_LAUNCHER}'" >&2; exit 2 ;;
+esac
+echo "nodes: ${SLURM_JOB_NODELIST:-?}  ranks: ${SLURM_NTASKS:-?}  started: $(date -Is)"

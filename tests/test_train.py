@@ -1,0 +1,136 @@
+"""``mpicoll train``: every algorithm trains for real at 1 to 4 ranks; data loading; the report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpicoll.train import ALGORITHMS, MLP, Options, SoftmaxRegression, load, train
+from mpicoll.train.compare import read_log, report
+from conftest import everywhere
+
+WORLD = MPI.COMM_WORLD
+P, RANK = WORLD.Get_size(), WORLD.Get_rank()
+
+
+def digits():
+    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
+    return load(None, seed=0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_trains_and_logs(algorithm, tmp_path_factory):
+    if algorithm.startswith(("ps-", "dcasgd", "downpour")) and P < 2:
+        pytest.skip("a parameter server needs a server and a worker")
+    data = digits()
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("logs")) if RANK == 0 else None)
+    log = f"{folder}/{algorithm}.jsonl"
+    model = MLP(data.features, data.classes, [16]) if algorithm in ("dcasgd", "sgp") else \
+        SoftmaxRegression(data.features, data.classes)
+    start_loss, _ = model.evaluate(model.init(3), data.X_test, data.y_test)
+    options = Options(algorithm=algorithm, epochs=2, batch=16, lr=0.05, seed=3, output=log, progress=False,
+                      tau=1 if algorithm == "sgp" else 0)
+    summary = train(WORLD, options, model, data)
+    summaries = [s for s in WORLD.allgather(summary) if s]
+    everywhere(len(summaries) == 1, f"{len(summaries)} ranks reported a summary, expected one")
+    records, logged = read_log(log)
+    final = summaries[0]
+    everywhere(logged == json.loads(json.dumps(final)), "the log's summary is the returned one")
+    everywhere(final["algorithm"] == algorithm and final["ranks"] == P and final["wall_s"] > 0
+               and final["samples_per_s"] > 0, f"summary {final}")
+    everywhere([r["epoch"] for r in records][-1] == 2 and all(r["samples"] > 0 for r in records),
+               f"records {records}")
+    everywhere(final["final_loss"] < 0.8 * start_loss,
+               f"{algorithm}: test loss {start_loss:.3f} -> {final['final_loss']:.3f}, not decreasing")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_training_equals_single_process_sgd_on_the_combined_batch():
+    """allreduce-ring averages the ranks' gradients: the same steps as one process on all their rows."""
+    data = digits()
+    model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
+    options = Options(algorithm="allreduce-ring", epochs=1, batch=8, lr=0.2, seed=5, progress=False)
+    summary = train(WORLD, options, model, data)
+    from mpicoll.train.run import _batches
+    import math
+    steps = math.ceil(len(data.y) / (P * options.batch))
+    params = model.init(5)
+    shards = [data.shard(r, P) for r in range(P)]
+    batches = [_batches(len(shards[r][1]), options.batch, steps, [5, r, 0]) for r in range(P)]
+    for step in range(steps):
+        grads = [model.loss_and_gradient(params, shards[r][0][batches[r][step]], shards[r][1][batches[r][step]])[1]
+                 for r in range(P)]
+        params = params - options.lr * np.mean(grads, axis=0)
+    expected = model.evaluate(params, data.X_test, data.y_test)[0]
+    losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
+    everywhere(abs(losses[0] - expected) < 1e-9, f"final loss {losses[0]!r}, single process {expected!r}")
+
+
+@pytest.mark.parametrize("arrays, words", [
+    (None, "no such file"),
+    ("garbage", "not a readable .npz"),
+    ({"X": np.zeros((4, 2))}, "missing array(s) y"),
+    ({"X": np.zeros((4, 2)), "y": np.zeros(3, int)}, "one label per sample"),
+    ({"X": np.full((4, 2), np.nan), "y": np.zeros(4, int)}, "NaN"),
+    ({"X": np.zeros((4, 2)), "y": np.array([0, 1, 0.5, 1])}, "integers"),
+    ({"X": np.zeros((4, 2)), "y": np.zeros(4, int), "X_test": np.zeros((2, 2))}, "both X_test and y_test"),
+    ({"X": np.zeros((4, 2)), "y": np.zeros(4, int), "X_test": np.zeros((2, 3)), "y_test": np.zeros(2, int)},
+     "X_test has 3 features"),
+])
+def test_bad_data_files_get_clear_errors(tmp_path, arrays, words):
+    path = tmp_path / "data.npz"
+    if arrays == "garbage":
+        path.write_bytes(b"not a zip file")
+    elif arrays is not None:
+        np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=None) as error:
+        load(str(path))
+    assert words in str(error.value)
+
+
+def test_a_users_npz_with_its_own_test_set(tmp_path):
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((60, 3))
+    y = (X[:, 0] > 0).astype(int)
+    np.savez(tmp_path / "mine.npz", X=X, y=y, X_test=X[:10] * 2, y_test=y[:10])
+    data = load(str(tmp_path / "mine.npz"))
+    assert data.X.shape == (60, 3) and data.X_test.shape == (10, 3) and data.classes == 2
+    assert np.allclose(data.X.mean(axis=0), 0, atol=1e-6) and data.X.dtype == np.float32
+
+
+def test_model_gradients_match_finite_differences():
+    rng = np.random.default_rng(1)
+    X, y = rng.standard_normal((7, 5)), rng.integers(0, 3, 7)
+    for model in (SoftmaxRegression(5, 3, dtype=np.float64), MLP(5, 3, [4, 6], dtype=np.float64)):
+        params = model.init(2) + 0.1 * rng.standard_normal(model.size)
+        _, grad = model.loss_and_gradient(params, X, y)
+        numeric = np.empty(model.size)
+        for i in range(model.size):
+            step = np.zeros(model.size)
+            step[i] = 1e-6
+            numeric[i] = (model.loss_and_gradient(params + step, X, y, gradient=False)[0]
+                          - model.loss_and_gradient(params - step, X, y, gradient=False)[0]) / 2e-6
+        assert np.allclose(grad, numeric, rtol=1e-4, atol=1e-7), type(model).__name__
+
+
+def test_the_report_comes_from_recorded_logs(tmp_path):
+    pytest.importorskip("matplotlib")
+    data = digits()
+    logs = []
+    for algorithm in ("allreduce-ring", "sgp"):
+        logs.append(tmp_path / f"{algorithm}.jsonl")
+        train(WORLD, Options(algorithm=algorithm, epochs=2, output=str(logs[-1]), progress=False),
+              SoftmaxRegression(data.features, data.classes), data)
+    markdown = report(logs, tmp_path / "report", target=0.5).read_text()
+    for algorithm in ("allreduce-ring", "sgp"):
+        assert f"| {algorithm} | 1 |" in markdown
+    for png in ("loss_vs_time.png", "accuracy_vs_epoch.png"):
+        assert (tmp_path / "report" / png).stat().st_size > 5000
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(logs[0].read_text().splitlines()[0] + "\n{not json\n")
+    with pytest.raises(ValueError, match="broken.jsonl line 2: not JSON"):
+        report([broken], tmp_path / "again")
