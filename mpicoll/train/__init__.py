@@ -36,8 +36,10 @@ def _array_namespace(device: str):
 
 def main(args) -> int:
     """The ``mpicoll train`` command (run under mpiexec)."""
+    from .. import compute
     from .models import make
     comm = MPI.COMM_WORLD
+    compute.limit_blas_threads()          # ranks sharing a node must not each start a thread per core
     try:
         data = load(args.data, seed=args.seed)
     except ValueError as error:

@@ -58,6 +58,12 @@ def read_log(path: str | Path) -> tuple[list[dict], dict]:
     return records, summary
 
 
+def label(summary: dict) -> str:
+    """An algorithm's name in tables and legends, with the option that distinguishes SGP runs."""
+    tau = summary.get("options", {}).get("tau", 0)
+    return f"{summary['algorithm']} (tau={tau})" if summary["algorithm"] == "sgp" and tau else summary["algorithm"]
+
+
 def _time_to(records: list[dict], target: float) -> float | None:
     return next((r["time_s"] for r in records if r["accuracy"] >= target), None)
 
@@ -71,7 +77,7 @@ def report(logs: list[str | Path], folder: str | Path, target: float = 0.9) -> P
              "|---|---:|---:|---:|---:|---:|---|"]
     for path, records, summary in runs:
         reached = _time_to(records, target)
-        lines.append(f"| {summary['algorithm']} | {summary['ranks']} | {summary['final_accuracy']:.1%} | "
+        lines.append(f"| {label(summary)} | {summary['ranks']} | {summary['final_accuracy']:.1%} | "
                      f"{'-' if reached is None else f'{reached:.2f}'} | {summary['samples_per_s']:,.0f} | "
                      f"{summary['wall_s']:.2f} | {path.name} |")
     options = runs[0][2].get("options", {}) if runs else {}
@@ -100,7 +106,7 @@ def _plots(runs, folder: Path) -> None:
         figure, axes = plt.subplots(figsize=(7, 4.5))
         for _, records, summary in runs:
             axes.plot([r[x_key] for r in records], [r[y_key] for r in records], marker="o", markersize=3,
-                      label=summary["algorithm"])
+                      label=label(summary))
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         if y_key == "loss":
