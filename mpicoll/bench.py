@@ -44,6 +44,13 @@ def default_sizes() -> list[int]:
     return [8] + [16 << (2 * i) for i in range(12)]
 
 
+def write_records(path: str, records: list, out=None) -> None:
+    """A benchmark's records as one JSON file (every ``mpicoll bench*`` command's ``--output``)."""
+    with open(path, "w") as handle:
+        json.dump(records, handle, indent=1)
+    print(f"# wrote {path}", file=out or sys.stdout)
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -241,9 +248,7 @@ def run(args) -> int:
         print(f"# per-call overhead of the Python layer at 8 B: {(wrapped - raw) * 1e6:+.2f} us "
               f"(auto {wrapped * 1e6:.2f} us vs mpi {raw * 1e6:.2f} us per call, back to back)", file=out)
         if args.output:
-            with open(args.output, "w") as handle:
-                json.dump(records, handle, indent=1)
-            print(f"# wrote {args.output}", file=out)
+            write_records(args.output, records, out)
         if args.plot:
             plot(records, args.plot)
             print(f"# wrote {args.plot}", file=out)

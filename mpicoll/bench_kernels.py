@@ -9,13 +9,13 @@ kernel runs as fast as memory allows.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import numpy as np
 
 from . import compute
+from .bench import write_records
 
 __all__ = ["run", "ARRAYS_MOVED", "median_seconds"]
 
@@ -109,9 +109,7 @@ def run(args) -> int:
             if previous is not None:
                 os.environ["MPICOLL_KERNELS"] = previous
     if args.output:
-        with open(args.output, "w") as handle:
-            json.dump(records, handle, indent=1)
-        print(f"# wrote {args.output}")
+        write_records(args.output, records)
     return 0
 
 

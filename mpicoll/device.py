@@ -211,6 +211,14 @@ def from_host(host: np.ndarray, device_array) -> None:
     _Arrays(library).to_device(np.ascontiguousarray(host).reshape(-1), array.reshape(-1))
 
 
+def copy_into(out, host: np.ndarray) -> None:
+    """Copy host values into ``out``: a host array (any layout) or any CUDA array."""
+    if is_device_array(out):
+        from_host(host, out)
+    else:
+        np.copyto(np.asarray(out).reshape(-1), host)
+
+
 def _setup(ctx, *device_arrays):
     libraries = {as_device_array(a)[0] for a in device_arrays if a is not None}
     if len(libraries) != 1:

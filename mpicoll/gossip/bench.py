@@ -14,14 +14,13 @@ to average to 1e-6 against what its spectrum predicts.
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import Communicator
-from ..bench import format_bytes, parse_sizes
+from ..bench import format_bytes, parse_sizes, write_records
 from ..straggler import Straggler, parse
 from . import GRAPHS, TRANSPORTS, PushSum, UniformMixing, make, rounds_to_average
 
@@ -141,7 +140,5 @@ def run(args) -> int:
                       f"{format_bytes(summary['bytes_per_iteration']):>9} {summary['comm_ms']:>8.1f} "
                       f"{summary['wait_ms']:>8.1f}", flush=True)
     if rank == 0 and args.output:
-        with open(args.output, "w") as handle:
-            json.dump(records, handle, indent=1)
-        print(f"# wrote {args.output}")
+        write_records(args.output, records)
     return 0

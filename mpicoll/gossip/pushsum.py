@@ -109,7 +109,7 @@ class PushSum:
         """z = x / w, this rank's estimate of the average."""
         np.divide(self.x, self.x.dtype.type(self.weight), out=self._z)
         if out is not None:
-            _copy_into(out, self._z)
+            device.copy_into(out, self._z)
             return out
         return self._z
 
@@ -176,10 +176,3 @@ def _host_copy(array) -> np.ndarray:
         device.to_host(array, host)
         return host
     return np.array(array, copy=True).reshape(-1)
-
-
-def _copy_into(out, values: np.ndarray) -> None:
-    if compute.is_device_array(out):
-        device.from_host(values, out)
-    else:
-        np.copyto(np.asarray(out).reshape(-1), values)

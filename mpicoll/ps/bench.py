@@ -11,13 +11,12 @@ against a numpy copy measured on the same rank in the same run.
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from ..bench import format_bytes, parse_sizes
+from ..bench import format_bytes, parse_sizes, write_records
 from ..bench_kernels import median_seconds
 from ..straggler import Straggler, parse
 from . import TRANSPORTS, ParameterServer, make
@@ -99,7 +98,5 @@ def run(args) -> int:
                           f"{first['update_gbps']:>11.1f} {first['update_fraction_of_copy']:>7.2f} "
                           f"{sum(r['dropped'] for r in found):>7}", flush=True)
     if rank == 0 and args.output:
-        with open(args.output, "w") as handle:
-            json.dump(records, handle, indent=1)
-        print(f"# wrote {args.output}")
+        write_records(args.output, records)
     return 0

@@ -84,7 +84,7 @@ class Client:
         if not kind.wants_weights:
             return None
         if out is not None:
-            _copy_into(out, self.weights)
+            device.copy_into(out, self.weights)
             return out
         return self.weights
 
@@ -140,13 +140,6 @@ class Client:
             if gradient is not None:
                 requests.append(self.ctx.isend(gradient[self.layout.shard(server)], server, TAG_GRADIENT))
                 peers.append(server)
-
-
-def _copy_into(out, weights: np.ndarray) -> None:
-    if compute.is_device_array(out):
-        device.from_host(weights, out)
-    else:
-        np.copyto(np.asarray(out).reshape(-1), weights)
 
 
 class Schedule:

@@ -12,7 +12,6 @@ after each epoch, draws the progress bar and writes the log.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
