@@ -213,3 +213,27 @@ def test_device_arrays_go_in_and_come_out():
     pushsum.close()
     everywhere(np.allclose(first, mean), f"after one complete round: {first}, expected {mean}")
     everywhere(np.allclose(second, mean - 0.5), f"after one SGP step: {second}, expected {mean - 0.5}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_round_is_sent_while_the_receiver_computes(transport):
+    """With tau = 1 a round only sends; that must not wait for a receiver busy outside MPI
+    (MPICH's Get would: mpicoll's one-sided mailbox uses Accumulate and Put only)."""
+    import time
+    pushsum = gossip.PushSum(WORLD, np.ones(100_000), graph="ring", tau=1, transport=transport)
+    WORLD.Barrier()
+    took = 0.0
+    if RANK == (0 + 1) % P:                   # rank 0's out-peer on the ring: busy, outside MPI
+        until = time.perf_counter() + 1.0
+        while time.perf_counter() < until:
+            pass
+    if RANK == 0:
+        start = time.perf_counter()
+        pushsum.mix()
+        took = time.perf_counter() - start
+    else:
+        pushsum.mix()
+    pushsum.drain()
+    pushsum.close()
+    everywhere(took < 0.5, f"rank 0's first round took {took:.3f} s while its receiver computed for 1 s")

@@ -7,12 +7,13 @@ summed on arrival, so the count says how many have landed and the round sum
 taken.  Every wait has the communicator's deadline and names the missing peers.
 
 ``OneSidedMailbox`` (the default): each rank exposes ``slots`` packet slots in
-a window from ``Win.Allocate``; a sender ``Accumulate``\\ s its packet into slot
-``round % slots`` of each out-peer under a shared lock, which completes without
-the receiver's help (measured: MPICH's Put/Accumulate progress while the target
-computes, its Get does not).  The receiver takes a slot under an exclusive lock
-on its own window, so it never sees half a packet, then tells the ranks that
-will next write into that slot that it is free (a ``Put`` into their window).
+a window from ``Win.Allocate``; a sender accumulates its packet into slot
+``round % slots`` of each out-peer under a shared lock, without the receiver
+posting anything.  MPICH completes such an operation only when the target
+enters MPI, so the receiver runs a progress thread (:mod:`mpicoll.progress`)
+while it computes.  The receiver takes a slot under an exclusive lock on its
+own window, so it never sees half a packet, then tells the ranks that will next
+write into that slot that it is free (a ``Put`` into their window).
 
 ``PointToPointMailbox``: nonblocking sends, and receives posted when a round
 starts; messages between two ranks arrive in order, so packets pair with rounds.

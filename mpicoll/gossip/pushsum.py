@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from .. import compute, device
 from ..context import Context
+from ..progress import Progress
 from .mailbox import OneSidedMailbox, PointToPointMailbox
 from .mixing import Mixing, UniformMixing
 from .topology import Graph, make
@@ -59,6 +60,8 @@ class PushSum:
         self.folded = 0             # rounds whose messages have been folded in
         self._z = np.empty_like(self.x)
         self.mailbox = TRANSPORTS[transport](self.ctx, self.graph, self.x.size, self.x.dtype, slots=tau + 2)
+        # peers write into our window while we compute: keep MPI progressing meanwhile
+        self._progress = Progress(self.ctx.comm).start() if transport == "onesided" else None
         self.bytes_sent = 0
         self.wait_s = 0.0
 
@@ -130,6 +133,8 @@ class PushSum:
 
     def close(self) -> None:
         """Release the mailbox and the private communicator (collective)."""
+        if self._progress is not None:
+            self._progress.stop()
         self.mailbox.close()
         self.ctx.free()
 

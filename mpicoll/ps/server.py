@@ -5,8 +5,9 @@ arrives first, feeds gradients to the rule, and answers with nonblocking sends
 from per-worker snapshots of the weights, so a worker that is slow to collect
 its answer holds up nobody.  With the one-sided transport the gradients are
 already in the server's window when the request arrives, and answers are
-``Put`` into the worker's window, which completes without the worker's help.
-Between requests the server waits inside MPI, so workers' reads progress.
+``Put`` into the window of the worker, which waits for them inside MPI.
+Between requests the server waits inside MPI too, so workers' puts and reads
+progress (MPICH's passive target progresses only while its target is in MPI).
 """
 
 from __future__ import annotations

@@ -1,22 +1,24 @@
 """The one-sided transport: MPI windows that workers and servers write into directly.
 
-Every data movement is an RMA ``Put`` by the rank that has the data, into a
-window of the rank that needs it, followed by a small point-to-point note
-saying it is there (the same request/answer headers as the point-to-point
-transport).  Measured with MPICH (docs/parameter-server.md): a ``Put`` or an
-``Accumulate`` completes while the target computes outside MPI, a ``Get`` waits
-until the target next enters MPI.  So:
+Every data movement is an RMA ``Put`` or ``Get`` aimed at a rank that is
+inside MPI at that moment, followed by a small point-to-point note saying it is
+there (the same request/answer headers as the point-to-point transport).
+Measured with MPICH (docs/parameter-server.md): every passive-target operation
+aimed at a rank busy outside MPI, even the lock, waits until it next enters
+MPI.  So:
 
-- a worker ``Put``\\ s its gradient slice into its own inbox slot on each
+- a worker puts its gradient slice into its own inbox slot on each
   server, then sends the request note; the server reads the slot in place;
-- a server answers by ``Put``\\ ting its shard and version into the worker's
-  window, then sending the answer note; the worker's weights *are* its window;
-- a plain pull ``Get``\\ s a server's live shard and version under a shared
+- a server answers by putting its shard and version into the worker's
+  window, then sending the answer note; the worker is waiting for it inside
+  MPI, and its weights *are* that window;
+- a plain pull gets a server's live shard and version under a shared
   lock without the server doing anything; the server updates under an
   exclusive lock on its own window, so a pull always sees one whole version.
-  Between updates the server sits in MPI (polling), so pulls progress; a pull
-  waits at most for the update in progress.  DC-ASGD pulls through the server
-  instead: its backup must be exactly what the worker got.
+  Between updates the server waits for requests inside MPI (polling), so puts
+  and pulls progress; one waits at most for the update in progress.  DC-ASGD
+  pulls go through the server instead: its backup must be exactly what the
+  worker got.
 
 All windows come from ``Win.Allocate`` (5-20x faster to use than ``Win.Create``).
 """
