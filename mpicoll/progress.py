@@ -34,6 +34,8 @@ class Progress:
     def __init__(self, comm: MPI.Comm, interval: float = 1e-3):
         self.comm, self.interval = comm, interval
         self._stop = threading.Event()
+        self._awake = threading.Event()
+        self._awake.set()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Progress":
@@ -49,7 +51,12 @@ class Progress:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            if self._awake.is_set():
+                self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+    def paused(self) -> "_Paused":
+        """Hold the thread while this rank is inside MPI anyway (its polls then compete for MPI's lock)."""
+        return _Paused(self._awake)
 
     def stop(self) -> None:
         """Stop and join the thread (before freeing the communicator it pokes)."""
@@ -63,3 +70,14 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _Paused:
+    def __init__(self, awake: threading.Event):
+        self.awake = awake
+
+    def __enter__(self):
+        self.awake.clear()
+
+    def __exit__(self, *exc):
+        self.awake.set()

@@ -134,3 +134,29 @@ def test_the_report_comes_from_recorded_logs(tmp_path):
     broken.write_text(logs[0].read_text().splitlines()[0] + "\n{not json\n")
     with pytest.raises(ValueError, match="broken.jsonl line 2: not JSON"):
         report([broken], tmp_path / "again")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["allreduce-ring", "sgp", "ps-sync"])
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(algorithm, tmp_path_factory):
+    """Stop after 2 of 4 epochs (checkpoints after every epoch), resume: the same final model."""
+    if algorithm == "ps-sync" and P < 2:
+        pytest.skip("a parameter server needs a server and a worker")
+    data = digits()
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("checkpoints")) if RANK == 0 else None)
+    model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
+
+    def run(epochs, **extra):
+        options = Options(algorithm=algorithm, epochs=epochs, batch=16, lr=0.05, seed=4, progress=False,
+                          transport="p2p", **extra)
+        summary = train(WORLD, options, model, data)
+        return [s for s in WORLD.allgather(summary) if s][0]
+
+    straight = run(4)
+    run(2, checkpoint=f"{folder}/job")
+    resumed = run(4, checkpoint=f"{folder}/job", resume=True, output=f"{folder}/resumed.jsonl")
+    epochs = [r["epoch"] for r in read_log(f"{folder}/resumed.jsonl")[0]]
+    everywhere(epochs and epochs[0] == 3, f"{algorithm}: the resumed run evaluated epochs {epochs}, not from 3")
+    everywhere(resumed["final_loss"] == straight["final_loss"],
+               f"{algorithm}: resumed run ends at loss {resumed['final_loss']!r}, uninterrupted "
+               f"{straight['final_loss']!r}")

@@ -61,6 +61,9 @@ def _iterations(comm, method: dict, count: int, dtype, iters: int, compute_s: fl
         gossip = PushSum(comm, x, graph=method["graph"], tau=method["tau"], transport=method["transport"])
         communicate = gossip.mix
         sent = 0.0
+    communicate()                       # warm-up: first-call costs (Numba's JIT, buffers) are not the round's
+    if method["method"] != "allreduce":
+        gossip.wait_s, gossip.bytes_sent = 0.0, 0
     comm.Barrier()
     communicating = 0.0
     start = time.perf_counter()

@@ -67,6 +67,12 @@ class PushSum:
 
     def mix(self, out=None) -> np.ndarray:
         """One gossip round; returns the de-biased parameters (also written to ``out``, any array)."""
+        if self._progress is None:
+            return self._mix(out)
+        with self._progress.paused():            # this rank is in MPI for the round itself
+            return self._mix(out)
+
+    def _mix(self, out) -> np.ndarray:
         round = self.round
         keep, shares = self.mixing.shares(self.graph, self.rank, round)
         self.mailbox.expect(round)

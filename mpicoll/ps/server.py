@@ -12,7 +12,6 @@ progress (MPICH's passive target progresses only while its target is in MPI).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import checkpoint
 from ..context import Context
 from .layout import Layout
 from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind, final_note
@@ -61,25 +61,16 @@ def checkpoint_path(prefix: str, server: int) -> Path:
 
 def save_checkpoint(prefix: str, server: int, rule: Rule) -> Path:
     """Write the rule's state atomically (a crash mid-write leaves the previous checkpoint)."""
-    path = checkpoint_path(prefix, server)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as handle:
-        np.savez(handle, rule=np.array(rule.name), **rule.state())
-    os.replace(partial, path)
-    return path
+    return checkpoint.save(checkpoint_path(prefix, server), rule=np.array(rule.name), **rule.state())
 
 
 def load_checkpoint(prefix: str, server: int, rule: Rule) -> int:
     """Load this server's checkpoint into ``rule`` (after setup); returns the update count it holds."""
     path = checkpoint_path(prefix, server)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint for server rank {server} at {path}: resume needs every "
-                                "server's file from the same run")
-    with np.load(path) as state:
-        if str(state["rule"]) != rule.name:
-            raise ValueError(f"{path} was written by a {state['rule']} run, this one uses {rule.name}")
-        rule.load_state(state)
+    state = checkpoint.load(path, f"server rank {server}")
+    if str(state["rule"]) != rule.name:
+        raise ValueError(f"{path} was written by a {state['rule']} run, this one uses {rule.name}")
+    rule.load_state(state)
     return rule.version
 
 

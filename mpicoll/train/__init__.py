@@ -53,7 +53,10 @@ def main(args) -> int:
                       straggler=args.straggler, servers=args.servers, softsync_k=args.softsync_k,
                       staleness=args.staleness, lam=args.lam, adaptive=args.adaptive, n_fetch=args.n_fetch,
                       n_push=args.n_push, warm_start=args.warm_start, transport=args.transport, graph=args.graph,
-                      tau=args.tau, output=args.output, progress=not args.quiet)
+                      tau=args.tau, output=args.output, progress=not args.quiet, checkpoint=args.checkpoint,
+                      resume=args.resume)
+    if args.resume and not args.checkpoint:
+        raise SystemExit("mpicoll train: --resume needs --checkpoint PREFIX (the prefix the earlier run used)")
     train(comm, options, model, data, xp)
     return 0
 
@@ -75,6 +78,8 @@ def add_parser(commands) -> None:
     train_.add_argument("--straggler", help="RANK=FACTOR: make that rank FACTOR times slower, e.g. 3=3")
     train_.add_argument("--output", metavar="RUN.jsonl", help="one JSON record per evaluation, then a summary")
     train_.add_argument("--quiet", action="store_true", help="no progress bar")
+    train_.add_argument("--checkpoint", metavar="PREFIX", help="save the state after every epoch under PREFIX")
+    train_.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
     group = train_.add_argument_group("parameter servers (ps-*, dcasgd, downpour)")
     group.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
     group.add_argument("--softsync-k", type=float, default=0.5, help="ps-softsync: first K gradients per round, "

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from .. import Communicator, gossip, ps
+from .. import Communicator, checkpoint, gossip, ps
 from ..straggler import Straggler
 from .data import Dataset
 from .models import Model
@@ -49,6 +49,8 @@ class Options:
     graph: str = "time-varying-exponential"
     tau: int = 0                      # sgp overlap
     output: str | None = None         # JSON lines log
+    checkpoint: str | None = None     # path prefix: state saved after every epoch
+    resume: bool = False              # continue from the checkpoint
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -86,15 +88,20 @@ def _allreduce(comm, options, model, data, xp):
     rank, size = comm.Get_rank(), comm.Get_size()
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
-    params = model.init(options.seed)
+    params, start = model.init(options.seed), 0
+    if options.resume:                       # every rank holds the same parameters: one file
+        state = checkpoint.load(f"{options.checkpoint}.npz", options.algorithm)
+        params, start = xp.asarray(state["params"]), int(state["epoch"])
     average = xp.empty_like(params)
     with Communicator(comm, algorithm=options.algorithm.split("-", 1)[1]) as channel:
-        for epoch in range(options.epochs):
+        for epoch in range(start, options.epochs):
             for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
                 with slow:
                     loss, grad = model.loss_and_gradient(params, X[batch], y[batch])
                 channel.Allreduce(grad, average)
                 params -= (options.lr / size) * average
+            if options.checkpoint and rank == 0:
+                checkpoint.save(f"{options.checkpoint}.npz", params=_host(params), epoch=epoch + 1)
             if reporter:
                 reporter.evaluate(params, epoch + 1, (epoch + 1) * steps * options.batch * size)
     return reporter.finish(params) if reporter else None
@@ -108,12 +115,20 @@ def _sgp(comm, options, model, data, xp):
     pushsum = gossip.PushSum(comm, model.init(options.seed), graph=options.graph, tau=options.tau,
                              transport=transport)
     sgp = gossip.SGP(pushsum, options.lr)
+    start, mine = 0, f"{options.checkpoint}.rank{rank}.npz"
+    if options.resume:                       # each rank its own numerator and push-sum weight
+        state = checkpoint.load(mine, options.algorithm)
+        pushsum.load_state(state)
+        start = int(state["epoch"])
     z = xp.asarray(sgp.parameters)
-    for epoch in range(options.epochs):
+    for epoch in range(start, options.epochs):
         for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
             with slow:
                 loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
             z = xp.asarray(sgp.step(grad))
+        if options.checkpoint:               # every rank is at the same round: nothing left in flight
+            pushsum.drain()
+            checkpoint.save(mine, epoch=epoch + 1, **pushsum.state())
         if reporter:
             reporter.evaluate(z, epoch + 1, (epoch + 1) * steps * options.batch * size)
     pushsum.drain()
@@ -151,14 +166,20 @@ def _parameter_server(comm, options, model, data, xp):
     budget = options.epochs * steps * len(workers)        # gradients, over every worker
     reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
     if server.is_server:
-        server.serve(warm_start=options.warm_start)
+        every = max(1, budget // options.epochs // per_update)       # updates per epoch
+        server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
+                     resume=options.resume)
     else:
         client = server.client
         schedule = ps.Schedule(client, options.n_fetch, options.n_push) if options.algorithm == "downpour" else None
         w = xp.asarray(client.pull())
-        done, reported, epoch = 0, 0, 0
+        done = min(client.versions.values()) * per_update            # more than 0 when resumed
+        reported = done * options.epochs // budget
+        epoch, skip = divmod(done // len(workers), steps)            # where this worker's batches were
         while done < budget:
-            for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
+            batches = _batches(len(y), options.batch, steps, [options.seed, rank, epoch])[skip:]
+            skip = 0
+            for batch in batches:
                 with slow:
                     loss, grad = model.loss_and_gradient(w, X[batch], y[batch])
                 w = xp.asarray(schedule.step(_host(grad)) if schedule else client.exchange(grad))
