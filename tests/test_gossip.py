@@ -144,6 +144,7 @@ def test_a_rank_that_stops_mixing_is_named(monkeypatch):
         except mpicoll.CollectiveTimeout as error:
             outcome = str(error)
     WORLD.Barrier()
+    pushsum._progress.stop()                  # the channel is broken on some ranks: no collective close
     expected = "waited 2 s for rank(s) 0" if RANK == 1 else None
     everywhere(expected is None or (expected in outcome and "push-sum" in outcome), f"rank {RANK}: {outcome}")
 

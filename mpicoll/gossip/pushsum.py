@@ -138,10 +138,15 @@ class PushSum:
         self.mailbox.restart_at(self.round)
 
     def close(self) -> None:
-        """Release the mailbox and the private communicator (collective)."""
+        """Release the mailbox and the private communicator (collective).
+
+        After a timeout (a peer lost) only the progress thread stops: freeing the
+        window would wait for the lost peer, and messages may still be on their way.
+        """
         if self._progress is not None:
             self._progress.stop()
-        self.mailbox.close()
+        if not self.ctx.broken:
+            self.mailbox.close()
         self.ctx.free()
 
 
