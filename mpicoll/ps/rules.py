@@ -76,9 +76,16 @@ class Rule:
 
 
 class _Rounds(Rule):
-    """Average gradients computed on the current weights until a round is full."""
+    """Average gradients computed on the current weights until a round is full.
+
+    Each gradient is kept until its round closes and the round's sum is taken
+    in worker order, so a round's update does not depend on the order the
+    gradients arrived in: runs repeat bit for bit, and a resumed run ends
+    where an uninterrupted one does.
+    """
 
     waits_for_rounds = True
+    arrays_per_gradient = 4           # keep it (read g, write the copy), sum it (read the copy, update total)
 
     def __init__(self, lr: float):
         self.lr = lr
@@ -86,18 +93,27 @@ class _Rounds(Rule):
     def setup(self, weights, workers):
         super().setup(weights, workers)
         self.total = np.zeros_like(weights)
+        self.kept: dict[int, np.ndarray] = {}       # worker -> its gradient buffer, reused every round
         self.contributors: list[int] = []
 
     def quorum(self) -> int:
         raise NotImplementedError
 
     def state(self):
-        return {**super().state(), "total": self.total, "contributors": np.array(self.contributors, np.int64)}
+        kept = [self.kept[w] for w in self.contributors]
+        return {**super().state(), "contributors": np.array(self.contributors, np.int64),
+                "gradients": np.stack(kept) if kept else np.zeros((0, self.w.size), self.w.dtype)}
 
     def load_state(self, state):
         super().load_state(state)
-        self.total[...] = state["total"]
         self.contributors = [int(w) for w in state["contributors"]]
+        for worker, gradient in zip(self.contributors, state["gradients"]):
+            self._keep(worker, gradient)
+
+    def _keep(self, worker: int, gradient: np.ndarray) -> None:
+        if worker not in self.kept:
+            self.kept[worker] = np.empty_like(self.w)
+        self.kept[worker][...] = gradient
 
     def on_gradient(self, worker, version, gradient):
         if version != self.version:                    # computed on weights of a closed round
@@ -105,7 +121,7 @@ class _Rounds(Rule):
             return [worker]
         if worker in self.contributors:
             raise ValueError(f"worker {worker} sent two gradients in round {self.version}")
-        compute.reduce(self.total, gradient, op="sum")
+        self._keep(worker, gradient)
         self.contributors.append(worker)
         return self._close_if_full()
 
@@ -116,8 +132,11 @@ class _Rounds(Rule):
     def _close_if_full(self) -> list[int]:
         if len(self.contributors) < min(self.quorum(), max(len(self.active), 1)):
             return []
+        first, *rest = sorted(self.contributors)
+        self.total[...] = self.kept[first]
+        for worker in rest:
+            compute.reduce(self.total, self.kept[worker], op="sum")
         compute.sgd(self.w, self.total, self.lr, tau=len(self.contributors))   # w -= lr * mean
-        self.total[...] = 0
         self.version += 1
         answered, self.contributors = self.contributors, []
         return answered
