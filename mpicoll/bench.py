@@ -44,6 +44,15 @@ def default_sizes() -> list[int]:
     return [8] + [16 << (2 * i) for i in range(12)]
 
 
+def parse_choices(command: str, what: str, text: str, allowed) -> list[str]:
+    """A comma-separated option's values, each checked against ``allowed`` (exits naming the bad one)."""
+    values = [value.strip() for value in text.split(",") if value.strip()]
+    for value in values:
+        if value not in allowed:
+            raise SystemExit(f"{command}: unknown {what} {value!r}; choose from {', '.join(allowed)}")
+    return values
+
+
 def write_records(path: str, records: list, out=None) -> None:
     """A benchmark's records as one JSON file (every ``mpicoll bench*`` command's ``--output``)."""
     with open(path, "w") as handle:

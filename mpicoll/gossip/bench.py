@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import Communicator
-from ..bench import format_bytes, parse_sizes, write_records
+from ..bench import format_bytes, parse_choices, parse_sizes, write_records
 from ..straggler import Straggler, parse
 from . import GRAPHS, TRANSPORTS, PushSum, UniformMixing, make, rounds_to_average
 
@@ -97,14 +97,9 @@ def methods(graphs: list[str], transports: list[str], taus: list[int]) -> list[d
 def run(args) -> int:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    graphs, transports = args.graphs.split(","), args.transports.split(",")
+    graphs = parse_choices("bench-gossip", "graph", args.graphs, GRAPHS)
+    transports = parse_choices("bench-gossip", "transport", args.transports, TRANSPORTS)
     taus = [int(t) for t in args.taus.split(",")]
-    for name in graphs:
-        if name not in GRAPHS:
-            raise SystemExit(f"bench-gossip: unknown graph {name!r}; choose from {', '.join(GRAPHS)}")
-    for name in transports:
-        if name not in TRANSPORTS:
-            raise SystemExit(f"bench-gossip: unknown transport {name!r}; choose from {', '.join(TRANSPORTS)}")
     parse(args.straggler)
     dtype = np.dtype(args.dtype)
     sizes = [size // dtype.itemsize for size in parse_sizes(args.sizes)]

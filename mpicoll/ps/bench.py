@@ -16,7 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..bench import format_bytes, parse_sizes, write_records
+from ..bench import format_bytes, parse_choices, parse_sizes, write_records
 from ..bench_kernels import median_seconds
 from ..straggler import Straggler, parse
 from . import TRANSPORTS, ParameterServer, make
@@ -66,13 +66,8 @@ def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers, t
 def run(args) -> int:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    rules, transports = args.rules.split(","), args.transports.split(",")
-    for name in rules:
-        if name not in _RULE_OPTIONS:
-            raise SystemExit(f"bench-ps: unknown rule {name!r}; choose from {', '.join(_RULE_OPTIONS)}")
-    for name in transports:
-        if name not in TRANSPORTS:
-            raise SystemExit(f"bench-ps: unknown transport {name!r}; choose from {', '.join(TRANSPORTS)}")
+    rules = parse_choices("bench-ps", "rule", args.rules, _RULE_OPTIONS)
+    transports = parse_choices("bench-ps", "transport", args.transports, TRANSPORTS)
     sizes = [size // np.dtype(args.dtype).itemsize for size in parse_sizes(args.sizes)]
     stragglers = [""] + ([args.straggler] if args.straggler else [])
     parse(args.straggler)
