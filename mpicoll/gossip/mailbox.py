@@ -147,7 +147,11 @@ class OneSidedMailbox:
 
         if not landed():
             self.ctx.wait_until(landed, list(peers))
-        _check_round(header, round, self.rank, peers)
+        try:
+            _check_round(header, round, self.rank, peers)
+        except RuntimeError:
+            self.win.Unlock(self.rank)            # never leave senders locked out
+            raise
         self._taking = round
         return [(float(header[0]), self.inbox.payloads[round % self.slots])] if peers else []
 

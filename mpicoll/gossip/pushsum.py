@@ -13,6 +13,7 @@ messages of round k - tau have not all arrived (tau = 0: synchronous).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -67,10 +68,12 @@ class PushSum:
 
     def mix(self, out=None) -> np.ndarray:
         """One gossip round; returns the de-biased parameters (also written to ``out``, any array)."""
-        if self._progress is None:
+        with self._inside_mpi():
             return self._mix(out)
-        with self._progress.paused():            # this rank is in MPI for the round itself
-            return self._mix(out)
+
+    def _inside_mpi(self):
+        """While this rank is in MPI anyway, its progress thread would only compete for MPI's lock."""
+        return self._progress.paused() if self._progress is not None else contextlib.nullcontext()
 
     def _mix(self, out) -> np.ndarray:
         round = self.round
@@ -88,8 +91,9 @@ class PushSum:
         Afterwards all the mass is in the ranks' (x, w): the state to checkpoint,
         or to read the final average from.
         """
-        while self.folded < self.round:
-            self._fold(self.folded, 1.0)
+        with self._inside_mpi():
+            while self.folded < self.round:
+                self._fold(self.folded, 1.0)
 
     def _fold(self, round: int | None, keep: float) -> None:
         """x = keep * x + the packets of ``round`` (none: just keep)."""
