@@ -1,8 +1,10 @@
-"""The ``mpicoll`` command: ``bench`` and ``info`` (under mpiexec), ``bench-kernels`` (one process)."""
+"""The ``mpicoll`` command: ``train``, ``bench``, ``bench-ps``, ``bench-gossip`` and ``info`` (under
+mpiexec), ``compare``, ``plot`` and ``bench-kernels`` (one process)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 __all__ = ["main"]
@@ -122,6 +124,11 @@ def info() -> int:
     return 0
 
 
+_RUNNERS = {"bench": (".bench", "run"), "bench-kernels": (".bench_kernels", "run"), "bench-ps": (".ps.bench", "run"),
+            "bench-gossip": (".gossip.bench", "run"), "train": (".train", "main"),
+            "compare": (".train", "compare_main"), "plot": (".train", "plot_main")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpicoll", description="MPI collectives for distributed SGD.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -136,27 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     args, passthrough = parser.parse_known_args(argv)
     if passthrough and args.command != "compare":
         parser.error(f"unrecognized arguments: {' '.join(passthrough)}")
-    if args.command == "bench":
-        from .bench import run
-        return run(args)
-    if args.command == "bench-kernels":
-        from .bench_kernels import run
-        return run(args)
-    if args.command == "bench-ps":
-        from .ps.bench import run
-        return run(args)
-    if args.command == "compare":
-        from .train import compare_main
-        return compare_main(args, passthrough)
-    if args.command == "plot":
-        from .train import plot_main
-        return plot_main(args)
-    if args.command == "train":
-        from .train import main as train_main
-        return train_main(args)
-    if args.command == "bench-gossip":
-        from .gossip.bench import run
-        return run(args)
+    args.train_args = passthrough                  # compare hands them to every training run
+    if args.command in _RUNNERS:                   # imported on use: each pulls in its own dependencies
+        module, function = _RUNNERS[args.command]
+        return getattr(importlib.import_module(module, __package__), function)(args)
     return info()
 
 

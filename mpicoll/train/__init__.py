@@ -114,9 +114,9 @@ def add_compare_parsers(commands) -> None:
     plot.add_argument("--target", type=float, default=0.9, help="accuracy to time (default 0.9)")
 
 
-def compare_main(args, passthrough: list[str]) -> int:
+def compare_main(args) -> int:
     from .compare import compare
-    compare(args.algorithms.split(","), args.ranks, args.output, passthrough, args.target, args.timeout)
+    compare(args.algorithms.split(","), args.ranks, args.output, args.train_args, args.target, args.timeout)
     return 0
 
 
