@@ -211,6 +211,38 @@ def from_host(host: np.ndarray, device_array) -> None:
     _Arrays(library).to_device(np.ascontiguousarray(host).reshape(-1), array.reshape(-1))
 
 
+def as_host(array) -> np.ndarray:
+    """``array`` as a host array: numpy (or anything array-like) as it is, a CUDA array copied over."""
+    if not is_device_array(array):
+        return np.asarray(array)
+    host = np.empty(array.shape, array.dtype)
+    to_host(array, host)
+    return host
+
+
+class Staging:
+    """Gradients as flat host arrays of one size and dtype: host ones as they are, CUDA ones
+    copied into one reused buffer (nothing allocated per step).  ``refusal`` completes the
+    error for a gradient that does not fit, e.g. "the servers hold {size} {dtype} parameters"."""
+
+    def __init__(self, size: int, dtype, refusal: str):
+        self.size, self.dtype, self.refusal = size, np.dtype(dtype), refusal
+        self._buffer: np.ndarray | None = None
+
+    def host(self, gradient) -> np.ndarray:
+        if not is_device_array(gradient):
+            gradient = np.asarray(gradient)
+        if gradient.size != self.size or gradient.dtype != self.dtype:
+            raise ValueError(f"gradient of {gradient.size} {gradient.dtype} values; "
+                             + self.refusal.format(size=self.size, dtype=self.dtype))
+        if not is_device_array(gradient):
+            return np.ascontiguousarray(gradient).reshape(-1)
+        if self._buffer is None:
+            self._buffer = np.empty(self.size, self.dtype)
+        to_host(gradient, self._buffer)
+        return self._buffer
+
+
 def copy_into(out, host: np.ndarray) -> None:
     """Copy host values into ``out``: a host array (any layout) or any CUDA array."""
     if is_device_array(out):

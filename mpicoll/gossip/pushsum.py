@@ -53,7 +53,7 @@ class PushSum:
         self.mixing = mixing or UniformMixing()
         self.graph = make(getattr(self.mixing, "graph", None) or graph, self.size)
         self.tau, self.transport = tau, transport
-        self.x = _host_copy(x0)
+        self.x = np.array(device.as_host(x0), copy=True).reshape(-1)     # our own numerator
         if self.x.dtype not in (np.float32, np.float64):
             raise TypeError(f"push-sum mixes float32 or float64 parameters, got {self.x.dtype}")
         self.weight = 1.0
@@ -168,7 +168,7 @@ class SGP:
 
     def __init__(self, gossip: PushSum, lr: float):
         self.gossip, self.lr = gossip, lr
-        self._gradient = None
+        self._staging = device.Staging(gossip.x.size, gossip.x.dtype, "the parameters are {size} {dtype}")
 
     @property
     def parameters(self) -> np.ndarray:
@@ -176,23 +176,5 @@ class SGP:
 
     def step(self, gradient, out=None) -> np.ndarray:
         """x -= lr * gradient (taken at z), mix; returns the new de-biased parameters."""
-        x = self.gossip.x
-        if compute.is_device_array(gradient):
-            if self._gradient is None:
-                self._gradient = np.empty_like(x)
-            device.to_host(gradient, self._gradient)
-            gradient = self._gradient
-        gradient = np.asarray(gradient).reshape(-1)
-        if gradient.shape != x.shape or gradient.dtype != x.dtype:
-            raise ValueError(f"gradient of {gradient.size} {gradient.dtype} values; the parameters are "
-                             f"{x.size} {x.dtype}")
-        compute.sgd(x, gradient, self.lr)
+        compute.sgd(self.gossip.x, self._staging.host(gradient), self.lr)
         return self.gossip.mix(out)
-
-
-def _host_copy(array) -> np.ndarray:
-    if compute.is_device_array(array):
-        host = np.empty(array.size, array.dtype)
-        device.to_host(array, host)
-        return host
-    return np.array(array, copy=True).reshape(-1)

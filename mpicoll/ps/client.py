@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import compute, device
+from .. import device
 from ..context import Context
 from .layout import Layout
 from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind, lost_in
@@ -30,7 +30,7 @@ class Client:
         self.versions = {server: 0 for server in layout.servers}
         self._answers = {server: np.zeros(1, np.int64) for server in layout.servers}
         self._unsettled: tuple = ([], [])  # one-sided: our last push's messages, and their peers
-        self._host_gradient = None
+        self._staging = device.Staging(layout.size, dtype, "the servers hold {size} {dtype} parameters")
         self.closed = False
         self._joined = False               # the first pull goes through the servers (a warm start may hold it)
         self.servers_lost = 0              # workers the servers dropped (known after close)
@@ -58,25 +58,11 @@ class Client:
         self._request(Kind.DONE)
         self.closed = True
 
-    def _host(self, gradient) -> np.ndarray:
-        if not compute.is_device_array(gradient):
-            return np.ascontiguousarray(gradient).reshape(-1)
-        if gradient.dtype != self.weights.dtype or gradient.size != self.layout.size:
-            raise ValueError(f"gradient of {gradient.size} {gradient.dtype} values; the servers hold "
-                             f"{self.layout.size} {self.weights.dtype} parameters")
-        if self._host_gradient is None:
-            self._host_gradient = np.empty(self.layout.size, self.weights.dtype)
-        device.to_host(gradient, self._host_gradient)
-        return self._host_gradient
-
     def _request(self, kind: Kind, gradient=None, out=None):
         if self.closed:
             raise RuntimeError("this parameter-server client is closed")
         if gradient is not None:
-            gradient = self._host(gradient)
-            if gradient.size != self.layout.size or gradient.dtype != self.weights.dtype:
-                raise ValueError(f"gradient of {gradient.size} {gradient.dtype} values; the servers hold "
-                                 f"{self.layout.size} {self.weights.dtype} parameters")
+            gradient = self._staging.host(gradient)
         if self.windows is None:
             self._point_to_point(kind, gradient)
         else:
