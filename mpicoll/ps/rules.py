@@ -38,6 +38,7 @@ class Rule:
     tolerates_lost_workers = True     # can training go on when a worker stops answering?
     arrays_per_gradient = 3           # shard-sized arrays one gradient's update reads or writes
     waits_for_rounds = False          # does an update need gradients from several workers?
+    reads_live = True                 # may workers read the weights without telling the server?
 
     def setup(self, weights: np.ndarray, workers: tuple[int, ...]) -> None:
         """Take the shard's initial weights and the workers that will train."""
@@ -63,8 +64,6 @@ class Rule:
 
     def on_pull(self, worker: int) -> None:
         """``worker`` is about to be sent the current weights without a gradient of its own."""
-
-    reads_live = True                 # may workers read the weights without telling the server?
 
     def on_leave(self, worker: int) -> list[int]:
         """A worker has finished (or was lost); returns who may now get weights."""
@@ -195,6 +194,7 @@ class Async(Rule):
 class DCASGD(Rule):
     name = "dcasgd"
     arrays_per_gradient = 5           # read w, g, w_bak; write w, w_bak (DC-ASGD-a: +2 for m)
+    reads_live = False                # the backup must be exactly what each worker got
 
     def __init__(self, lr: float, lam: float = 0.04, *, adaptive: bool = False, beta: float = 0.95,
                  eps: float = 1e-7):
@@ -232,8 +232,6 @@ class DCASGD(Rule):
             compute.dcasgd(self.w, gradient, self.backup[worker], self.lr, self.lam, refresh_backup=True)
         self.version += 1
         return [worker]       # it gets exactly the weights its backup now holds
-
-    reads_live = False                # the backup must be exactly what each worker got
 
     def on_pull(self, worker):
         self.backup[worker][...] = self.w
