@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from . import compute
+from . import arrays, compute
 from .bench import write_records
 
 __all__ = ["run", "ARRAYS_MOVED", "median_seconds"]
@@ -24,38 +24,35 @@ ARRAYS_MOVED = {"copy": 2, "reduce_sum": 3, "scaled_accumulate": 3, "sgd": 3, "a
                 "dcasgd": 4, "dcasgd_refresh": 5, "dcasgd_adaptive": 6}
 
 
-class _Device:
-    """How to make, copy and wait for arrays of one backend."""
-
-    def __init__(self, asarray, empty, copy, sync=lambda: None):
-        self.asarray, self.empty, self.copy, self.sync = asarray, empty, copy, sync
+_LIBRARIES = {"numpy": None, "numba": None, "cupy": "cupy", "numba-cuda": "numba-cuda"}   # backend -> its arrays
 
 
-def _device(backend: str) -> tuple[_Device | None, str]:
-    """The device helpers for ``backend``, or None and the reason it is not measured here."""
+def _library(backend: str) -> tuple[str | None, str]:
+    """(the array library ``backend`` runs on, None for host memory; why it is not measured here, or "")."""
     reason = compute.backends().get(backend, "unknown backend")
     if reason != "available":
         return None, reason
-    if backend in ("numpy", "numba"):
-        return _Device(np.asarray, np.empty, np.copyto), ""
-    if backend == "cupy":
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            return None, "no CUDA device"
-        return _Device(cupy.asarray, cupy.empty, cupy.copyto, cupy.cuda.Stream.null.synchronize), ""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return None, "Numba's CUDA simulator is on: its timings mean nothing"
-    from numba import cuda
-    if not cuda.is_available():
-        return None, "no CUDA device"
-    return _Device(cuda.to_device, cuda.device_array, lambda dst, src: dst.copy_to_device(src), cuda.synchronize), ""
+    if backend in ("cupy", "numba-cuda"):
+        if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and backend == "numba-cuda":
+            return None, "Numba's CUDA simulator is on: its timings mean nothing"
+        count, why = arrays.gpu_count()
+        if not count:
+            return None, why
+    return _LIBRARIES[backend], ""
 
 
-def _kernels(device: _Device, n: int, dtype, rng) -> dict:
+def _fresh(library: str | None, values: np.ndarray):
+    """``values`` copied into a new array of ``library``."""
+    array = arrays.empty(library, values.size, values.dtype)
+    arrays.copy_into(array, values)
+    return array
+
+
+def _kernels(library: str | None, n: int, dtype, rng) -> dict:
     """name -> zero-argument call, on fresh arrays of the device."""
     def array(positive=False):
         values = rng.uniform(0.5, 1.5, n) if positive else rng.standard_normal(n)
-        return device.asarray(values.astype(dtype))
+        return _fresh(library, values.astype(dtype))
 
     w, g, b, m, h, y = array(), array(), array(), array(True), array(True), array()
     return {
@@ -91,8 +88,8 @@ def run(args) -> int:
     print(f"# mpicoll bench-kernels: {n:,} {dtype.name} elements, median of {args.iters}")
     print(f"{'kernel':>18} {'backend':>10} {'threads':>7} {'ms':>9} {'GB/s':>8} {'x copy':>7}")
     for backend in args.backends.split(","):
-        device, reason = _device(backend)
-        if device is None:
+        library, reason = _library(backend)
+        if reason:
             print(f"# {backend}: skipped ({reason})")
             continue
         # numpy arrays get the backend MPICOLL_KERNELS names, whatever their size
@@ -103,7 +100,7 @@ def run(args) -> int:
             for threads in (threads_list if backend == "numba" else [None]):
                 if threads is not None:
                     compute.set_threads(threads)
-                records += _measure(backend, device, threads, n, dtype, rng, args.iters)
+                records += _measure(backend, library, threads, n, dtype, rng, args.iters)
         finally:
             os.environ.pop("MPICOLL_KERNELS", None)
             if previous is not None:
@@ -113,10 +110,11 @@ def run(args) -> int:
     return 0
 
 
-def _measure(backend, device, threads, n, dtype, rng, iters) -> list[dict]:
-    source, target = device.asarray(rng.standard_normal(n).astype(dtype)), device.empty(n, dtype)
-    rows = [("copy", median_seconds(lambda: device.copy(target, source), iters, device.sync))]
-    rows += [(name, median_seconds(call, iters, device.sync)) for name, call in _kernels(device, n, dtype, rng).items()
+def _measure(backend, library, threads, n, dtype, rng, iters) -> list[dict]:
+    source, target = _fresh(library, rng.standard_normal(n).astype(dtype)), arrays.empty(library, n, dtype)
+    sync = lambda: arrays.synchronize(library)  # noqa: E731
+    rows = [("copy", median_seconds(lambda: arrays.copy(source, target), iters, sync))]
+    rows += [(name, median_seconds(call, iters, sync)) for name, call in _kernels(library, n, dtype, rng).items()
              if not (backend == "numba" and name == "reduce_sum")]   # host reductions are numpy's
     copy_gbps = ARRAYS_MOVED["copy"] * n * dtype.itemsize / rows[0][1] / 1e9
     records = []

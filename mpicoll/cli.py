@@ -74,34 +74,13 @@ def _info_parser(commands) -> None:
     commands.add_parser("info", help="versions, MPI library, auto rules, kernel backends, GPU and CUDA-awareness")
 
 
-def _gpu() -> str:
-    """The GPU this process would use, or why there is none."""
-    try:
-        import cupy
-        count = cupy.cuda.runtime.getDeviceCount()
-        if count:
-            name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
-            return f"{count} device(s), first: {name.decode() if isinstance(name, bytes) else name} (CuPy)"
-    except Exception:  # noqa: BLE001 - no CuPy or no driver: try Numba
-        pass
-    try:
-        from numba import config, cuda
-        if config.ENABLE_CUDASIM:
-            return "none (Numba's CUDA simulator is on: NUMBA_ENABLE_CUDASIM=1)"
-        if cuda.is_available():
-            return f"{len(cuda.gpus)} device(s), first: {cuda.get_current_device().name.decode()} (Numba)"
-    except Exception:  # noqa: BLE001
-        pass
-    return "none found"
-
-
 def info() -> int:
     import mpi4py
     import numpy
     from mpi4py import MPI
 
     import mpicoll
-    from . import compute, device
+    from . import arrays, compute
     from .algorithms import auto
 
     if MPI.COMM_WORLD.Get_rank() == 0:
@@ -116,8 +95,9 @@ def info() -> int:
             print(f"auto       {collective}: {rule}")
         for backend, state in compute.backends().items():
             print(f"kernels    {backend}: {state}")
-        print(f"GPU        {_gpu()}")
-        aware, reason = device.cuda_aware()
+        count, first = arrays.gpu_count()
+        print(f"GPU        {f'{count} device(s), first: {first}' if count else f'none ({first})'}")
+        aware, reason = arrays.cuda_aware()
         mode = "device buffers straight to MPI" if aware else "staged through pinned host buffers"
         print(f"CUDA-aware {'yes' if aware else 'no'} ({reason}); device arrays: {mode}; "
               "MPICOLL_CUDA_AWARE=0|1 forces")

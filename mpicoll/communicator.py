@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, device
+from . import algorithms, arrays
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from .checks import Signature, check_call
@@ -103,71 +103,51 @@ class Communicator(MPI.Intracomm):
     # -- the collectives ----------------------------------------------------
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
-        if device.is_device_array(recvbuf):
-            return self._on_device("Allreduce", sendbuf, recvbuf, op=op)
-        recv = read_message(recvbuf, writable=True, role="recvbuf")
-        send = None if is_in_place(sendbuf) else read_message(sendbuf, role="sendbuf")
-        _same_shape(send, recv, "Allreduce")
+        recv = read_message(recvbuf, writable=True, role="Allreduce: recvbuf")
+        send = None if is_in_place(sendbuf) else read_message(sendbuf, role="Allreduce: sendbuf")
+        _check_pair(send, recv, "Allreduce", recv.count)
         reduction = _reduction(op, recv, send)
-        name = self._choose("allreduce", recv, reduction, send)
-        self._run(name, Signature("Allreduce", recv.count, recv.array.dtype, op_name(op)),
-                  recv if send is None else send,
+        self._run(self._choose("allreduce", recv, reduction, send),
+                  Signature("Allreduce", recv.count, recv.array.dtype, op_name(op)), recv if send is None else send,
                   lambda a, ctx: a.allreduce(ctx, _array(send), recv.array, reduction),
                   lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, op))
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
-        if device.is_device_array(recvbuf):
-            return self._on_device("Reduce_scatter_block", sendbuf, recvbuf, op=op)
         size = self.Get_size()
-        whole = read_message(recvbuf, writable=True, role="recvbuf")
-        if is_in_place(sendbuf):
-            if whole.count % size:
-                raise ValueError(f"Reduce_scatter_block in place: recvbuf has {whole.count} elements, "
-                                 f"not a multiple of the {size} ranks")
-            send, recv = whole, Message(whole.array[: whole.count // size], whole.datatype, whole.native)
+        if is_in_place(sendbuf):     # recvbuf holds every rank's block; the result goes to the first
+            send = read_message(recvbuf, writable=True, role="Reduce_scatter_block: recvbuf", blocks=size)
+            recv = Message(send.array[: send.count // size], send.datatype, send.native, send.library)
         else:
-            send, recv = read_message(sendbuf, role="sendbuf"), whole
-            _check_datatypes(send, recv, "Reduce_scatter_block")
-            if send.count != recv.count * size:
-                raise ValueError(f"Reduce_scatter_block: sendbuf has {send.count} elements, expected "
-                                 f"recvbuf's {recv.count} times the {size} ranks = {recv.count * size}")
+            recv = read_message(recvbuf, writable=True, role="Reduce_scatter_block: recvbuf")
+            send = read_message(sendbuf, role="Reduce_scatter_block: sendbuf", blocks=size)
+            _check_pair(send, recv, "Reduce_scatter_block", recv.count * size)
         reduction = _reduction(op, recv, send)
-        name = self._choose("reduce_scatter_block", send, reduction, recv)
-        self._run(name, Signature("Reduce_scatter_block", recv.count, recv.array.dtype, op_name(op)), send,
+        self._run(self._choose("reduce_scatter_block", send, reduction, recv),
+                  Signature("Reduce_scatter_block", recv.count, recv.array.dtype, op_name(op)), send,
                   lambda a, ctx: a.reduce_scatter_block(ctx, send.array, recv.array, reduction),
                   lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
 
     def Allgather(self, sendbuf, recvbuf) -> None:
-        if device.is_device_array(recvbuf):
-            return self._on_device("Allgather", sendbuf, recvbuf)
-        size = self.Get_size()
-        recv = read_message(recvbuf, writable=True, role="recvbuf")
-        if recv.count % size:
-            raise ValueError(f"Allgather: recvbuf has {recv.count} elements, not a multiple of the {size} ranks")
+        size, rank = self.Get_size(), self.Get_rank()
+        recv = read_message(recvbuf, writable=True, role="Allgather: recvbuf", blocks=size)
         block = recv.count // size
         send = None
         if not is_in_place(sendbuf):
-            send = read_message(sendbuf, role="sendbuf")
-            _check_datatypes(send, recv, "Allgather")
-            if send.count != block:
-                raise ValueError(f"Allgather: sendbuf has {send.count} elements, but recvbuf holds "
-                                 f"{recv.count} = {size} ranks x {block}")
-        name = self._choose("allgather", recv, None, send)
-        mine = recv.array[self.Get_rank() * block: (self.Get_rank() + 1) * block] if send is None else send.array
-        self._run(name, Signature("Allgather", block, recv.array.dtype),
-                  Message(mine, recv.datatype),
+            send = read_message(sendbuf, role="Allgather: sendbuf")
+            _check_pair(send, recv, "Allgather", block)
+        mine = recv.array[rank * block: (rank + 1) * block] if send is None else send.array
+        self._run(self._choose("allgather", recv, None, send), Signature("Allgather", block, recv.array.dtype),
+                  Message(mine, recv.datatype, library=recv.library),
                   lambda a, ctx: a.allgather(ctx, _array(send), recv.array),
                   lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
 
     def Bcast(self, buf, root: int = 0) -> None:
-        if device.is_device_array(buf):
-            return self._on_device("Bcast", None, buf, root=root)
-        message = read_message(buf, writable=self.Get_rank() != root, role="buf")
         size = self.Get_size()
         if not 0 <= root < size:
             raise ValueError(f"Bcast: root {root} is not a rank of this {size}-rank communicator")
-        name = self._choose("bcast", message, None)
-        self._run(name, Signature("Bcast", message.count, message.array.dtype, root=root),
+        message = read_message(buf, writable=self.Get_rank() != root, role="Bcast: buf")
+        self._run(self._choose("bcast", message, None),
+                  Signature("Bcast", message.count, message.array.dtype, root=root),
                   message if self.Get_rank() == root else None,
                   lambda a, ctx: a.bcast(ctx, message.array, root),
                   lambda: MPI.Intracomm.Bcast(self, buf, root))
@@ -188,53 +168,34 @@ class Communicator(MPI.Intracomm):
                 self.__dict__[name] = _straight_to_mpi(name, getattr(MPI.Intracomm, name).__get__(self),
                                                        getattr(Communicator, name).__get__(self), limit)
 
-    def _on_device(self, collective: str, sendbuf, recvbuf, op: MPI.Op | None = None, root: int = -1) -> None:
-        """A collective on CUDA arrays: MPI moves bytes (directly or staged), the GPU reduces."""
-        size = self.Get_size()
-        recv = _flat_device(recvbuf, "recvbuf" if collective != "Bcast" else "buf")
-        send = None if is_in_place(sendbuf) else _flat_device(sendbuf, "sendbuf")
-        dtype = np.dtype(recv.dtype)
-        if send is not None and np.dtype(send.dtype) != dtype:
-            raise ValueError(f"{collective}: sendbuf holds {send.dtype} elements but recvbuf {dtype}")
-        expected = {"Allreduce": recv.size, "Reduce_scatter_block": recv.size * size,
-                    "Allgather": recv.size // size}.get(collective)
-        if send is not None and send.size != expected:
-            raise ValueError(f"{collective}: sendbuf has {send.size} elements, expected {expected}")
-        if collective == "Allgather" and recv.size % size:
-            raise ValueError(f"Allgather: recvbuf has {recv.size} elements, not a multiple of the {size} ranks")
-        if collective == "Bcast" and not 0 <= root < size:
-            raise ValueError(f"Bcast: root {root} is not a rank of this {size}-rank communicator")
-        reduction = None
-        if op is not None:
-            reduction = Reduction(op, MPI.Datatype.fromcode(dtype.char), dtype)
-            if collective == "Reduce_scatter_block" and send is None:
-                send, recv = recv, recv[: recv.size // size]
-        count = {"Allgather": recv.size // size}.get(collective, recv.size)
-        context = self._checked_context(Signature(collective, count, dtype, op_name(op) if op else "-", root))
-        if collective == "Allreduce":
-            device.allreduce(context, send, recv, reduction)
-        elif collective == "Reduce_scatter_block":
-            device.reduce_scatter_block(context, send, recv, reduction)
-        elif collective == "Allgather":
-            device.allgather(context, send, recv)
-        else:
-            device.bcast(context, recv, root)
-
     # -- shared machinery ---------------------------------------------------
 
-    def _choose(self, collective: str, sized: Message, reduction: Reduction | None, *messages) -> str:
-        """The algorithm for this call; ``mpi`` for datatypes mpicoll leaves to MPI."""
+    def _choose(self, collective: str, sized: Message, reduction: Reduction | None, *messages) -> str | None:
+        """The algorithm for this call; None for datatypes mpicoll leaves to MPI's own call.
+
+        Device arrays get an algorithm that serves them: ``auto`` picks among
+        those, and a named one that does not serve them is refused.
+        """
+        device = sized.on_device
         if not all(m is None or m.native for m in (sized, *messages)):
-            return "mpi"
+            if device:
+                if not arrays.cuda_aware()[0]:
+                    raise TypeError(f"{collective}: device arrays with a non-contiguous datatype need a "
+                                    "CUDA-aware MPI; pass a contiguous datatype or host arrays")
+                arrays.synchronize(sized.library)
+            return None
         if self.algorithm != "auto":
+            if device:
+                algorithms.get(self.algorithm, device=True)
             return self.algorithm
         commutative = reduction is None or reduction.commutative
-        return auto.choose(collective, sized.nbytes, self.Get_size(), commutative)
+        return auto.choose(collective, sized.nbytes, self.Get_size(), commutative, device)
 
-    def _run(self, name: str, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
-        """Check the call if due, then run algorithm ``name`` (``mpi``: the library's own call)."""
-        context = self._checked_context(signature, None if contribution is None else contribution.array)
-        if name == "mpi":
+    def _run(self, name: str | None, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
+        """Check the call if due, then run algorithm ``name`` (None: MPI's own call with the caller's arguments)."""
+        checked = None if contribution is None or contribution.on_device else contribution.array
+        context = self._checked_context(signature, checked)
+        if name is None:
             run_mpi()
         else:
             run_algorithm(algorithms.get(name), context)
@@ -262,35 +223,26 @@ def _straight_to_mpi(name: str, mpi_call, checked_call, limit: float):
     return collective
 
 
-def _flat_device(obj, role: str):
-    """A 1-D view of a contiguous device array (CuPy or Numba)."""
-    _, array = device.as_device_array(obj)
-    contiguous = array.flags.c_contiguous if hasattr(array, "flags") else array.is_c_contiguous()
-    if not contiguous:
-        raise BufferError(f"{role}: device array of shape {array.shape} is not contiguous; pass a contiguous "
-                          "array (cupy.ascontiguousarray) or use mpicoll.allreduce(), which accepts any layout")
-    return array.reshape(-1) if array.ndim != 1 else array
-
-
-def _array(message: Message | None) -> np.ndarray | None:
+def _array(message: Message | None):
     return None if message is None else message.array
 
 
-def _check_datatypes(send: Message, recv: Message, collective: str) -> None:
-    if send.datatype != recv.datatype and send.array.dtype != recv.array.dtype:
-        raise ValueError(f"{collective}: sendbuf holds {send.array.dtype} elements but recvbuf "
-                         f"{recv.array.dtype}; pass buffers of one datatype")
-    if np.may_share_memory(send.array, recv.array) and send.count and recv.count:
-        raise ValueError(f"{collective}: sendbuf and recvbuf overlap; pass MPI.IN_PLACE as sendbuf instead")
-
-
-def _same_shape(send: Message | None, recv: Message, collective: str) -> None:
+def _check_pair(send: Message | None, recv: Message, collective: str, send_count: int) -> None:
+    """Refuse a send buffer that does not go with the receive buffer (mpi4py's checks, and a few more)."""
     if send is None:
         return
-    _check_datatypes(send, recv, collective)
-    if send.count != recv.count:
-        raise ValueError(f"{collective}: sendbuf has {send.count} elements but recvbuf {recv.count}; "
-                         "they must match")
+    if send.library != recv.library:
+        where = {None: "host memory"}
+        raise TypeError(f"{collective}: sendbuf is in {where.get(send.library, send.library)} but recvbuf in "
+                        f"{where.get(recv.library, recv.library)}; pass both on the host or both on one device")
+    if send.datatype != recv.datatype:
+        raise ValueError(f"{collective}: mismatch in send and receive MPI datatypes ({send.array.dtype} and "
+                         f"{recv.array.dtype}); pass buffers of one datatype")
+    if send.count != send_count:
+        raise ValueError(f"{collective}: mismatch in send count {send.count} and the {send_count} elements "
+                         f"recvbuf implies; they must match")
+    if send.count and recv.count and send.library is None and np.may_share_memory(send.array, recv.array):
+        raise ValueError(f"{collective}: sendbuf and recvbuf overlap; pass MPI.IN_PLACE as sendbuf instead")
 
 
 _REDUCTIONS: dict[tuple[int, int], Reduction] = {}
@@ -303,9 +255,12 @@ def _reduction(op: MPI.Op, message: Message, other: Message | None = None) -> Re
     if not (message.native and (other is None or other.native)):
         return None
     if not op.is_predefined:
-        return Reduction(op, message.datatype, message.array.dtype)
-    key = (op.handle, message.datatype.handle)
-    reduction = _REDUCTIONS.get(key)
-    if reduction is None or reduction.dtype != message.array.dtype:
-        reduction = _REDUCTIONS[key] = Reduction(op, message.datatype, message.array.dtype)
+        reduction = Reduction(op, message.datatype, message.array.dtype)
+    else:
+        key = (op.handle, message.datatype.handle)
+        reduction = _REDUCTIONS.get(key)
+        if reduction is None or reduction.dtype != message.array.dtype:
+            reduction = _REDUCTIONS[key] = Reduction(op, message.datatype, message.array.dtype)
+    if message.on_device:
+        reduction.check_device()
     return reduction

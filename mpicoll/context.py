@@ -16,7 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import config
+from . import arrays, config
 from .errors import CollectiveTimeout, MismatchError
 from .shared import SharedRegions
 
@@ -67,8 +67,7 @@ class Context:
             raise ValueError(f"MPICOLL_TRANSPORT=shared needs all {self.size} ranks on one node; "
                              f"this node has {local} of them (use p2p or auto)")
         self._shared: SharedRegions | None = None
-        self._scratch: dict[str, np.ndarray] = {}
-        self.device_buffers: dict = {}     # pinned host and device scratch of mpicoll.device
+        self._scratch: dict[tuple, object] = {}
 
     def free(self, keep_channel: bool = False) -> None:
         """Release the private communicator and the scratch memory.
@@ -81,7 +80,6 @@ class Context:
         if comm != MPI.COMM_NULL and not (keep_channel or self.broken):
             comm.Free()
         self._scratch.clear()
-        self.device_buffers.clear()
         if self._shared is not None:
             self._shared.free()
             self._shared = None
@@ -101,14 +99,23 @@ class Context:
 
     # -- memory -------------------------------------------------------------
 
-    def scratch(self, name: str, count: int, dtype) -> np.ndarray:
-        """``count`` elements of grow-only scratch memory owned by ``name``."""
+    def scratch(self, name: str, count: int, dtype, library: str | None = None, pinned: bool = False):
+        """``count`` elements of grow-only scratch memory owned by ``name``.
+
+        Host memory by default; on the GPU of ``library`` ("cupy", "numba-cuda"),
+        or page-locked host memory for it with ``pinned``.  A buffer that grows
+        replaces the old one at once: every copy into or out of these buffers
+        has completed when its call returns (:mod:`mpicoll.arrays`).
+        """
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
-        buf = self._scratch.get(name)
+        key = (name, library, pinned)
+        buf = self._scratch.get(key)
         if buf is None or buf.size < nbytes:
-            buf = np.empty(max(nbytes, 64), np.uint8)
-            self._scratch[name] = buf
+            size = max(nbytes, 64)
+            buf = (np.empty(size, np.uint8) if library is None
+                   else arrays.pinned(library, size, np.uint8) if pinned else arrays.empty(library, size, np.uint8))
+            self._scratch[key] = buf
         return buf[:nbytes].view(dtype)
 
     def shared_regions(self) -> SharedRegions:

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from . import compute
 from .compute import numpy_kernels
 
-__all__ = ["Reduction", "ReductionError", "op_name"]
+__all__ = ["Reduction", "ReductionError", "op_name", "resolve_op", "OP_NAMES"]
 
 _INTEGER = "iu"
 _NUMERIC = "iufc"
@@ -37,8 +37,9 @@ _UFUNCS = {
     "BOR": (np.bitwise_or, _INTEGER + "b", {}),
     "BXOR": (np.bitwise_xor, _INTEGER + "b", {}),
 }
-_PREDEFINED = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR",
-               "MAXLOC", "MINLOC", "REPLACE", "NO_OP")
+# MPI's predefined reductions, by the names mpicoll's array API takes too ("sum" or "SUM")
+OP_NAMES = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR", "MAXLOC", "MINLOC")
+_PREDEFINED = (*OP_NAMES, "REPLACE", "NO_OP")
 
 
 class ReductionError(TypeError):
@@ -53,6 +54,17 @@ def op_name(op: MPI.Op) -> str:
     return "user op"
 
 
+def resolve_op(op) -> MPI.Op:
+    """An ``MPI.Op`` from itself or from a name such as "sum" or "max"."""
+    if isinstance(op, MPI.Op):
+        return op
+    name = str(op).upper()
+    if name not in OP_NAMES:
+        raise ValueError(f"Unrecognized op: {op!r}; use an MPI.Op or one of "
+                         f"{', '.join(n.lower() for n in OP_NAMES)}")
+    return getattr(MPI, name)
+
+
 class Reduction:
     """``out = left (op) right`` for one op and one element type."""
 
@@ -65,9 +77,9 @@ class Reduction:
         self.name = op_name(op)
         self.commutative = bool(op.Is_commutative())
         entry = _UFUNCS.get(self.name)
-        # sum, prod, min and max on the kernel layer's types run its host reduction (device
-        # buffers take its GPU reductions in mpicoll.device); the other ufunc ops stay here
-        self._kernel = self.name.lower() if (self.name in ("SUM", "PROD", "MIN", "MAX")
+        # the kernel layer's ops on its types run its reductions (numpy on the host, the GPU
+        # for device arrays); the other ufunc ops stay here, and device arrays refuse them
+        self._kernel = self.name.lower() if (self.name.lower() in compute.REDUCE_OPS
                                              and self.dtype in compute.REDUCIBLE) else None
         if entry is not None and self.dtype.kind in entry[1] and self.dtype.fields is None:
             self._ufunc, _, self._keywords = entry
@@ -86,8 +98,22 @@ class Reduction:
                 f"MPI.{self.name} is not defined for {self.dtype} elements: {error.Get_error_string()}"
             ) from None
 
+    def check_device(self) -> None:
+        """Refuse, before any message, a reduction the GPU kernels do not have."""
+        if self._kernel is None:
+            raise TypeError(f"device arrays are reduced on the GPU with SUM, PROD, MIN or MAX on "
+                            f"{', '.join(map(str, compute.REDUCIBLE))}, not {self.name} on {self.dtype}; "
+                            "pass host (numpy) arrays for other ops")
+
     def combine(self, left: np.ndarray, right: np.ndarray, out: np.ndarray) -> None:
-        """Store ``left (op) right`` in ``out``; ``out`` may be either operand."""
+        """Store ``left (op) right`` in ``out``; ``out`` may be either operand.
+
+        Device arrays are reduced on their GPU by :func:`mpicoll.compute.reduce`.
+        """
+        if type(out) is not np.ndarray:
+            self.check_device()
+            compute.reduce(left, right, out=out, op=self._kernel)
+            return
         if self._kernel is not None:
             numpy_kernels.reduce(out, left, right, self._kernel)
             return

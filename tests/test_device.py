@@ -12,7 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll import device
+import mpicoll.algorithms
+from mpicoll import arrays
 from conftest import cupy_or_skip, everywhere, numba_cuda_or_skip, shared_seed
 
 WORLD = MPI.COMM_WORLD
@@ -20,7 +21,7 @@ P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+@pytest.mark.parametrize("algorithm", mpicoll.algorithms.names(device=True))
 def test_device_collectives_match_mpi_on_host_copies(algorithm):
     cuda = numba_cuda_or_skip()
     seed = shared_seed()
@@ -76,9 +77,12 @@ def test_device_errors_are_explained():
         for call, kind, words in [
             (lambda: comm.Allreduce(cuda.to_device(np.ones(4, np.int64)), cuda.device_array(4, np.int64), MPI.BAND),
              TypeError, "SUM, PROD, MIN or MAX"),
-            (lambda: comm.Allreduce(cuda.to_device(np.ones(4)), cuda.device_array(5)), ValueError, "expected 5"),
+            (lambda: comm.Allreduce(cuda.to_device(np.ones(4)), cuda.device_array(5)), ValueError, "send count 4"),
             (lambda: comm.Allreduce(cuda.to_device(np.ones(4, np.float32)), cuda.device_array(4)), ValueError,
              "float32"),
+            (lambda: comm.Allreduce(np.ones(4), cuda.device_array(4)), TypeError, "pass both on the host"),
+            (lambda: mpicoll.Communicator(WORLD, algorithm="ring").Allreduce(MPI.IN_PLACE, cuda.device_array(4)),
+             TypeError, "'ring' does not serve device"),
         ]:
             try:
                 call()
@@ -90,18 +94,18 @@ def test_device_errors_are_explained():
 
 
 def test_cuda_awareness_is_detected_and_can_be_forced(monkeypatch):
-    device.cuda_aware.cache_clear()
+    arrays.cuda_aware.cache_clear()
     try:
-        aware, reason = device.cuda_aware()
+        aware, reason = arrays.cuda_aware()
         assert reason                          # always says why
         if "MPICH" in MPI.Get_library_version() and "MPIR_CVAR_ENABLE_GPU" not in __import__("os").environ:
             assert aware is False              # the MPICH wheel has GPU support off unless asked
         monkeypatch.setenv("MPICOLL_CUDA_AWARE", "1")
-        device.cuda_aware.cache_clear()
-        assert device.cuda_aware() == (True, "forced by MPICOLL_CUDA_AWARE=1")
+        arrays.cuda_aware.cache_clear()
+        assert arrays.cuda_aware() == (True, "forced by MPICOLL_CUDA_AWARE=1")
     finally:
         monkeypatch.delenv("MPICOLL_CUDA_AWARE", raising=False)
-        device.cuda_aware.cache_clear()
+        arrays.cuda_aware.cache_clear()
 
 
 def test_cupy_allreduce_where_a_gpu_exists():

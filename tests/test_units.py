@@ -33,7 +33,7 @@ class TestReadMessage:
         assert message.count == count and message.array[0] == first and message.array.dtype == np.float64
 
     def test_untyped_buffers_use_their_format(self):
-        assert read_message(bytearray(8)).datatype == MPI.Datatype.fromcode("B")
+        assert read_message(bytearray(8)).datatype == MPI.UNSIGNED_CHAR   # mpi4py says MPI.BYTE: no arithmetic
         assert read_message(memoryview(np.zeros(3, np.int32))).count == 3
 
     def test_mpi_buffer_objects(self):
@@ -52,9 +52,16 @@ class TestReadMessage:
     @pytest.mark.parametrize("spec, error, words", [
         (np.zeros(8)[::2], BufferError, "not contiguous"),
         ([np.zeros(4), 5, MPI.DOUBLE], ValueError, "need 40 bytes"),
-        ([np.zeros(5, np.uint8), MPI.DOUBLE], ValueError, "whole number"),
-        ([np.zeros(4), 2, 3, MPI.DOUBLE, 1], ValueError, "5-item"),
-        ([np.zeros(4), object()], TypeError, "MPI.Datatype"),
+        ([np.zeros(5, np.uint8), MPI.DOUBLE], ValueError, "not a multiple of datatype extent 8"),
+        ([np.zeros(4), 2, 3, MPI.DOUBLE, 1], ValueError, "2 to 4 items"),
+        ([np.zeros(4), object()], TypeError, "count must be an integer"),
+        ([np.zeros(4), "not-a-type"], KeyError, "cannot map 'not-a-type'"),
+        ([None, 2, MPI.INT], ValueError, "buffer is None but count is 2"),
+        ([None], ValueError, "2 to 4 items"),
+        (None, TypeError, "expecting buffer"),
+        (object(), TypeError, "expecting buffer"),
+        ([np.zeros(4), (-1, 0), MPI.DOUBLE], ValueError, "negative count"),
+        ([np.zeros(4), 1, 5, MPI.DOUBLE], ValueError, "out of bounds"),
     ])
     def test_bad_specifications(self, spec, error, words):
         with pytest.raises(error, match=words):
@@ -133,17 +140,27 @@ class TestAuto:
         assert [auto.choose("allreduce", n, 4) for n in (8, 4096, 1 << 20)] == \
             ["recursive_doubling", "parallel", "ring"]
 
-    @pytest.mark.parametrize("rule, words", [("ring:1M", "no limit"), ("rung", "unknown"), ("mpi:lots,ring", "byte")])
+    @pytest.mark.parametrize("rule, words", [("ring:1M", "no limit"), ("rung", "not an algorithm"), ("mpi:lots,ring", "byte")])
     def test_bad_rules_are_explained(self, monkeypatch, rule, words):
         monkeypatch.setenv("MPICOLL_AUTO_BCAST", rule)
         with pytest.raises(ValueError, match=words):
             auto.choose("bcast", 8, 4)
 
     def test_registry(self):
-        assert set(names()) == {"ring", "parallel", "recursive_doubling", "mpi", "auto"}
+        assert set(names()) == {"ring", "parallel", "recursive_doubling", "direct", "mpi", "auto"}
+        assert set(names(device=True)) == {"direct", "mpi", "auto"}
         assert get("ring").name == "ring"
         with pytest.raises(ValueError, match="Unrecognized algorithm: 'rung'"):
             get("rung")
+        with pytest.raises(TypeError, match="does not serve device .* direct, mpi, auto"):
+            get("ring", device=True)
+
+    def test_device_arrays_go_to_algorithms_that_serve_them(self, monkeypatch):
+        assert auto.choose("allreduce", 64 << 20, 4, device=True) == "direct"
+        assert auto.choose("allreduce", 8, 1, commutative=False, device=True) == "direct"
+        monkeypatch.setenv("MPICOLL_AUTO_DEVICE_ALLREDUCE", "ring")
+        with pytest.raises(ValueError, match="serves device arrays"):
+            auto.choose("allreduce", 8, 4, device=True)
 
 
 def test_chunks_and_segments_cover_everything_once():

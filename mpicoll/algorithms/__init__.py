@@ -10,6 +10,8 @@ name                    how                                                     
                         all at once; each folds the p contributions in rank order   messages: one round of messages
 ``recursive_doubling``  log2(p) pairwise exchanges (Bruck allgather, binomial       small messages at larger p:
                         broadcast)                                                  fewest rounds
+``direct``              reduce-scatter by sending chunk q straight to rank q (all   device arrays: two rounds of
+                        at once), fold in rank order, then a direct allgather       messages, the GPU reduces
 ``mpi``                 the MPI library's own collective                            tiny messages, where the Python
                                                                                     layer's overhead dominates
 ``auto``                one of the above by collective, message size and rank       always the default
@@ -17,11 +19,15 @@ name                    how                                                     
 ======================  ==========================================================  ===============================
 
 ``get(name)`` returns the shared instance; unknown names raise ValueError.
+Device (GPU) arrays are served by ``direct`` and ``mpi`` (their ``device``
+attribute says so); ``get(name, device=True)`` refuses the others with the
+list of those that serve them, and ``auto`` picks only among those.
 """
 
 from __future__ import annotations
 
 from .base import Algorithm
+from .direct import Direct
 from .mpi import Mpi
 from .parallel import Parallel
 from .recursive_doubling import RecursiveDoubling
@@ -29,17 +35,24 @@ from .ring import Ring
 
 __all__ = ["Algorithm", "get", "names", "REGISTRY"]
 
-REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), Parallel(), RecursiveDoubling(), Mpi())}
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), Parallel(), RecursiveDoubling(), Direct(), Mpi())}
 
 
-def names() -> list[str]:
-    """Every name ``get`` accepts, ``auto`` included."""
-    return [*REGISTRY, "auto"]
+def names(device: bool = False) -> list[str]:
+    """Every name ``get`` accepts (for device arrays with ``device``), ``auto`` included."""
+    return [name for name, algorithm in REGISTRY.items() if algorithm.device or not device] + ["auto"]
 
 
-def get(name: str) -> Algorithm:
-    """The algorithm called ``name`` (``auto`` is resolved per call, by the communicator)."""
+def get(name: str, device: bool = False) -> Algorithm:
+    """The algorithm called ``name`` (``auto`` is resolved per call, by the communicator).
+
+    With ``device``, one that serves device arrays, or a TypeError naming those that do.
+    """
     try:
-        return REGISTRY[name]
+        algorithm = REGISTRY[name]
     except KeyError:
         raise ValueError(f"Unrecognized algorithm: {name!r}; choose from {', '.join(names())}") from None
+    if device and not algorithm.device:
+        raise TypeError(f"algorithm {name!r} does not serve device (GPU) arrays; use one of "
+                        f"{', '.join(names(device=True))}, or pass host arrays")
+    return algorithm

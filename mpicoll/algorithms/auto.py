@@ -14,6 +14,11 @@ variable ``MPICOLL_AUTO_<COLLECTIVE>``, for example
 
 Non-commutative ops go to ``mpi`` unless the rule was set by hand: MPI's
 library reduces them in rank order without the ring's cut detour.
+
+Device (GPU) arrays follow ``DEVICE_RULES`` (``MPICOLL_AUTO_DEVICE_<COLLECTIVE>``
+to override), whose names must serve device arrays: ``direct`` reduces on the
+GPU; ``mpi`` would reduce on the host (staged) or leave it to a CUDA-aware MPI.
+Nobody has measured them on a GPU yet, so every device call goes to ``direct``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 
 from ..config import parse_bytes
 
-__all__ = ["choose", "rule", "DEFAULT_RULES"]
+__all__ = ["choose", "rule", "DEFAULT_RULES", "DEVICE_RULES"]
 
 DEFAULT_RULES = {
     "allreduce": "mpi:2M,ring",
@@ -31,34 +36,42 @@ DEFAULT_RULES = {
     "allgather": "mpi",
     "bcast": "mpi",
 }
+DEVICE_RULES = dict.fromkeys(DEFAULT_RULES, "direct")
 
 
-def rule(collective: str) -> list[tuple[str, float]]:
+def _variable(collective: str, device: bool) -> str:
+    return f"MPICOLL_AUTO_{'DEVICE_' if device else ''}{collective.upper()}"
+
+
+def rule(collective: str, device: bool = False) -> list[tuple[str, float]]:
     """The rule in force for ``collective``: [(algorithm, exclusive byte limit), ...]."""
-    return _parse(collective, os.environ.get(f"MPICOLL_AUTO_{collective.upper()}", DEFAULT_RULES[collective]))
+    default = (DEVICE_RULES if device else DEFAULT_RULES)[collective]
+    return _parse(_variable(collective, device), os.environ.get(_variable(collective, device), default), device)
 
 
 @functools.lru_cache(maxsize=64)
-def _parse(collective: str, text: str) -> list[tuple[str, float]]:
+def _parse(variable: str, text: str, device: bool) -> list[tuple[str, float]]:
     from . import REGISTRY
     parsed = []
     for part in text.split(","):
         name, _, limit = part.strip().partition(":")
-        if name not in REGISTRY:
-            raise ValueError(f"MPICOLL_AUTO_{collective.upper()}={text!r}: unknown algorithm {name!r}")
+        if name not in REGISTRY or (device and not REGISTRY[name].device):
+            raise ValueError(f"{variable}={text!r}: {name!r} is not an algorithm "
+                             f"{'that serves device arrays' if device else 'of mpicoll'}")
         parsed.append((name, parse_bytes(limit) if limit else float("inf")))
     if parsed[-1][1] != float("inf"):
-        raise ValueError(f"MPICOLL_AUTO_{collective.upper()}={text!r}: the last algorithm must have no limit")
+        raise ValueError(f"{variable}={text!r}: the last algorithm must have no limit")
     return parsed
 
 
-def choose(collective: str, nbytes: int, size: int, commutative: bool = True) -> str:
+def choose(collective: str, nbytes: int, size: int, commutative: bool = True, device: bool = False) -> str:
     """The algorithm ``auto`` runs for one call."""
-    if size == 1:
-        return "mpi"
-    if not commutative and f"MPICOLL_AUTO_{collective.upper()}" not in os.environ:
-        return "mpi"
-    for name, limit in rule(collective):
+    if not device:
+        if size == 1:
+            return "mpi"
+        if not commutative and _variable(collective, device) not in os.environ:
+            return "mpi"
+    for name, limit in rule(collective, device):
         if nbytes < limit:
             return name
     raise AssertionError("unreachable: the last rule has no limit")

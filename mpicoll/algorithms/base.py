@@ -1,25 +1,28 @@
-"""The interface every algorithm implements, and the chunk arithmetic they share."""
+"""The interface every algorithm implements, where MPI may touch device arrays, and the chunk arithmetic."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .. import arrays
 from ..context import Context
 from ..reduction import Reduction
 
-__all__ = ["Algorithm", "balanced_bounds", "block_bounds", "segments", "segment_elements"]
+__all__ = ["Algorithm", "MpiBuffers", "copy", "balanced_bounds", "block_bounds", "segments", "segment_elements"]
 
 
 class Algorithm:
     """One way of carrying out the four collectives.
 
-    Arguments are flat numpy arrays already validated by the communicator:
-    ``send`` is None for in-place calls (the data is in ``recv``), and a
-    send array is never written.  Implementations must leave the same bits in
-    ``recv`` on every rank.
+    Arguments are flat arrays already validated by the communicator: numpy
+    arrays, or CuPy/Numba device arrays for algorithms whose ``device`` is
+    True.  ``send`` is None for in-place calls (the data is in ``recv``), and
+    a send array is never written.  Implementations must leave the same bits
+    in ``recv`` on every rank.
     """
 
     name = "?"
+    device = False    # whether it serves device (GPU) arrays too; the registry and auto go by this
 
     def allreduce(self, ctx: Context, send: np.ndarray | None, recv: np.ndarray, reduction: Reduction) -> None:
         raise NotImplementedError
@@ -37,6 +40,65 @@ class Algorithm:
 
     def __repr__(self) -> str:
         return f"<mpicoll algorithm {self.name!r}>"
+
+
+class MpiBuffers:
+    """Where MPI reads and writes during one call of an algorithm on ``array``'s kind of memory.
+
+    Host arrays, and device arrays under a CUDA-aware MPI (after the GPU's
+    queued work is synchronised), are handed to MPI as they are; otherwise
+    (``staged``) MPI works on page-locked host copies kept on the context and
+    reused call after call.  Scratch that never meets MPI stays beside the
+    data: on the GPU for device arrays.
+    """
+
+    def __init__(self, ctx: Context, array, prefix: str):
+        self.ctx, self.prefix = ctx, prefix
+        self.library = arrays.library(array)
+        self.staged = self.library is not None and not arrays.cuda_aware()[0]
+        if self.library is not None and not self.staged:
+            arrays.synchronize(self.library)       # MPI reads device memory the stream may still be writing
+
+    def scratch(self, name: str, count: int, dtype):
+        """Working memory beside the data (on the GPU for device arrays)."""
+        return self.ctx.scratch(f"{self.prefix}.{name}", count, dtype, library=self.library)
+
+    def landing(self, name: str, count: int, dtype):
+        """Memory MPI may receive ``count`` elements into."""
+        return self.ctx.scratch(f"{self.prefix}.{name}", count, dtype, library=self.library, pinned=self.staged)
+
+    def readable(self, name: str, array):
+        """``array`` as MPI may read it."""
+        if not self.staged:
+            return array
+        host = self.landing(name, array.size, array.dtype)
+        arrays.to_host(array, host)
+        return host
+
+    def writable(self, name: str, target):
+        """Memory MPI may write ``target``'s new values into (``deliver`` them afterwards)."""
+        return self.landing(name, target.size, target.dtype) if self.staged else target
+
+    def deliver(self, written, target) -> None:
+        """Values MPI wrote through ``writable`` into ``target``."""
+        if self.staged:
+            arrays.from_host(written, target)
+
+    def beside(self, landed, name: str):
+        """Received data as an array beside the data (copied to the GPU when staged)."""
+        if not self.staged:
+            return landed
+        target = self.scratch(name, landed.size, landed.dtype)
+        arrays.from_host(landed, target)
+        return target
+
+
+def copy(source, target) -> None:
+    """``target[...] = source`` for host or device arrays of one kind."""
+    if type(target) is np.ndarray:
+        target[...] = source
+    else:
+        arrays.copy(source, target)
 
 
 def balanced_bounds(count: int, parts: int) -> list[int]:

@@ -1,11 +1,15 @@
-"""The MPI library's own collectives, for comparison and as a candidate of ``auto``."""
+"""The MPI library's own collectives, for comparison and as a candidate of ``auto``.
+
+Device arrays go to MPI as they are when it is CUDA-aware; otherwise through
+pinned host copies (:class:`~mpicoll.algorithms.base.MpiBuffers`), and MPI
+reduces on the host.
+"""
 
 from __future__ import annotations
 
-import numpy as np
 from mpi4py import MPI
 
-from .base import Algorithm
+from .base import Algorithm, MpiBuffers
 
 __all__ = ["Mpi"]
 
@@ -14,22 +18,47 @@ class Mpi(Algorithm):
     """Hands the call to MPI unchanged; its reduction order is the library's."""
 
     name = "mpi"
+    device = True
 
     def allreduce(self, ctx, send, recv, reduction):
-        datatype = reduction.datatype
-        source = MPI.IN_PLACE if send is None else [send, send.size, datatype]
-        ctx.comm.Allreduce(source, [recv, recv.size, datatype], reduction.op)
+        buffers, datatype = MpiBuffers(ctx, recv, "mpi"), reduction.datatype
+        if send is None:
+            data = buffers.readable("recv", recv)
+            ctx.comm.Allreduce(MPI.IN_PLACE, [data, data.size, datatype], reduction.op)
+        else:
+            source, data = buffers.readable("send", send), buffers.writable("recv", recv)
+            ctx.comm.Allreduce([source, source.size, datatype], [data, data.size, datatype], reduction.op)
+        buffers.deliver(data, recv)
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
-        datatype = reduction.datatype
-        if np.may_share_memory(send, recv):
-            ctx.comm.Reduce_scatter_block(MPI.IN_PLACE, [send, send.size, datatype], reduction.op)
+        buffers, datatype = MpiBuffers(ctx, recv, "mpi"), reduction.datatype
+        source, data = buffers.readable("send", send), buffers.writable("recv", recv)
+        block = recv.size         # mpi4py's explicit counts here are per rank
+        if _same_memory(send, recv):
+            ctx.comm.Reduce_scatter_block(MPI.IN_PLACE, [source, block, datatype], reduction.op)
+            data = source[:block]
         else:
-            ctx.comm.Reduce_scatter_block([send, send.size, datatype], [recv, recv.size, datatype], reduction.op)
+            ctx.comm.Reduce_scatter_block([source, block, datatype], [data, block, datatype], reduction.op)
+        buffers.deliver(data, recv)
 
     def allgather(self, ctx, send, recv):
-        source = MPI.IN_PLACE if send is None else [send.view(np.uint8), MPI.BYTE]
-        ctx.comm.Allgather(source, [recv.view(np.uint8), MPI.BYTE])
+        buffers = MpiBuffers(ctx, recv, "mpi")
+        data = buffers.readable("recv", recv) if send is None else buffers.writable("recv", recv)
+        source = MPI.IN_PLACE if send is None else [buffers.readable("send", send).view("u1"), MPI.BYTE]
+        ctx.comm.Allgather(source, [data.view("u1"), MPI.BYTE])
+        buffers.deliver(data, recv)
 
     def bcast(self, ctx, buf, root):
-        ctx.comm.Bcast([buf.view(np.uint8), MPI.BYTE], root)
+        buffers = MpiBuffers(ctx, buf, "mpi")
+        data = buffers.readable("buf", buf) if ctx.rank == root else buffers.writable("buf", buf)
+        ctx.comm.Bcast([data.view("u1"), MPI.BYTE], root)
+        if ctx.rank != root:
+            buffers.deliver(data, buf)
+
+
+def _same_memory(a, b) -> bool:
+    """True when ``b`` starts where ``a`` does (reduce-scatter in place), for host or device arrays."""
+    def address(x):
+        interface = getattr(x, "__array_interface__", None) or x.__cuda_array_interface__
+        return interface["data"][0]
+    return address(a) == address(b)

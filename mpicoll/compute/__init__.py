@@ -39,13 +39,13 @@ import os
 
 import numpy as np
 
-from .. import config
+from .. import arrays, config
 
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad",
-           "backend_for", "backends", "set_threads", "ranks_on_this_node", "is_device_array", "as_device_array",
-           "REDUCIBLE", "FLOATS"]
+           "backend_for", "backends", "set_threads", "ranks_on_this_node", "REDUCIBLE", "REDUCE_OPS", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+REDUCE_OPS = ("sum", "prod", "min", "max")
 REDUCIBLE = FLOATS + tuple(np.dtype(t) for t in (np.int32, np.int64, np.complex64, np.complex128))
 _MODULES = {"numpy": "numpy_kernels", "numba": "numba_kernels", "cupy": "cupy_kernels",
             "numba-cuda": "numba_cuda_kernels"}
@@ -126,47 +126,17 @@ def set_threads(count: int) -> None:
         numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
 
 
-def is_device_array(obj) -> bool:
-    """True for CUDA arrays of any library: CuPy, Numba, ``__cuda_array_interface__``, DLPack on CUDA."""
-    module = type(obj).__module__
-    return (module.startswith("cupy") or (module.startswith("numba") and hasattr(obj, "copy_to_host"))
-            or hasattr(obj, "__cuda_array_interface__")
-            or (hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] == 2))   # 2: kDLCUDA
-
-
-def as_device_array(obj):
-    """(backend, array) for a CUDA array, viewed as CuPy or Numba without a copy; (None, obj) otherwise."""
-    if not is_device_array(obj):
-        return None, obj
-    module = type(obj).__module__
-    if module.startswith("cupy"):
-        return "cupy", obj
-    if module.startswith("numba"):
-        return "numba-cuda", obj
-    cupy = _backend("cupy") and importlib.import_module("cupy")
-    if hasattr(obj, "__cuda_array_interface__"):
-        if cupy:
-            return "cupy", cupy.asarray(obj)
-        if _backend("numba-cuda") is not None:
-            from numba import cuda
-            return "numba-cuda", cuda.as_cuda_array(obj)
-    elif cupy:
-        return "cupy", cupy.from_dlpack(obj)
-    raise TypeError(f"{type(obj).__name__} is a CUDA array, but neither CuPy nor Numba's CUDA target can "
-                    "view it here (DLPack arrays need CuPy): pip install -e '.[gpu]'")
-
-
 NUMBA_FROM = 1 << 16     # elements: below this, a numpy pass beats waking Numba's threads (and its JIT)
 
 
-def _host_backend(arrays) -> str:
+def _host_backend(operands) -> str:
     """numba for large contiguous float32/64 (and integer) host arrays when Numba loads, numpy otherwise.
 
     MPICOLL_KERNELS=numpy or =numba forces one (numba still only where it applies).
     """
     choice = os.environ.get("MPICOLL_KERNELS", "").lower()
-    if (choice == "numpy" or any(a.dtype == np.float16 or not a.flags.c_contiguous for a in arrays)
-            or (choice != "numba" and max(a.size for a in arrays) < NUMBA_FROM)
+    if (choice == "numpy" or any(a.dtype == np.float16 or not a.flags.c_contiguous for a in operands)
+            or (choice != "numba" and max(a.size for a in operands) < NUMBA_FROM)
             or _backend("numba") is None):            # last: importing Numba takes a while
         return "numpy"
     return "numba"
@@ -174,7 +144,7 @@ def _host_backend(arrays) -> str:
 
 def backend_for(array) -> str:
     """The backend that would run for ``array``."""
-    name, array = as_device_array(array)
+    name = arrays.library(array)
     if name is None:
         return _host_backend([np.asarray(array)])
     if _backend(name) is None:
@@ -182,16 +152,16 @@ def backend_for(array) -> str:
     return name
 
 
-def _prepare(kinds: tuple, arrays: dict, names_in_place=()):
+def _prepare(kinds: tuple, operands: dict, names_in_place=()):
     """Check arrays agree (size, dtype, kind); return (backend module, flat arrays, dtype).
 
     Any non-contiguous host array sends the call to numpy, whose in-place
     updates work on views; the other backends get flat views.
     """
     prepared, libraries = {}, set()
-    for name, array in arrays.items():
-        library, array = as_device_array(array)
-        prepared[name] = np.asarray(array) if library is None else array
+    for name, array in operands.items():
+        library = arrays.library(array)
+        prepared[name] = np.asarray(array) if library is None else arrays.device_view(array)[1]
         libraries.add(library)
     first_name, first = next(iter(prepared.items()))
     if len(libraries) > 1:
@@ -210,8 +180,8 @@ def _prepare(kinds: tuple, arrays: dict, names_in_place=()):
     backend = _host_backend(prepared.values()) if library is None else library
     if _backend(backend) is None:
         raise RuntimeError(f"{type(first).__name__} arrays need the {backend} backend: {_missing.get(backend)}")
-    if backend != "numpy":
-        prepared = {name: array.reshape(-1) for name, array in prepared.items()}
+    if backend != "numpy":      # flat views; a non-contiguous device array is refused, never copied
+        prepared = {name: arrays.flat(array, name) for name, array in prepared.items()}
     return _backend(backend), prepared, dtype
 
 
@@ -229,7 +199,7 @@ def reduce(a, b, out=None, op: str = "sum"):
     """
     out = a if out is None else out
     op = op.lower()
-    if op not in ("sum", "prod", "min", "max"):
+    if op not in REDUCE_OPS:
         raise ValueError(f"Unrecognized op: {op!r}; the kernels reduce with sum, prod, min or max")
     backend, arrays, dtype = _prepare(REDUCIBLE, {"out": out, "a": a, "b": b}, ("out",))
     if backend is _loaded.get("numba"):    # the Numba backend has no reductions

@@ -19,7 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import compute, device
+from .. import arrays, compute
 from ..context import Context
 from ..progress import Progress
 from .mailbox import OneSidedMailbox, PointToPointMailbox
@@ -53,7 +53,7 @@ class PushSum:
         self.mixing = mixing or UniformMixing()
         self.graph = make(getattr(self.mixing, "graph", None) or graph, self.size)
         self.tau, self.transport = tau, transport
-        self.x = np.array(device.as_host(x0), copy=True).reshape(-1)     # our own numerator
+        self.x = np.array(arrays.as_host(x0), copy=True).reshape(-1)     # our own numerator
         if self.x.dtype not in (np.float32, np.float64):
             raise TypeError(f"push-sum mixes float32 or float64 parameters, got {self.x.dtype}")
         self.weight = 1.0
@@ -122,7 +122,7 @@ class PushSum:
         """z = x / w, this rank's estimate of the average."""
         np.divide(self.x, self.x.dtype.type(self.weight), out=self._z)
         if out is not None:
-            device.copy_into(out, self._z)
+            arrays.copy_into(out, self._z)
             return out
         return self._z
 
@@ -168,7 +168,7 @@ class SGP:
 
     def __init__(self, gossip: PushSum, lr: float):
         self.gossip, self.lr = gossip, lr
-        self._staging = device.Staging(gossip.x.size, gossip.x.dtype, "the parameters are {size} {dtype}")
+        self._staging = arrays.Staging(gossip.x.size, gossip.x.dtype, "the parameters are {size} {dtype}")
 
     @property
     def parameters(self) -> np.ndarray:

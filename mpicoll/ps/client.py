@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import device
+from .. import arrays
 from ..context import Context
 from .layout import Layout
 from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind, lost_in
@@ -30,7 +30,7 @@ class Client:
         self.versions = {server: 0 for server in layout.servers}
         self._answers = {server: np.zeros(1, np.int64) for server in layout.servers}
         self._unsettled: tuple = ([], [])  # one-sided: our last push's messages, and their peers
-        self._staging = device.Staging(layout.size, dtype, "the servers hold {size} {dtype} parameters")
+        self._staging = arrays.Staging(layout.size, dtype, "the servers hold {size} {dtype} parameters")
         self.closed = False
         self._joined = False               # the first pull goes through the servers (a warm start may hold it)
         self.servers_lost = 0              # workers the servers dropped (known after close)
@@ -70,7 +70,7 @@ class Client:
         if not kind.wants_weights:
             return None
         if out is not None:
-            device.copy_into(out, self.weights)
+            arrays.copy_into(out, self.weights)
             return out
         return self.weights
 

@@ -26,11 +26,11 @@ __all__ = ["ALGORITHMS", "Options", "train", "load", "Dataset", "Model", "Softma
 def _array_namespace(device: str):
     if device == "cpu":
         return np
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:                       # no CuPy, or no GPU behind it
-        raise SystemExit(f"--device cuda needs CuPy and a GPU: {error}") from None
+    from .. import arrays
+    count, why = arrays.gpu_count()
+    if count == 0 or "CuPy" not in why:
+        raise SystemExit(f"--device cuda needs CuPy and a GPU: {why}")
+    import cupy
     return cupy
 
 

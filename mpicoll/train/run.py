@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from .. import Communicator, checkpoint, device, gossip, ps
+from .. import Communicator, arrays, checkpoint, gossip, ps
 from ..straggler import Straggler
 from .data import Dataset
 from .models import Model
@@ -101,7 +101,7 @@ def _allreduce(comm, options, model, data, xp):
                 channel.Allreduce(grad, average)
                 params -= (options.lr / size) * average
             if options.checkpoint and rank == 0:
-                checkpoint.save(f"{options.checkpoint}.npz", params=device.as_host(params), epoch=epoch + 1)
+                checkpoint.save(f"{options.checkpoint}.npz", params=arrays.as_host(params), epoch=epoch + 1)
             if reporter:
                 reporter.evaluate(params, epoch + 1, (epoch + 1) * steps * options.batch * size)
     return reporter.finish(params) if reporter else None
@@ -160,7 +160,7 @@ def _parameter_server(comm, options, model, data, xp):
     workers = tuple(range(options.servers, size))
     rule, per_update = _rule(options, len(workers))
     transport = "p2p" if options.transport == "auto" else options.transport
-    server = ps.ParameterServer(comm, device.as_host(model.init(options.seed)), rule,
+    server = ps.ParameterServer(comm, arrays.as_host(model.init(options.seed)), rule,
                                 servers=options.servers, transport=transport)
     me, steps, X, y, slow = _setup(comm, options, data, xp, workers)
     budget = options.epochs * steps * len(workers)        # gradients, over every worker
@@ -182,7 +182,7 @@ def _parameter_server(comm, options, model, data, xp):
             for batch in batches:
                 with slow:
                     loss, grad = model.loss_and_gradient(w, X[batch], y[batch])
-                w = xp.asarray(schedule.step(device.as_host(grad)) if schedule else client.exchange(grad))
+                w = xp.asarray(schedule.step(arrays.as_host(grad)) if schedule else client.exchange(grad))
                 done = min(client.versions.values()) * per_update     # gradients the servers have taken
                 if done >= budget:
                     break
