@@ -81,6 +81,15 @@ def everywhere(ok: bool, message: str = "", comm: MPI.Intracomm = MPI.COMM_WORLD
         pytest.fail(f"failed on rank(s) {sorted(bad)}:\n{lines}", pytrace=False)
 
 
+def ranks_share_one_node(comm: MPI.Intracomm = MPI.COMM_WORLD) -> bool:
+    """True when every rank of ``comm`` runs on this node (shared memory reaches them all)."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.Get_size() == comm.Get_size()
+    finally:
+        local.Free()
+
+
 def shared_seed(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     """Fresh entropy, the same on every rank (so a failure can name one seed to replay)."""
     return comm.bcast(int(np.random.SeedSequence().entropy % (1 << 63)) if comm.Get_rank() == 0 else None)

@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import everywhere, shared_seed
+from conftest import everywhere, ranks_share_one_node, shared_seed
 
 pytestmark = pytest.mark.mpi
 
@@ -28,6 +28,7 @@ VARIANTS = [
     ("ring-shared", "ring", {"MPICOLL_TRANSPORT": "shared", "MPICOLL_SEGMENT": "1K"}),
     ("parallel", "parallel", {}),
     ("recursive_doubling", "recursive_doubling", {}),
+    ("direct", "direct", {}),
     ("mpi", "mpi", {}),
     ("auto", "auto", {"MPICOLL_AUTO_ALLREDUCE": "mpi:64,ring", "MPICOLL_AUTO_REDUCE_SCATTER_BLOCK": "mpi:64,ring",
                       "MPICOLL_AUTO_ALLGATHER": "mpi:64,ring", "MPICOLL_AUTO_BCAST": "mpi:64,ring"}),
@@ -56,6 +57,8 @@ REDUCTIONS = [  # (dtype, ops)
 @pytest.fixture(params=VARIANTS, ids=[v[0] for v in VARIANTS])
 def comm(request, monkeypatch):
     _, algorithm, environment = request.param
+    if environment.get("MPICOLL_TRANSPORT") == "shared" and not ranks_share_one_node():
+        pytest.skip("the shared-memory transport needs every rank on one node")
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
     communicator = mpicoll.Communicator(WORLD, algorithm=algorithm)
@@ -317,4 +320,102 @@ def test_buffer_specifications_like_mpi4py(comm):
         cases.check("strided vector datatype", np.array_equal(got, want))
     finally:
         vector.Free()
+    cases.judge()
+
+
+class DLPackOnly:
+    """Host memory seen only through DLPack (as mpi4py's tests' dlpack backends, and torch CPU tensors)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+class InterfaceOnly:
+    """Host memory seen only through ``__cuda_array_interface__`` (mpi4py's tests' fake GPU arrays)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.__cuda_array_interface__ = {"shape": array.shape, "typestr": array.dtype.str, "strides": None,
+                                         "data": (array.ctypes.data, not array.flags.writeable), "version": 3}
+
+
+def test_every_buffer_kind_and_count_form_mpi4py_takes(comm):
+    """What mpi4py's own tests miss: foreign buffer kinds, 4-item specs, per-rank counts, uneven sizes,
+    empty messages; each compared with mpi4py's answer to the same call, and nothing outside the
+    message touched."""
+    cases = Cases()
+    rng = cases.rng
+    for wrap in (DLPackOnly, InterfaceOnly):
+        kind = wrap.__name__
+        data = rng.integers(-50, 50, 2 * P + 1).astype(np.float64)      # not divisible by P
+        got, want = np.full_like(data, np.nan), np.empty_like(data)
+        comm.Allreduce(wrap(data), wrap(got))
+        WORLD.Allreduce(data, want)
+        cases.check(f"{kind}: Allreduce of {data.size}", np.array_equal(got, want), got)
+        comm.Allreduce(MPI.IN_PLACE, [wrap(got), MPI.DOUBLE], MPI.MAX)
+        WORLD.Allreduce(MPI.IN_PLACE, want, MPI.MAX)
+        cases.check(f"{kind}: [obj, datatype] in place", np.array_equal(got, want), got)
+        block = rng.integers(0, 9, 3).astype(np.int32)
+        gathered = np.zeros(3 * P, np.int32)
+        comm.Allgather(wrap(block), wrap(gathered))
+        cases.check(f"{kind}: Allgather", np.array_equal(gathered, np.concatenate(WORLD.allgather(block))))
+        root_data = data.copy() if RANK == P - 1 else np.zeros_like(data)
+        comm.Bcast(wrap(root_data), root=P - 1)
+        cases.check(f"{kind}: Bcast", np.array_equal(root_data, WORLD.bcast(data, root=P - 1)))
+
+    # [buf, count, displ, datatype] and [buf, (count, displ), datatype]: only the message is touched
+    data = rng.integers(-50, 50, 10).astype(np.float64)
+    for spec in (lambda b: [b, 5, 3, MPI.DOUBLE], lambda b: [b, (5, 3), MPI.DOUBLE], lambda b: [b, 5, 3, "d"]):
+        got, want = np.full(10, -7.0), np.full(10, -7.0)
+        comm.Allreduce(spec(data), spec(got))
+        MPI.Intracomm.Allreduce(WORLD, spec(data), spec(want))
+        cases.check(f"4-item/displ spec {spec(np.zeros(1))[1:]}", np.array_equal(got, want), got)
+
+    # explicit counts are per rank in Allgather and Reduce_scatter_block (mpi4py), extra room untouched
+    count = 2
+    send = rng.integers(0, 9, count).astype(np.int64)
+    got, want = np.full(count * P + 3, -1, np.int64), np.full(count * P + 3, -1, np.int64)
+    comm.Allgather([send, MPI.INT64_T], [got, count, MPI.INT64_T])
+    MPI.Intracomm.Allgather(WORLD, [send, MPI.INT64_T], [want, count, MPI.INT64_T])
+    cases.check("Allgather with a per-rank count", np.array_equal(got, want), got)
+    whole = rng.integers(0, 9, count * P + 2).astype(np.int64)
+    got, want = np.full(count + 1, -1, np.int64), np.full(count + 1, -1, np.int64)
+    comm.Reduce_scatter_block([whole, count, MPI.INT64_T], [got, count, MPI.INT64_T])
+    MPI.Intracomm.Reduce_scatter_block(WORLD, [whole, count, MPI.INT64_T], [want, count, MPI.INT64_T])
+    cases.check("Reduce_scatter_block with a per-rank count", np.array_equal(got, want))
+    got, want = whole.copy(), whole.copy()
+    comm.Reduce_scatter_block(MPI.IN_PLACE, [got, count, MPI.INT64_T])
+    MPI.Intracomm.Reduce_scatter_block(WORLD, MPI.IN_PLACE, [want, count, MPI.INT64_T])
+    cases.check("Reduce_scatter_block in place with a per-rank count", np.array_equal(got[:count], want[:count])
+                and np.array_equal(got[count * P:], whole[count * P:]))
+
+    # empty messages: [None, datatype], as mpi4py's test_msgzero, and a count of 0
+    null = [None, MPI.INT]
+    comm.Allreduce(null, null)
+    comm.Reduce_scatter_block(null, null)
+    comm.Allgather(null, null)
+    comm.Bcast(null)
+    comm.Allreduce([data, 0, MPI.DOUBLE], [np.empty(0), 0, MPI.DOUBLE])
+    cases.check("empty messages", True)
+
+    # what mpi4py refuses is refused with mpi4py's kind of exception
+    for call, kind in [
+        (lambda: comm.Allreduce([data, MPI.DOUBLE], [np.empty(10, np.int64), MPI.INT64_T]), ValueError),
+        (lambda: comm.Allreduce([data, 2, 3, MPI.DOUBLE, 0], np.empty(2)), ValueError),
+        (lambda: comm.Allreduce(data, np.empty(10)[::1].view(np.float64).reshape(10)[:9]), ValueError),
+        (lambda: comm.Allreduce(data, bytes(80)), BufferError),
+        (lambda: comm.Allreduce(data, 42), TypeError),
+        (lambda: comm.Bcast([None, 3, MPI.INT]), ValueError),
+    ]:
+        try:
+            call()
+            cases.check(f"no {kind.__name__}", False)
+        except kind:
+            pass
     cases.judge()
