@@ -29,8 +29,11 @@ setup(
         "data": ["scikit-learn"],
         # Fused CPU kernels; without them the kernel layer runs on numpy.
         "numba": ["numba>=0.59"],
-        # Device arrays: CuPy (pick the wheel for your CUDA, e.g. cupy-cuda12x) and Numba's CUDA target.
-        "gpu": ["cupy", "numba>=0.59", "numba-cuda"],
+        # Device arrays: CuPy's binary wheel and Numba's CUDA target, for CUDA 12 (gpu) or 13 (gpu-cuda13).
+        # (The plain "cupy" package builds from source; pick the cupy-cudaXXx wheel of your CUDA.)
+        "gpu": ["cupy-cuda12x", "numba>=0.59", "numba-cuda[cu12]"],
+        "gpu-cuda12": ["cupy-cuda12x", "numba>=0.59", "numba-cuda[cu12]"],
+        "gpu-cuda13": ["cupy-cuda13x", "numba>=0.59", "numba-cuda[cu13]"],
         # The tests also run the Numba CUDA kernels under Numba's CUDA simulator.
         "test": ["pytest>=7", "pytest-mpi>=0.6", "matplotlib", "numba>=0.59", "numba-cuda", "scikit-learn"],
     },

@@ -91,7 +91,7 @@ def _device_viewer() -> str:
         if _module(name) is not None:
             return name
     raise TypeError("this is a CUDA array, but neither CuPy nor Numba's CUDA target is installed to "
-                    "view it: pip install 'mpicoll[gpu]' (and a CuPy wheel for your CUDA, e.g. cupy-cuda12x)")
+                    "view it: pip install 'mpicoll[gpu]' (CUDA 12) or 'mpicoll[gpu-cuda13]'")
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,26 +144,31 @@ class _DLDataType(ctypes.Structure):
     _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
 
 
-class _DLTensor(ctypes.Structure):     # the head of DLManagedTensor (DLPack < 1.0 capsules)
+class _DLTensor(ctypes.Structure):     # the head of DLTensor (dlpack.h)
     _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
-                ("ndim", ctypes.c_int32), ("dtype", _DLDataType)]
+                ("ndim", ctypes.c_int32), ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64))]
 
 
 _DL_KINDS = {0: "i", 1: "u", 2: "f", 5: "c", 6: "b"}
 
 
-def _dlpack_dtype(obj) -> np.dtype:
-    """The element type a DLPack object declares (its capsule is read, not consumed)."""
-    capsule = obj.__dlpack__()
+def _dlpack_layout(obj) -> tuple[np.dtype, tuple]:
+    """The element type and shape a DLPack object declares (its capsule is read, not consumed)."""
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    tensor = _DLTensor.from_address(get_pointer(capsule, b"dltensor"))
+    try:          # DLPack 1.x: the tensor follows version, manager context, deleter and flags (32 bytes)
+        capsule = obj.__dlpack__(max_version=(1, 0))
+        tensor = _DLTensor.from_address(get_pointer(capsule, b"dltensor_versioned") + 32)
+    except (TypeError, ValueError):      # a producer of DLPack 0.x (no max_version, or an unversioned capsule)
+        capsule = obj.__dlpack__()
+        tensor = _DLTensor.from_address(get_pointer(capsule, b"dltensor"))
     code, bits, lanes = tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes
+    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
     del capsule                    # its destructor frees the producer's tensor: we did not consume it
     kind = _DL_KINDS.get(code)
     if kind is None or lanes != 1 or bits % 8:
-        return np.dtype(np.uint8)  # as mpi4py: bytes, to be typed by an explicit datatype
-    return np.dtype("?" if kind == "b" else f"{kind}{bits // 8}")
+        return np.dtype(np.uint8), (-1,)   # as mpi4py: bytes, to be typed by an explicit datatype
+    return np.dtype("?" if kind == "b" else f"{kind}{bits // 8}"), shape
 
 
 def host_view(obj, *, writable: bool = False) -> np.ndarray:
@@ -186,7 +191,7 @@ def host_view(obj, *, writable: bool = False) -> np.ndarray:
             raise TypeError(f"message: expecting buffer or list/tuple, got {type(obj).__name__}: pass an array "
                             "(numpy, anything with the buffer protocol, DLPack or __cuda_array_interface__)")
         dtype = np.dtype(interface["typestr"]) if interface is not None and not hasattr(obj, "__dlpack__") \
-            else _dlpack_dtype(obj)
+            else _dlpack_layout(obj)[0]
         try:
             raw = MPI.buffer(obj)
         except BufferError as error:
@@ -334,10 +339,21 @@ def synchronize(library_name: str) -> None:
         _module("numba-cuda").synchronize()
 
 
+def _shaped_host(obj) -> np.ndarray:
+    """A host-memory object as a numpy array of its own shape, without a copy."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    if hasattr(obj, "__array__") or hasattr(obj, "__array_interface__") or _has_buffer(obj):
+        return np.asarray(obj)          # numpy's own protocols (torch CPU tensors have __array__)
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    shape = interface["shape"] if interface is not None and not hasattr(obj, "__dlpack__") else _dlpack_layout(obj)[1]
+    return host_view(obj).reshape(shape)
+
+
 def as_host(array) -> np.ndarray:
     """``array`` as a host array: host memory as it is (no copy), a CUDA array copied over."""
     if not is_device(array):
-        return array if isinstance(array, np.ndarray) else np.asarray(array)
+        return _shaped_host(array)
     array = device_view(array)[1]
     host = np.empty(array.shape, array.dtype)
     to_host(array, host)
@@ -363,7 +379,7 @@ class Staging:
 
     def host(self, gradient) -> np.ndarray:
         device = is_device(gradient)
-        gradient = device_view(gradient)[1] if device else np.asarray(gradient)
+        gradient = device_view(gradient)[1] if device else _shaped_host(gradient)
         if gradient.size != self.size or np.dtype(gradient.dtype) != self.dtype:
             raise ValueError(f"gradient of {gradient.size} {np.dtype(gradient.dtype)} values; "
                              + self.refusal.format(size=self.size, dtype=self.dtype))

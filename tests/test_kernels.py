@@ -225,3 +225,10 @@ def test_ranks_per_node_come_from_the_launcher(monkeypatch, variable, value, ran
     assert compute.ranks_on_this_node() == 1
     monkeypatch.setenv(variable, value)
     assert compute.ranks_on_this_node() == ranks
+
+
+def test_sources_carry_their_header_inline():
+    """CuPy caches compiled kernels by source text: the header must be in that text, not behind an #include."""
+    for name in sources.SOURCES:
+        text = sources.source(name)
+        assert '#include "common.cuh"' not in text and "MPICOLL_FOR_EACH" in text

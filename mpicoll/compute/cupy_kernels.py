@@ -28,11 +28,12 @@ def _module(source: str) -> cupy.RawModule:
         names += ["reduce_complex_prod<float>", "reduce_complex_prod<double>"]
     else:
         names = [f"{k}<{t}>" for k in _OPTIMIZERS for t in ("__half", "float", "double")]
-    return cupy.RawModule(code=sources.source(source), name_expressions=names,
-                          options=("-std=c++17", f"-I{sources.directory()}"))
+    return cupy.RawModule(code=sources.source(source), name_expressions=names, options=("-std=c++17",))
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel(source: str, name: str):
+    """One compiled kernel, looked up once (not on every launch)."""
     return _module(source).get_function(name)
 
 

@@ -26,6 +26,14 @@ def directory() -> Path:
                             f"{package.parent / 'kernels'}; reinstall mpicoll")
 
 
+_INCLUDE = '#include "common.cuh"'
+
+
 def source(name: str) -> str:
-    """The text of one source file."""
-    return (directory() / name).read_text()
+    """The text of one source file, with ``common.cuh`` written in where it is included.
+
+    Compilers that cache by source text (CuPy's NVRTC cache) then see a change
+    of the header too; an ``#include`` would hide it and serve a stale kernel.
+    """
+    text = (directory() / name).read_text()
+    return text.replace(_INCLUDE, (directory() / "common.cuh").read_text()) if _INCLUDE in text else text
