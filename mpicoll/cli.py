@@ -104,8 +104,9 @@ def info() -> int:
     return 0
 
 
-_RUNNERS = {"bench": (".bench", "run"), "bench-kernels": (".bench_kernels", "run"), "bench-ps": (".ps.bench", "run"),
-            "bench-gossip": (".gossip.bench", "run"), "train": (".train", "main"),
+_RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".benchmarks.kernels", "run"),
+            "bench-ps": (".benchmarks.parameter_servers", "run"), "bench-gossip": (".benchmarks.gossip", "run"),
+            "train": (".train", "main"),
             "compare": (".train", "compare_main"), "plot": (".train", "plot_main")}
 
 

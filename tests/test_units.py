@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from mpicoll import ReductionError
 from mpicoll.algorithms import auto, get, names
-from mpicoll.algorithms.base import balanced_bounds, segments
+from mpicoll.chunks import balanced_bounds, segments
 from mpicoll.buffers import is_in_place, read_message
 from mpicoll.config import parse_bytes
 from mpicoll.reduction import Reduction, op_name

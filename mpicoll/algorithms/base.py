@@ -1,4 +1,4 @@
-"""The interface every algorithm implements, where MPI may touch device arrays, and the chunk arithmetic."""
+"""The interface every algorithm implements, and where MPI may touch device arrays."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from .. import arrays
 from ..context import Context
 from ..reduction import Reduction
 
-__all__ = ["Algorithm", "MpiBuffers", "copy", "balanced_bounds", "block_bounds", "segments", "segment_elements"]
+__all__ = ["Algorithm", "MpiBuffers", "copy"]
 
 
 class Algorithm:
@@ -99,21 +99,3 @@ def copy(source, target) -> None:
         target[...] = source
     else:
         arrays.copy(source, target)
-
-
-def balanced_bounds(count: int, parts: int) -> list[int]:
-    """Split ``count`` elements into ``parts`` runs whose sizes differ by at most one."""
-    return [count * i // parts for i in range(parts + 1)]
-
-
-def block_bounds(block: int, parts: int) -> list[int]:
-    return [block * i for i in range(parts + 1)]
-
-
-def segments(start: int, stop: int, step: int) -> list[slice]:
-    """Slices of at most ``step`` elements covering [start, stop); none when empty."""
-    return [slice(i, min(i + step, stop)) for i in range(start, stop, step)]
-
-
-def segment_elements(ctx: Context, array: np.ndarray) -> int:
-    return max(1, ctx.segment_bytes // max(1, array.itemsize))

@@ -19,11 +19,12 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from .. import arrays
-from .base import Algorithm, MpiBuffers, balanced_bounds, block_bounds, copy
+from ..chunks import balanced_bounds, block_bounds
+from ..tags import Tag
+from .base import Algorithm, MpiBuffers, copy
 
 __all__ = ["Direct"]
 
-_TAG = 61
 
 
 class Direct(Algorithm):
@@ -68,8 +69,8 @@ def _exchange_and_fold(ctx, buffers: MpiBuffers, source, bounds, reduction):
     width = mine.stop - mine.start
     outgoing = buffers.readable("out", source)
     inbox = buffers.landing("inbox", p * width, source.dtype)
-    received = [ctx.irecv(inbox[q * width:(q + 1) * width], q, _TAG) for q in others]
-    sent = [ctx.isend(outgoing[bounds[q]:bounds[q + 1]], q, _TAG) for q in others]
+    received = [ctx.irecv(inbox[q * width:(q + 1) * width], q, Tag.DIRECT) for q in others]
+    sent = [ctx.isend(outgoing[bounds[q]:bounds[q + 1]], q, Tag.DIRECT) for q in others]
     ctx.waitall(received + sent, others + others)
     contributions = buffers.beside(inbox, "contributions")
     parts = [source[mine] if q == r else contributions[q * width:(q + 1) * width] for q in range(p)]
@@ -91,7 +92,7 @@ def _gather_into(ctx, buffers: MpiBuffers, chunk, target, bounds) -> None:
         copy(chunk, mine)
         if buffers.library is not None:
             arrays.synchronize(buffers.library)
-    received = [ctx.irecv(gathered[bounds[q]:bounds[q + 1]], q, _TAG + 1) for q in others]
-    sent = [ctx.isend(mine, q, _TAG + 1) for q in others]
+    received = [ctx.irecv(gathered[bounds[q]:bounds[q + 1]], q, Tag.DIRECT_GATHER) for q in others]
+    sent = [ctx.isend(mine, q, Tag.DIRECT_GATHER) for q in others]
     ctx.waitall(received + sent, others + others)
     buffers.deliver(gathered, target)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Algorithm, block_bounds
+from ..chunks import block_bounds
+from ..tags import Tag
+from .base import Algorithm
 
 __all__ = ["Parallel"]
 
-_TAG = 21
 
 
 class Parallel(Algorithm):
@@ -55,8 +56,8 @@ class Parallel(Algorithm):
     def _exchange(ctx, outgoing, contributions, reduction, out):
         """Send outgoing[q] to each rank q, receive into contributions[q], fold them into ``out``."""
         p, r = ctx.size, ctx.rank
-        received = {q: ctx.irecv(contributions[q], q, _TAG) for q in range(p) if q != r}
-        sends = [ctx.isend(outgoing[q], q, _TAG) for q in range(p) if q != r]
+        received = {q: ctx.irecv(contributions[q], q, Tag.PARALLEL) for q in range(p) if q != r}
+        sends = [ctx.isend(outgoing[q], q, Tag.PARALLEL) for q in range(p) if q != r]
         for q in (0, 1):
             if q in received:
                 ctx.wait(received.pop(q), q)
@@ -73,15 +74,15 @@ class Parallel(Algorithm):
         mine = recv[bounds[r]: bounds[r + 1]]
         if send is not None:
             mine[...] = send
-        received = [ctx.irecv(recv[bounds[q]: bounds[q + 1]], q, _TAG) for q in range(p) if q != r]
-        sends = [ctx.isend(mine, q, _TAG) for q in range(p) if q != r]
+        received = [ctx.irecv(recv[bounds[q]: bounds[q + 1]], q, Tag.PARALLEL) for q in range(p) if q != r]
+        sends = [ctx.isend(mine, q, Tag.PARALLEL) for q in range(p) if q != r]
         others = [q for q in range(p) if q != r]
         ctx.waitall(received + sends, others + others)
 
     def bcast(self, ctx, buf, root):
         if ctx.rank == root:
             others = [q for q in range(ctx.size) if q != root]
-            ctx.waitall([ctx.isend(buf, q, _TAG) for q in others], others)
+            ctx.waitall([ctx.isend(buf, q, Tag.PARALLEL) for q in others], others)
         else:
-            ctx.wait(ctx.irecv(buf, root, _TAG), root)
+            ctx.wait(ctx.irecv(buf, root, Tag.PARALLEL), root)
 

@@ -22,11 +22,12 @@ followed by taking this rank's block.
 
 from __future__ import annotations
 
-from .base import Algorithm, block_bounds
+from ..chunks import block_bounds
+from ..tags import Tag
+from .base import Algorithm
 
 __all__ = ["RecursiveDoubling"]
 
-_TAG = 31
 
 
 class RecursiveDoubling(Algorithm):
@@ -43,11 +44,11 @@ class RecursiveDoubling(Algorithm):
         incoming = ctx.scratch("rd.incoming", recv.size, recv.dtype)
 
         if r < 2 * extra and r % 2 == 0:            # hand our data to r+1, wait for the answer
-            ctx.wait(ctx.isend(recv, r + 1, _TAG), r + 1)
-            ctx.wait(ctx.irecv(recv, r + 1, _TAG), r + 1)
+            ctx.wait(ctx.isend(recv, r + 1, Tag.RECURSIVE_DOUBLING), r + 1)
+            ctx.wait(ctx.irecv(recv, r + 1, Tag.RECURSIVE_DOUBLING), r + 1)
             return
         if r < 2 * extra:                            # odd: absorb r-1 (lower rank, left operand)
-            ctx.wait(ctx.irecv(incoming, r - 1, _TAG), r - 1)
+            ctx.wait(ctx.irecv(incoming, r - 1, Tag.RECURSIVE_DOUBLING), r - 1)
             reduction.combine(incoming, recv, out=recv)
             player = r // 2
         else:
@@ -57,7 +58,8 @@ class RecursiveDoubling(Algorithm):
         while mask < players:
             partner_player = player ^ mask
             partner = partner_player * 2 + 1 if partner_player < extra else partner_player + extra
-            ctx.waitall([ctx.irecv(incoming, partner, _TAG), ctx.isend(recv, partner, _TAG)], partner)
+            ctx.waitall([ctx.irecv(incoming, partner, Tag.RECURSIVE_DOUBLING),
+                         ctx.isend(recv, partner, Tag.RECURSIVE_DOUBLING)], partner)
             if partner_player < player:
                 reduction.combine(incoming, recv, out=recv)
             else:
@@ -65,7 +67,7 @@ class RecursiveDoubling(Algorithm):
             mask <<= 1
 
         if r < 2 * extra:
-            ctx.wait(ctx.isend(recv, r - 1, _TAG), r - 1)
+            ctx.wait(ctx.isend(recv, r - 1, Tag.RECURSIVE_DOUBLING), r - 1)
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
         whole = ctx.scratch("rd.whole", send.size, send.dtype)
@@ -84,8 +86,8 @@ class RecursiveDoubling(Algorithm):
         while have < p:
             count = min(have, p - have)
             to, source = (r - have) % p, (r + have) % p
-            ctx.waitall([ctx.irecv(rotated[have * block: (have + count) * block], source, _TAG),
-                         ctx.isend(rotated[: count * block], to, _TAG)], [source, to])
+            ctx.waitall([ctx.irecv(rotated[have * block: (have + count) * block], source, Tag.RECURSIVE_DOUBLING),
+                         ctx.isend(rotated[: count * block], to, Tag.RECURSIVE_DOUBLING)], [source, to])
             have += count
         # rotated holds blocks r, r+1, ..., r-1 (mod p): undo the rotation.
         split = (p - r) * block
@@ -100,7 +102,7 @@ class RecursiveDoubling(Algorithm):
         while mask < p:                      # receive from the parent (lowest set bit)
             if position & mask:
                 parent = (r - mask) % p
-                ctx.wait(ctx.irecv(buf, parent, _TAG), parent)
+                ctx.wait(ctx.irecv(buf, parent, Tag.RECURSIVE_DOUBLING), parent)
                 break
             mask <<= 1
         mask >>= 1
@@ -109,4 +111,4 @@ class RecursiveDoubling(Algorithm):
             if position + mask < p:
                 children.append((r + mask) % p)
             mask >>= 1
-        ctx.waitall([ctx.isend(buf, child, _TAG) for child in children], children)
+        ctx.waitall([ctx.isend(buf, child, Tag.RECURSIVE_DOUBLING) for child in children], children)

@@ -39,15 +39,13 @@ import numpy as np
 
 from ..context import Context
 from ..reduction import Reduction
-from .base import Algorithm, balanced_bounds, block_bounds, segment_elements, segments
+from ..chunks import balanced_bounds, block_bounds, segment_elements, segments
+from ..tags import Tag
+from .base import Algorithm
 from .ring_shared import shared_reduce_scatter
 
 __all__ = ["Ring"]
 
-_TAG_RING = 11
-_TAG_HIGH = 12   # rank p-1 -> owner, for non-commutative ops
-_TAG_GATHER = 13
-_TAG_CHAIN = 14
 
 
 class Ring(Algorithm):
@@ -100,7 +98,7 @@ def reduce_scatter(ctx: Context, send: np.ndarray, partial: np.ndarray, bounds: 
     left, right = (r - 1) % p, (r + 1) % p
     cut = not reduction.commutative
     starts_partials = cut and r == 0          # rank 0 receives nothing when the ring is cut
-    step = segment_elements(ctx, partial)
+    step = segment_elements(ctx.segment_bytes, partial.itemsize)
 
     def chunk_segments(c):
         return segments(bounds[c], bounds[c + 1], step)
@@ -108,17 +106,17 @@ def reduce_scatter(ctx: Context, send: np.ndarray, partial: np.ndarray, bounds: 
     def destination(chunk):
         return chunk if cut and r == p - 1 else right
 
-    tag = _TAG_HIGH if cut and r == p - 1 else _TAG_RING
+    tag = Tag.RING_HIGH if cut and r == p - 1 else Tag.RING
     # Step k reduces chunk (r-k-2); its result is sent at step k+1.  Incoming
     # segments land in a few cache-sized slots, reused in turn, so the data
     # crosses memory once on its way to the reduction.
     plan = [(k, s) for k in range(p - 1) for s in chunk_segments((r - k - 2) % p)]
-    landing = LandingSlots(ctx, partial.dtype, step, [] if starts_partials else plan, left, _TAG_RING)
+    landing = LandingSlots(ctx, partial.dtype, step, [] if starts_partials else plan, left, Tag.RING)
 
     high = []
     if cut and r < p - 1:
         high_part = ctx.scratch("ring.high", bounds[r + 1] - bounds[r], partial.dtype)
-        high = [ctx.irecv(high_part[s.start - bounds[r]: s.stop - bounds[r]], p - 1, _TAG_HIGH)
+        high = [ctx.irecv(high_part[s.start - bounds[r]: s.stop - bounds[r]], p - 1, Tag.RING_HIGH)
                 for s in chunk_segments(r)]
     first = (r - 1) % p
     sends = [ctx.isend(send[s], destination(first), tag) for s in chunk_segments(first)]
@@ -182,20 +180,20 @@ def allgather_in_place(ctx: Context, buf: np.ndarray, bounds: list[int]) -> None
     if p == 1:
         return
     left, right = (r - 1) % p, (r + 1) % p
-    step = segment_elements(ctx, buf)
+    step = segment_elements(ctx.segment_bytes, buf.itemsize)
 
     def chunk_segments(c):
         return segments(bounds[c], bounds[c + 1], step)
 
-    received = [[ctx.irecv(buf[s], left, _TAG_GATHER) for s in chunk_segments((r - k - 1) % p)]
+    received = [[ctx.irecv(buf[s], left, Tag.RING_GATHER) for s in chunk_segments((r - k - 1) % p)]
                 for k in range(p - 1)]
-    sends = [ctx.isend(buf[s], right, _TAG_GATHER) for s in chunk_segments(r)]
+    sends = [ctx.isend(buf[s], right, Tag.RING_GATHER) for s in chunk_segments(r)]
     for k in range(p - 1):
         # Invariant: step k receives chunk (r-k-1), which step k+1 forwards.
         for request, s in zip(received[k], chunk_segments((r - k - 1) % p)):
             ctx.wait(request, left)
             if k < p - 2:
-                sends.append(ctx.isend(buf[s], right, _TAG_GATHER))
+                sends.append(ctx.isend(buf[s], right, Tag.RING_GATHER))
     ctx.waitall(sends, right)
 
 
@@ -206,15 +204,15 @@ def chain_bcast(ctx: Context, buf: np.ndarray, root: int) -> None:
         return
     position = (r - root) % p
     parent, child = (r - 1) % p, (r + 1) % p
-    pieces = segments(0, buf.size, segment_elements(ctx, buf))
+    pieces = segments(0, buf.size, segment_elements(ctx.segment_bytes, buf.itemsize))
     forward = position < p - 1
     if position == 0:
-        ctx.waitall([ctx.isend(buf[s], child, _TAG_CHAIN) for s in pieces], child)
+        ctx.waitall([ctx.isend(buf[s], child, Tag.RING_CHAIN) for s in pieces], child)
         return
-    received = [ctx.irecv(buf[s], parent, _TAG_CHAIN) for s in pieces]
+    received = [ctx.irecv(buf[s], parent, Tag.RING_CHAIN) for s in pieces]
     sends = []
     for request, s in zip(received, pieces):
         ctx.wait(request, parent)
         if forward:
-            sends.append(ctx.isend(buf[s], child, _TAG_CHAIN))
+            sends.append(ctx.isend(buf[s], child, Tag.RING_CHAIN))
     ctx.waitall(sends, child)

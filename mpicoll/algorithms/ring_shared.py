@@ -24,11 +24,11 @@ import numpy as np
 
 from ..context import Context
 from ..reduction import Reduction
-from .base import segment_elements, segments
+from ..chunks import segment_elements, segments
+from ..tags import Tag
 
 __all__ = ["shared_reduce_scatter"]
 
-_TAG_READY, _TAG_HIGH, _TAG_FINAL = 41, 42, 43
 
 _NOTHING = np.empty(0, np.uint8)
 
@@ -51,7 +51,7 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
     shared = ctx.shared_regions()
     regions = shared.regions(send.size, send.dtype)
     mine = regions[r]
-    step = segment_elements(ctx, send)
+    step = segment_elements(ctx.segment_bytes, send.itemsize)
     others = [(r + i) % p for i in range(1, p)]
 
     def chunk_segments(c):
@@ -60,7 +60,7 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
     def destination(chunk):
         return chunk if cut and r == p - 1 else right
 
-    tag = _TAG_HIGH if cut and r == p - 1 else _TAG_READY
+    tag = Tag.SHARED_HIGH if cut and r == p - 1 else Tag.SHARED_READY
     notes, peers = [], []
 
     def ready(chunk):
@@ -83,25 +83,25 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
             if starts_partials:
                 mine[s] = send[s]
             else:
-                await_from(left, _TAG_READY)
+                await_from(left, Tag.SHARED_READY)
                 reduction.combine(regions[left][s], send[s], out=mine[s])
             if k < p - 2:
                 ready(c)
     own = slice(bounds[r], bounds[r + 1])
     if cut and r < p - 1:
         for s in chunk_segments(r):
-            await_from(p - 1, _TAG_HIGH)
+            await_from(p - 1, Tag.SHARED_HIGH)
             reduction.combine(mine[s], regions[p - 1][s], out=mine[s])
 
     if keep_into is not None:
         keep_into[...] = mine[own]
     else:
         shared.sync()
-        notes += [ctx.isend(_NOTHING, q, _TAG_FINAL) for q in others]
+        notes += [ctx.isend(_NOTHING, q, Tag.SHARED_FINAL) for q in others]
         peers += others
         gather_into[own] = mine[own]
         for q in others:
-            await_from(q, _TAG_FINAL)
+            await_from(q, Tag.SHARED_FINAL)
             chunk = slice(bounds[q], bounds[q + 1])
             gather_into[chunk] = regions[q][chunk]
     ctx.waitall(notes, peers)

@@ -26,6 +26,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..context import Context
+from ..tags import Tag
 from .topology import Graph
 
 __all__ = ["OneSidedMailbox", "PointToPointMailbox", "HEADER"]
@@ -182,7 +183,6 @@ class OneSidedMailbox:
 class PointToPointMailbox:
     """Nonblocking sends of packets, receives posted a round ahead of need."""
 
-    TAG = 91
 
     def __init__(self, ctx: Context, graph: Graph, count: int, dtype, slots: int):
         self.ctx, self.graph, self.slots = ctx, graph, slots
@@ -199,7 +199,7 @@ class PointToPointMailbox:
         if len(self.incoming[slot].headers) < len(peers):
             self.incoming[slot] = _Packets.allocate(self.count, self.dtype, len(peers))
         packets = self.incoming[slot]
-        self.receiving[round] = [self.ctx.comm.Irecv([packets.packet(i), MPI.BYTE], peer, self.TAG)
+        self.receiving[round] = [self.ctx.comm.Irecv([packets.packet(i), MPI.BYTE], peer, Tag.GOSSIP)
                                  for i, peer in enumerate(peers)]
 
     def send(self, round: int, shares: dict[int, float], x: np.ndarray, weight: float) -> None:
@@ -214,7 +214,7 @@ class PointToPointMailbox:
         for index, (share, group) in enumerate(groups):
             packets.fill(index, share, x, weight, round)
             for peer in group:
-                requests.append(self.ctx.comm.Isend([packets.packet(index), MPI.BYTE], peer, self.TAG))
+                requests.append(self.ctx.comm.Isend([packets.packet(index), MPI.BYTE], peer, Tag.GOSSIP))
                 peers.append(peer)
         self.sends[slot] = (requests, peers)
 

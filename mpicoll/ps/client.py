@@ -6,8 +6,9 @@ import numpy as np
 
 from .. import arrays
 from ..context import Context
+from ..tags import Tag
 from .layout import Layout
-from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind, lost_in
+from .protocol import Kind, lost_in
 from .windows import Windows
 
 __all__ = ["Client", "Schedule"]
@@ -79,8 +80,8 @@ class Client:
         requests, peers = [], []
         if kind.wants_weights:       # posted first, so answers land straight in place
             for server in servers:
-                requests += [self.ctx.irecv(self._answers[server], server, TAG_ANSWER),
-                             self.ctx.irecv(self.weights[self.layout.shard(server)], server, TAG_WEIGHTS)]
+                requests += [self.ctx.irecv(self._answers[server], server, Tag.PS_ANSWER),
+                             self.ctx.irecv(self.weights[self.layout.shard(server)], server, Tag.PS_WEIGHTS)]
                 peers += [server, server]
         self._send_headers(kind, gradient, requests, peers)
         self.ctx.waitall(requests, peers)
@@ -97,7 +98,7 @@ class Client:
             return
         if kind.carries_gradient:
             self.windows.put_gradient(gradient)
-        requests = [self.ctx.irecv(self._answers[server], server, TAG_ANSWER) for server in servers]
+        requests = [self.ctx.irecv(self._answers[server], server, Tag.PS_ANSWER) for server in servers]
         peers = list(servers)
         self._send_headers(kind, None, requests, peers)
         if kind is Kind.PUSH:
@@ -121,10 +122,10 @@ class Client:
         """The request header to every server (and, point to point, the gradient slice after it)."""
         for server in self.layout.servers:
             requests.append(self.ctx.isend(np.array([int(kind), self.versions[server]], np.int64), server,
-                                           TAG_REQUEST))
+                                           Tag.PS_REQUEST))
             peers.append(server)
             if gradient is not None:
-                requests.append(self.ctx.isend(gradient[self.layout.shard(server)], server, TAG_GRADIENT))
+                requests.append(self.ctx.isend(gradient[self.layout.shard(server)], server, Tag.PS_GRADIENT))
                 peers.append(server)
 
 

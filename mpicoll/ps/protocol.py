@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Kind", "TAG_REQUEST", "TAG_GRADIENT", "TAG_ANSWER", "TAG_WEIGHTS", "final_note", "lost_in"]
-
-TAG_REQUEST, TAG_GRADIENT, TAG_ANSWER, TAG_WEIGHTS = 71, 72, 73, 74
+__all__ = ["Kind", "final_note", "lost_in"]
 
 
 class Kind(enum.IntEnum):

@@ -21,8 +21,9 @@ import numpy as np
 
 from .. import checkpoint
 from ..context import Context
+from ..tags import Tag
 from .layout import Layout
-from .protocol import TAG_ANSWER, TAG_GRADIENT, TAG_REQUEST, TAG_WEIGHTS, Kind, final_note
+from .protocol import Kind, final_note
 from .rules import Rule
 from .windows import Windows
 
@@ -111,13 +112,13 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
     answers: dict[int, list] = {w: [] for w in workers}
     waiting: dict[int, Kind] = {}       # workers owed weights, and what they asked with
     deferred: set[int] = set()          # first pulls held back by the warm start
-    requests = [ctx.irecv(headers[w], w, TAG_REQUEST) for w in workers]
+    requests = [ctx.irecv(headers[w], w, Tag.PS_REQUEST) for w in workers]
     start = time.perf_counter()
 
     def note(worker: int, value: int) -> None:
         """The small answer header; with windows, all there is to send after a Put."""
         ctx.waitall(answers[worker], worker)                 # its previous answer has left
-        answers[worker] = [ctx.isend(np.array([value], np.int64), worker, TAG_ANSWER)]
+        answers[worker] = [ctx.isend(np.array([value], np.int64), worker, Tag.PS_ANSWER)]
 
     def answer(worker: int) -> None:
         if waiting.pop(worker) is Kind.PULL:
@@ -125,7 +126,7 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
         if windows is None:
             note(worker, rule.version)
             snapshots[worker][...] = live
-            answers[worker].append(ctx.isend(snapshots[worker], worker, TAG_WEIGHTS))
+            answers[worker].append(ctx.isend(snapshots[worker], worker, Tag.PS_WEIGHTS))
         else:
             windows.put_weights(worker)                      # complete when this returns
             note(worker, rule.version)
@@ -178,7 +179,7 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
         ready: list[int] = []
         if kind.carries_gradient:
             if windows is None:
-                ctx.wait(ctx.irecv(gradient, worker, TAG_GRADIENT), worker)
+                ctx.wait(ctx.irecv(gradient, worker, Tag.PS_GRADIENT), worker)
             else:
                 gradient = windows.inbox(worker)
             stats.bytes_in += gradient.nbytes
@@ -211,7 +212,7 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
             if target in waiting:
                 answer(target)
         if kind is not Kind.DONE:
-            requests[index] = ctx.irecv(headers[worker], worker, TAG_REQUEST)
+            requests[index] = ctx.irecv(headers[worker], worker, Tag.PS_REQUEST)
         if checkpoint and rule.version - saved_at >= every:
             save_checkpoint(checkpoint, layout.rank, rule)
             saved_at = rule.version
@@ -222,7 +223,7 @@ def serve(ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
             if worker in finished:
                 note(worker, final_note(len(stats.lost)))
             else:
-                ctx.isend(np.array([final_note(len(stats.lost))], np.int64), worker, TAG_ANSWER)
+                ctx.isend(np.array([final_note(len(stats.lost))], np.int64), worker, Tag.PS_ANSWER)
     for worker in finished:
         ctx.waitall(answers[worker], worker)
     if checkpoint:

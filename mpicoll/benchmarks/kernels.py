@@ -10,14 +10,13 @@ kernel runs as fast as memory allows.
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
-from . import arrays, compute
-from .bench import write_records
+from .. import arrays, compute
+from .common import median_seconds, write_records
 
-__all__ = ["run", "ARRAYS_MOVED", "median_seconds"]
+__all__ = ["run", "ARRAYS_MOVED"]
 
 # arrays each kernel must read or write once (its bytes = arrays * elements * itemsize)
 ARRAYS_MOVED = {"copy": 2, "reduce_sum": 3, "scaled_accumulate": 3, "sgd": 3, "adagrad": 5,
@@ -64,19 +63,6 @@ def _kernels(library: str | None, n: int, dtype, rng) -> dict:
         "dcasgd_refresh": lambda: compute.dcasgd(w, g, b, 1e-3, 0.04, refresh_backup=True),
         "dcasgd_adaptive": lambda: compute.dcasgd_adaptive(w, g, b, m, 1e-3, 2.0),
     }
-
-
-def median_seconds(call, iters: int, sync) -> float:
-    """Median of ``iters`` timed calls after one untimed one (first touch, compilation)."""
-    call()
-    sync()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def run(args) -> int:

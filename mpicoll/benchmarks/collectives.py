@@ -23,18 +23,17 @@ result, so a fast wrong answer cannot hide in the table.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms
-from .communicator import Communicator
-from .config import parse_bytes
+from .. import algorithms
+from ..communicator import Communicator
+from .common import format_bytes, parse_sizes, write_records
 
-__all__ = ["run", "default_sizes", "format_bytes"]
+__all__ = ["run", "default_sizes", "measure", "COLLECTIVES"]
 
 PEER = "mpi"
 
@@ -42,45 +41,6 @@ PEER = "mpi"
 def default_sizes() -> list[int]:
     """8 B, then 16 B to 64 MiB in steps of 4x."""
     return [8] + [16 << (2 * i) for i in range(12)]
-
-
-def parse_choices(command: str, what: str, text: str, allowed) -> list[str]:
-    """A comma-separated option's values, each checked against ``allowed`` (exits naming the bad one)."""
-    values = [value.strip() for value in text.split(",") if value.strip()]
-    for value in values:
-        if value not in allowed:
-            raise SystemExit(f"{command}: unknown {what} {value!r}; choose from {', '.join(allowed)}")
-    return values
-
-
-def write_records(path: str, records: list, out=None) -> None:
-    """A benchmark's records as one JSON file (every ``mpicoll bench*`` command's ``--output``)."""
-    with open(path, "w") as handle:
-        json.dump(records, handle, indent=1)
-    print(f"# wrote {path}", file=out or sys.stdout)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def parse_sizes(text: str) -> list[int]:
-    """'8,1K,64M', or a range 'LOW:HIGH' (x4 steps) or 'LOW:HIGH:FACTOR'."""
-    if ":" in text:
-        low, high, *factor = text.split(":")
-        low, high, factor = parse_bytes(low), parse_bytes(high), float(factor[0]) if factor else 4.0
-        if low <= 0 or factor <= 1:
-            raise ValueError(f"--sizes {text!r}: need LOW > 0 and FACTOR > 1")
-        sizes = []
-        while low <= high:
-            sizes.append(int(low))
-            low *= factor
-        return sizes
-    return [parse_bytes(part) for part in text.split(",")]
 
 
 # collective -> (mpi4py method, bus-bandwidth factor as in nccl-tests, given p)

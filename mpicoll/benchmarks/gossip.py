@@ -20,9 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import Communicator
-from ..bench import format_bytes, parse_choices, parse_sizes, write_records
+from ..gossip import GRAPHS, TRANSPORTS, PushSum, UniformMixing, make, rounds_to_average
 from ..straggler import Straggler, parse
-from . import GRAPHS, TRANSPORTS, PushSum, UniformMixing, make, rounds_to_average
+from .common import format_bytes, parse_choices, parse_sizes, write_records
 
 __all__ = ["run"]
 

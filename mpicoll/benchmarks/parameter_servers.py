@@ -16,10 +16,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..bench import format_bytes, parse_choices, parse_sizes, write_records
-from ..bench_kernels import median_seconds
+from ..ps import TRANSPORTS, ParameterServer, make
 from ..straggler import Straggler, parse
-from . import TRANSPORTS, ParameterServer, make
+from .common import format_bytes, median_seconds, parse_choices, parse_sizes, write_records
 
 __all__ = ["run"]
 

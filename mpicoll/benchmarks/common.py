@@ -1,0 +1,65 @@
+"""What every ``mpicoll bench*`` command shares: option parsing, byte formatting, timing, JSON output."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from ..config import parse_bytes
+
+__all__ = ["parse_choices", "parse_sizes", "format_bytes", "write_records", "median_seconds"]
+
+
+def parse_choices(command: str, what: str, text: str, allowed) -> list[str]:
+    """A comma-separated option's values, each checked against ``allowed`` (exits naming the bad one)."""
+    values = [value.strip() for value in text.split(",") if value.strip()]
+    for value in values:
+        if value not in allowed:
+            raise SystemExit(f"{command}: unknown {what} {value!r}; choose from {', '.join(allowed)}")
+    return values
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'8,1K,64M', or a range 'LOW:HIGH' (x4 steps) or 'LOW:HIGH:FACTOR'."""
+    if ":" in text:
+        low, high, *factor = text.split(":")
+        low, high, factor = parse_bytes(low), parse_bytes(high), float(factor[0]) if factor else 4.0
+        if low <= 0 or factor <= 1:
+            raise ValueError(f"--sizes {text!r}: need LOW > 0 and FACTOR > 1")
+        sizes = []
+        while low <= high:
+            sizes.append(int(low))
+            low *= factor
+        return sizes
+    return [parse_bytes(part) for part in text.split(",")]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def write_records(path: str, records: list, out=None) -> None:
+    """A benchmark's records as one JSON file (every ``mpicoll bench*`` command's ``--output``)."""
+    with open(path, "w") as handle:
+        json.dump(records, handle, indent=1)
+    print(f"# wrote {path}", file=out or sys.stdout)
+
+
+def median_seconds(call, iters: int, sync) -> float:
+    """Median of ``iters`` timed calls after one untimed one (first touch, compilation)."""
+    call()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))

@@ -1,0 +1,30 @@
+"""Every MPI message tag mpicoll uses, in one table, so no two parts can collide.
+
+Collective algorithms talk over a private duplicate of the user's communicator
+(:class:`mpicoll.context.Context`); parameter servers and gossip over their
+own.  Distinct tags still keep each part's messages apart on a shared channel,
+and a tag seen in a debugger names its sender.
+"""
+
+from enum import IntEnum
+
+__all__ = ["Tag"]
+
+
+class Tag(IntEnum):
+    RING = 11                 # reduce-scatter segments to the right neighbour
+    RING_HIGH = 12            # rank p-1 to a chunk's owner, for non-commutative ops
+    RING_GATHER = 13          # allgather segments
+    RING_CHAIN = 14           # chain broadcast
+    PARALLEL = 21
+    RECURSIVE_DOUBLING = 31
+    SHARED_READY = 41         # ring over shared memory: a partial is ready to read
+    SHARED_HIGH = 42
+    SHARED_FINAL = 43
+    DIRECT = 61               # direct reduce-scatter: chunk q to rank q
+    DIRECT_GATHER = 62        # its allgather
+    PS_REQUEST = 71           # parameter server: a worker's request header
+    PS_GRADIENT = 72
+    PS_ANSWER = 73
+    PS_WEIGHTS = 74
+    GOSSIP = 91               # push-sum over point-to-point messages
