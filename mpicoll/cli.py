@@ -60,7 +60,7 @@ def _bench_gossip_parser(commands) -> None:
         description="Run under mpiexec, e.g.: mpiexec -n 8 mpicoll bench-gossip --straggler 3=3")
     bench.add_argument("--graphs", default="time-varying-exponential,exponential",
                        help="comma-separated: time-varying-exponential, exponential, ring, complete")
-    bench.add_argument("--transports", default="onesided,p2p", help="comma-separated: onesided, p2p")
+    bench.add_argument("--mailboxes", default="onesided,p2p", help="comma-separated: onesided, p2p")
     bench.add_argument("--taus", default="0,1", help="comma-separated overlap bounds (default 0,1)")
     bench.add_argument("--sizes", default="4M,64M", help="parameter bytes: '4M,64M' or LOW:HIGH[:FACTOR]")
     bench.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")

@@ -7,7 +7,7 @@
                            algorithms before raising CollectiveTimeout (default
                            300; 0 waits forever)
 ``MPICOLL_SEGMENT=BYTES``  pipeline segment of the ring algorithm (default 1M)
-``MPICOLL_TRANSPORT=T``    how mpicoll's algorithms move data: ``shared``
+``MPICOLL_CHANNEL=C``      how mpicoll's algorithms move data: ``shared``
                            (one-sided, through a shared-memory window; only
                            when all ranks share a node), ``p2p`` (MPI
                            point-to-point), or ``auto`` (the default: shared
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["debug", "timeout", "segment_bytes", "transport", "parse_bytes", "cores"]
+__all__ = ["debug", "timeout", "segment_bytes", "channel", "parse_bytes", "cores"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -58,10 +58,11 @@ def segment_bytes() -> int:
     return value
 
 
-def transport() -> str:
-    value = os.environ.get("MPICOLL_TRANSPORT", "auto").strip().lower()
+def channel() -> str:
+    """How the collective algorithms move data between ranks: "shared", "p2p" or "auto"."""
+    value = os.environ.get("MPICOLL_CHANNEL", "auto").strip().lower()
     if value not in ("auto", "shared", "p2p"):
-        raise ValueError(f"MPICOLL_TRANSPORT must be auto, shared or p2p, got {value!r}")
+        raise ValueError(f"MPICOLL_CHANNEL must be auto, shared or p2p, got {value!r}")
     return value
 
 

@@ -60,11 +60,11 @@ class Context:
         # with more ranks than cores, CMA's kernel copies cost CPU time the
         # ranks do not have, and reading neighbours' shared memory in place
         # wins.  Every rank of a node sees the same counts, so all agree.
-        self.transport = config.transport()
-        if self.transport == "auto":
-            self.transport = "shared" if local == self.size and oversubscribed else "p2p"
-        elif self.transport == "shared" and local != self.size:
-            raise ValueError(f"MPICOLL_TRANSPORT=shared needs all {self.size} ranks on one node; "
+        self.channel = config.channel()
+        if self.channel == "auto":
+            self.channel = "shared" if local == self.size and oversubscribed else "p2p"
+        elif self.channel == "shared" and local != self.size:
+            raise ValueError(f"MPICOLL_CHANNEL=shared needs all {self.size} ranks on one node; "
                              f"this node has {local} of them (use p2p or auto)")
         self._shared: SharedRegions | None = None
         self._scratch: dict[tuple, object] = {}

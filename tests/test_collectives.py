@@ -21,11 +21,11 @@ pytestmark = pytest.mark.mpi
 WORLD = MPI.COMM_WORLD
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 
-# (id, algorithm, environment): the ring is run over both of its transports,
+# (id, algorithm, environment): the ring is run over both of its channels,
 # with small segments so that small test buffers still take the pipelined path.
 VARIANTS = [
-    ("ring-p2p", "ring", {"MPICOLL_TRANSPORT": "p2p", "MPICOLL_SEGMENT": "1K"}),
-    ("ring-shared", "ring", {"MPICOLL_TRANSPORT": "shared", "MPICOLL_SEGMENT": "1K"}),
+    ("ring-p2p", "ring", {"MPICOLL_CHANNEL": "p2p", "MPICOLL_SEGMENT": "1K"}),
+    ("ring-shared", "ring", {"MPICOLL_CHANNEL": "shared", "MPICOLL_SEGMENT": "1K"}),
     ("parallel", "parallel", {}),
     ("recursive_doubling", "recursive_doubling", {}),
     ("direct", "direct", {}),
@@ -57,8 +57,8 @@ REDUCTIONS = [  # (dtype, ops)
 @pytest.fixture(params=VARIANTS, ids=[v[0] for v in VARIANTS])
 def comm(request, monkeypatch):
     _, algorithm, environment = request.param
-    if environment.get("MPICOLL_TRANSPORT") == "shared" and not ranks_share_one_node():
-        pytest.skip("the shared-memory transport needs every rank on one node")
+    if environment.get("MPICOLL_CHANNEL") == "shared" and not ranks_share_one_node():
+        pytest.skip("the shared-memory channel needs every rank on one node")
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
     communicator = mpicoll.Communicator(WORLD, algorithm=algorithm)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import mpicoll.algorithms
+from mpicoll import ps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,7 +171,7 @@ def test_slurm_train_and_compare_scripts_run_outside_slurm(tmp_path):
     pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
     mpiexec()
     env = script_env(MPICOLL_LAUNCHER="mpiexec", SLURM_NTASKS="2", MPICOLL_TRAIN_ARGS="--epochs 2 --quiet",
-                     MPICOLL_COMPARE_ARGS="--algorithms allreduce-ring,sgp --epochs 2 --quiet",
+                     MPICOLL_COMPARE_ARGS="--methods allreduce-ring,sgp --epochs 2 --quiet",
                      MPICOLL_OUTPUT=str(tmp_path / "out.jsonl"))
     result = subprocess.run(["bash", str(ROOT / "scripts" / "train.sbatch")], cwd=tmp_path, capture_output=True,
                             text=True, timeout=240, env=env)
@@ -203,7 +204,7 @@ def test_bench_kernels_reports_bandwidth_against_copy(tmp_path):
         assert "# cupy: skipped" in result.stdout
 
 
-@pytest.mark.parametrize("transport", ["p2p", "onesided"])
+@pytest.mark.parametrize("transport", ps.TRANSPORTS)
 def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transport):
     """async training, 1 server + 3 workers, under ``scripts/launch --keep-going``; one worker
     is killed with SIGKILL mid-run: training finishes, the server's log names the lost rank."""
@@ -265,7 +266,7 @@ def test_bench_ps_reports_every_rule(tmp_path):
 
 def test_train_shows_progress_and_refuses_a_bad_data_file(tmp_path):
     pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
-    result = launch(2, "-m", "mpicoll", "train", "--algorithm", "allreduce-auto", "--epochs", "3",
+    result = launch(2, "-m", "mpicoll", "train", "--method", "allreduce-auto", "--epochs", "3",
                     "--output", str(tmp_path / "run.jsonl"))
     assert result.returncode == 0, result.stderr
     assert "epoch   3/3 [####################]" in result.stderr and "test accuracy" in result.stderr
@@ -303,8 +304,8 @@ def test_bench_gossip_reports_sgp_against_allreduce(tmp_path):
     assert {r["graph"] for r in averaging} == {"time-varying-exponential", "exponential"}
     assert all(r["rounds"] and r["theory_rounds"] for r in averaging), averaging
     runs = [r for r in records if r["kind"] == "iterations"]
-    assert {(r["method"], r["transport"], r["tau"], r["straggler"]) for r in runs} >= {
-        ("allreduce", "ring", 0, ""), ("sgp", "onesided", 1, "2=2"), ("sgp", "p2p", 0, "")}
+    assert {(r["method"], r["mailbox"], r["tau"], r["straggler"]) for r in runs} >= {
+        ("allreduce", "-", 0, ""), ("sgp", "onesided", 1, "2=2"), ("sgp", "p2p", 0, "")}
     for record in runs:
         assert record["iterations_per_s"] > 0 and record["bytes_per_iteration"] > 0 and record["ranks"] == 3
         assert record["method"] != "allreduce" or record["ratio_to_allreduce"] == 1.0

@@ -14,7 +14,7 @@ from conftest import everywhere, numba_cuda_or_skip, shared_seed
 
 WORLD = MPI.COMM_WORLD
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()
-TRANSPORTS = ["onesided", "p2p"]
+MAILBOXES = list(gossip.MAILBOXES)
 
 
 def random_matrix(seed: int, size: int) -> np.ndarray:
@@ -58,16 +58,16 @@ GRAPHS = ["time-varying-exponential", "exponential", "ring", "complete", "matrix
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("mailbox", MAILBOXES)
 @pytest.mark.parametrize("tau", [0, 2])
 @pytest.mark.parametrize("graph_name", GRAPHS)
-def test_push_sum_matches_the_mixing_matrices_round_by_round(graph_name, tau, transport):
+def test_push_sum_matches_the_mixing_matrices_round_by_round(graph_name, tau, mailbox):
     seed = shared_seed()
     everyone = np.random.default_rng(seed).standard_normal((P, 37))
     graph, mixing = graph_and_mixing(graph_name, seed)
     rounds = 12
     history, x_end, w_end = simulate(graph, mixing, everyone, rounds, tau)
-    pushsum = gossip.PushSum(WORLD, everyone[RANK], graph=graph, mixing=mixing, tau=tau, transport=transport)
+    pushsum = gossip.PushSum(WORLD, everyone[RANK], graph=graph, mixing=mixing, tau=tau, mailbox=mailbox)
     worst = 0.0
     for k in range(rounds):
         z = pushsum.mix()
@@ -84,15 +84,15 @@ def test_push_sum_matches_the_mixing_matrices_round_by_round(graph_name, tau, tr
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("mailbox", MAILBOXES)
 @pytest.mark.parametrize("graph_name", ["time-varying-exponential", "exponential", "ring", "complete"])
-def test_averaging_reaches_the_exact_mean_at_the_rate_the_graph_implies(graph_name, transport):
+def test_averaging_reaches_the_exact_mean_at_the_rate_the_graph_implies(graph_name, mailbox):
     seed = shared_seed()
     everyone = np.random.default_rng(seed).standard_normal((P, 1000))
     mean = everyone.mean(axis=0)
     graph, mixing = graph_and_mixing(graph_name, seed)
     theory = gossip.rounds_to_average(graph, mixing, 1e-6)
-    pushsum = gossip.PushSum(WORLD, everyone[RANK], graph=graph, transport=transport)
+    pushsum = gossip.PushSum(WORLD, everyone[RANK], graph=graph, mailbox=mailbox)
     reached = None
     for k in range(1, 2 * theory + 8):
         z = pushsum.mix()
@@ -110,9 +110,9 @@ def test_averaging_reaches_the_exact_mean_at_the_rate_the_graph_implies(graph_na
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("mailbox", MAILBOXES)
 @pytest.mark.parametrize("tau", [0, 1])
-def test_sgp_reaches_the_least_squares_optimum(tau, transport):
+def test_sgp_reaches_the_least_squares_optimum(tau, mailbox):
     """Each rank holds its own rows; SGP minimises the sum over every rank's rows."""
     seed = shared_seed()
     rng = np.random.default_rng(seed)
@@ -120,7 +120,7 @@ def test_sgp_reaches_the_least_squares_optimum(tau, transport):
     y = X @ rng.standard_normal(6) + 0.01 * rng.standard_normal(40 * P)
     optimum = np.linalg.lstsq(X, y, rcond=None)[0]
     rows, targets = X[RANK::P], y[RANK::P]
-    sgp = gossip.SGP(gossip.PushSum(WORLD, np.zeros(6), tau=tau, transport=transport), lr=0.05)
+    sgp = gossip.SGP(gossip.PushSum(WORLD, np.zeros(6), tau=tau, mailbox=mailbox), lr=0.05)
     z = sgp.parameters.copy()
     for step in range(300):
         sgp.lr = 0.2 / (1 + step / 100)             # decaying: decentralised SGD's bias vanishes
@@ -135,7 +135,7 @@ def test_sgp_reaches_the_least_squares_optimum(tau, transport):
 @pytest.mark.mpi(min_size=2)
 def test_a_rank_that_stops_mixing_is_named(monkeypatch):
     monkeypatch.setenv("MPICOLL_TIMEOUT", "2")
-    pushsum = gossip.PushSum(WORLD, np.ones(10), graph="ring", transport="onesided")
+    pushsum = gossip.PushSum(WORLD, np.ones(10), graph="ring", mailbox="onesided")
     pushsum.mix()
     outcome = "finished"
     if RANK != 0:
@@ -150,28 +150,28 @@ def test_a_rank_that_stops_mixing_is_named(monkeypatch):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_drained_state_resumes_exactly(transport):
+@pytest.mark.parametrize("mailbox", MAILBOXES)
+def test_a_drained_state_resumes_exactly(mailbox):
     """Bitwise over p2p; over windows, packets from several in-peers are summed in arrival
     order, so float32 results agree to rounding only."""
     seed = shared_seed()
     x0 = np.random.default_rng([seed, RANK]).standard_normal(50).astype(np.float32)
-    straight = gossip.PushSum(WORLD, x0, graph="exponential", transport=transport)
+    straight = gossip.PushSum(WORLD, x0, graph="exponential", mailbox=mailbox)
     for _ in range(10):
         expected = straight.mix().copy()
     straight.close()
-    first = gossip.PushSum(WORLD, x0, graph="exponential", transport=transport)
+    first = gossip.PushSum(WORLD, x0, graph="exponential", mailbox=mailbox)
     for _ in range(4):
         first.mix()
     first.drain()
     state = first.state()
     first.close()
-    second = gossip.PushSum(WORLD, np.zeros(50, np.float32), graph="exponential", transport=transport)
+    second = gossip.PushSum(WORLD, np.zeros(50, np.float32), graph="exponential", mailbox=mailbox)
     second.load_state(state)
     for _ in range(6):
         got = second.mix().copy()
     second.close()
-    same = np.array_equal(got, expected) if transport == "p2p" else np.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    same = np.array_equal(got, expected) if mailbox == "p2p" else np.allclose(got, expected, rtol=1e-5, atol=1e-6)
     everywhere(same, f"resumed run differs by {np.abs(got - expected).max():.2e}")
 
 
@@ -217,12 +217,12 @@ def test_device_arrays_go_in_and_come_out():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_round_is_sent_while_the_receiver_computes(transport):
+@pytest.mark.parametrize("mailbox", MAILBOXES)
+def test_a_round_is_sent_while_the_receiver_computes(mailbox):
     """With tau = 1 a round only sends; that must not wait for a receiver busy outside MPI
     (MPICH's Get would: mpicoll's one-sided mailbox uses Accumulate and Put only)."""
     import time
-    pushsum = gossip.PushSum(WORLD, np.ones(100_000), graph="ring", tau=1, transport=transport)
+    pushsum = gossip.PushSum(WORLD, np.ones(100_000), graph="ring", tau=1, mailbox=mailbox)
     WORLD.Barrier()
     took = 0.0
     if RANK == (0 + 1) % P:                   # rank 0's out-peer on the ring: busy, outside MPI

@@ -15,7 +15,7 @@ from conftest import everywhere, numba_cuda_or_skip, shared_seed
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-TRANSPORTS = pytest.mark.parametrize("transport", ["p2p", "onesided"])
+TRANSPORTS = pytest.mark.parametrize("transport", ps.TRANSPORTS)
 
 WORLD = MPI.COMM_WORLD
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()

@@ -1,4 +1,4 @@
-"""``mpicoll train``: every algorithm trains for real at 1 to 4 ranks; data loading; the report."""
+"""``mpicoll train``: every training method trains for real at 1 to 4 ranks; data loading; the report."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpicoll.train import ALGORITHMS, MLP, Options, SoftmaxRegression, load, train
+from mpicoll.train import METHODS, MLP, Options, SoftmaxRegression, load, train
 from mpicoll.train.compare import read_log, report
 from conftest import everywhere
 
@@ -22,30 +22,30 @@ def digits():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_every_algorithm_trains_and_logs(algorithm, tmp_path_factory):
-    if algorithm.startswith(("ps-", "dcasgd", "downpour")) and P < 2:
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_trains_and_logs(method, tmp_path_factory):
+    if method.startswith(("ps-", "dcasgd", "downpour")) and P < 2:
         pytest.skip("a parameter server needs a server and a worker")
     data = digits()
     folder = WORLD.bcast(str(tmp_path_factory.mktemp("logs")) if RANK == 0 else None)
-    log = f"{folder}/{algorithm}.jsonl"
-    model = MLP(data.features, data.classes, [16]) if algorithm in ("dcasgd", "sgp") else \
+    log = f"{folder}/{method}.jsonl"
+    model = MLP(data.features, data.classes, [16]) if method in ("dcasgd", "sgp") else \
         SoftmaxRegression(data.features, data.classes)
     start_loss, _ = model.evaluate(model.init(3), data.X_test, data.y_test)
-    options = Options(algorithm=algorithm, epochs=2, batch=16, lr=0.05, seed=3, output=log, progress=False,
-                      tau=1 if algorithm == "sgp" else 0)
+    options = Options(method=method, epochs=2, batch=16, lr=0.05, seed=3, output=log, progress=False,
+                      tau=1 if method == "sgp" else 0)
     summary = train(WORLD, options, model, data)
     summaries = [s for s in WORLD.allgather(summary) if s]
     everywhere(len(summaries) == 1, f"{len(summaries)} ranks reported a summary, expected one")
     records, logged = read_log(log)
     final = summaries[0]
     everywhere(logged == json.loads(json.dumps(final)), "the log's summary is the returned one")
-    everywhere(final["algorithm"] == algorithm and final["ranks"] == P and final["wall_s"] > 0
+    everywhere(final["method"] == method and final["ranks"] == P and final["wall_s"] > 0
                and final["samples_per_s"] > 0, f"summary {final}")
     everywhere([r["epoch"] for r in records][-1] == 2 and all(r["samples"] > 0 for r in records),
                f"records {records}")
     everywhere(final["final_loss"] < 0.8 * start_loss,
-               f"{algorithm}: test loss {start_loss:.3f} -> {final['final_loss']:.3f}, not decreasing")
+               f"{method}: test loss {start_loss:.3f} -> {final['final_loss']:.3f}, not decreasing")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -53,7 +53,7 @@ def test_allreduce_training_equals_single_process_sgd_on_the_combined_batch():
     """allreduce-ring averages the ranks' gradients: the same steps as one process on all their rows."""
     data = digits()
     model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
-    options = Options(algorithm="allreduce-ring", epochs=1, batch=8, lr=0.2, seed=5, progress=False)
+    options = Options(method="allreduce-ring", epochs=1, batch=8, lr=0.2, seed=5, progress=False)
     summary = train(WORLD, options, model, data)
     from mpicoll.train.run import _batches
     import math
@@ -121,13 +121,13 @@ def test_the_report_comes_from_recorded_logs(tmp_path):
     pytest.importorskip("matplotlib")
     data = digits()
     logs = []
-    for algorithm in ("allreduce-ring", "sgp"):
-        logs.append(tmp_path / f"{algorithm}.jsonl")
-        train(WORLD, Options(algorithm=algorithm, epochs=2, output=str(logs[-1]), progress=False),
+    for method in ("allreduce-ring", "sgp"):
+        logs.append(tmp_path / f"{method}.jsonl")
+        train(WORLD, Options(method=method, epochs=2, output=str(logs[-1]), progress=False),
               SoftmaxRegression(data.features, data.classes), data)
     markdown = report(logs, tmp_path / "report", target=0.5).read_text()
-    for algorithm in ("allreduce-ring", "sgp"):
-        assert f"| {algorithm} | 1 |" in markdown
+    for method in ("allreduce-ring", "sgp"):
+        assert f"| {method} | 1 |" in markdown
     for png in ("loss_vs_time.png", "accuracy_vs_epoch.png"):
         assert (tmp_path / "report" / png).stat().st_size > 5000
     broken = tmp_path / "broken.jsonl"
@@ -137,17 +137,17 @@ def test_the_report_comes_from_recorded_logs(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["allreduce-ring", "sgp", "ps-sync"])
-def test_a_resumed_run_ends_where_an_uninterrupted_one_does(algorithm, tmp_path_factory):
+@pytest.mark.parametrize("method", ["allreduce-ring", "sgp", "ps-sync"])
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, tmp_path_factory):
     """Stop after 2 of 4 epochs (checkpoints after every epoch), resume: the same final model."""
-    if algorithm == "ps-sync" and P < 2:
+    if method == "ps-sync" and P < 2:
         pytest.skip("a parameter server needs a server and a worker")
     data = digits()
     folder = WORLD.bcast(str(tmp_path_factory.mktemp("checkpoints")) if RANK == 0 else None)
     model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
 
     def run(epochs, **extra):
-        options = Options(algorithm=algorithm, epochs=epochs, batch=16, lr=0.05, seed=4, progress=False,
+        options = Options(method=method, epochs=epochs, batch=16, lr=0.05, seed=4, progress=False,
                           transport="p2p", **extra)
         summary = train(WORLD, options, model, data)
         return [s for s in WORLD.allgather(summary) if s][0]
@@ -156,7 +156,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(algorithm, tmp_path_
     run(2, checkpoint=f"{folder}/job")
     resumed = run(4, checkpoint=f"{folder}/job", resume=True, output=f"{folder}/resumed.jsonl")
     epochs = [r["epoch"] for r in read_log(f"{folder}/resumed.jsonl")[0]]
-    everywhere(epochs and epochs[0] == 3, f"{algorithm}: the resumed run evaluated epochs {epochs}, not from 3")
+    everywhere(epochs and epochs[0] == 3, f"{method}: the resumed run evaluated epochs {epochs}, not from 3")
     everywhere(resumed["final_loss"] == straight["final_loss"],
-               f"{algorithm}: resumed run ends at loss {resumed['final_loss']!r}, uninterrupted "
+               f"{method}: resumed run ends at loss {resumed['final_loss']!r}, uninterrupted "
                f"{straight['final_loss']!r}")

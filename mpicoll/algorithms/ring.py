@@ -58,7 +58,7 @@ class Ring(Algorithm):
             return
         source = recv if send is None else send
         bounds = balanced_bounds(recv.size, ctx.size)
-        if ctx.transport == "shared":
+        if ctx.channel == "shared":
             shared_reduce_scatter(ctx, source, bounds, reduction, gather_into=recv)
             return
         ctx.waitall(*reduce_scatter(ctx, source, recv, bounds, reduction))
@@ -69,7 +69,7 @@ class Ring(Algorithm):
             recv[...] = send[: recv.size]
             return
         bounds = block_bounds(recv.size, ctx.size)
-        if ctx.transport == "shared":
+        if ctx.channel == "shared":
             shared_reduce_scatter(ctx, send, bounds, reduction, keep_into=recv)
             return
         partial = ctx.scratch("ring.partial", send.size, send.dtype)

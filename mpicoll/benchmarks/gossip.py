@@ -4,7 +4,7 @@ Run under mpiexec.  Every iteration "computes" for ``--compute-ms`` (a sleep,
 so oversubscribed ranks do not steal each other's cores; ``--straggler``
 makes one rank slower) and then communicates the parameter buffer: a ring
 allreduce (the synchronous data-parallel baseline), or one push-sum round per
-graph, transport and tau.  Each method runs in the same job, in turn, on the
+graph, mailbox and tau.  Each method runs in the same job, in turn, on the
 same buffer.  Reported per method: iterations per second (of the slowest rank,
 which sets the pace), its ratio to the allreduce, bytes each rank sends per
 iteration, and the time per iteration spent communicating and, of that, blocked
@@ -20,20 +20,20 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import Communicator
-from ..gossip import GRAPHS, TRANSPORTS, PushSum, UniformMixing, make, rounds_to_average
+from ..gossip import GRAPHS, MAILBOXES, PushSum, UniformMixing, make, rounds_to_average
 from ..straggler import Straggler, parse
 from .common import format_bytes, parse_choices, parse_sizes, write_records
 
 __all__ = ["run"]
 
 
-def _averaging(comm, graph_name: str, transport: str, tolerance: float = 1e-6, limit: int = 400) -> dict:
+def _averaging(comm, graph_name: str, mailbox: str, tolerance: float = 1e-6, limit: int = 400) -> dict:
     """Rounds for push-sum to average random vectors to ``tolerance``, measured and predicted."""
     rank, size = comm.Get_rank(), comm.Get_size()
     graph = make(graph_name, size)
     everyone = np.random.default_rng(7).standard_normal((size, 1000))
     mean = everyone.mean(axis=0)
-    pushsum = PushSum(comm, everyone[rank], graph=graph, transport=transport)
+    pushsum = PushSum(comm, everyone[rank], graph=graph, mailbox=mailbox)
     reached = None
     for round in range(1, limit + 1):
         z = pushsum.mix()
@@ -42,7 +42,7 @@ def _averaging(comm, graph_name: str, transport: str, tolerance: float = 1e-6, l
             reached = round
             break
     pushsum.close()
-    return {"graph": graph_name, "transport": transport, "ranks": size, "tolerance": tolerance,
+    return {"graph": graph_name, "mailbox": mailbox, "ranks": size, "tolerance": tolerance,
             "rounds": reached, "theory_rounds": rounds_to_average(graph, UniformMixing(), tolerance)}
 
 
@@ -58,7 +58,7 @@ def _iterations(comm, method: dict, count: int, dtype, iters: int, compute_s: fl
             channel.Allreduce(x, average)
         sent = 2 * (size - 1) / size * x.nbytes
     else:
-        gossip = PushSum(comm, x, graph=method["graph"], tau=method["tau"], transport=method["transport"])
+        gossip = PushSum(comm, x, graph=method["graph"], tau=method["tau"], mailbox=method["mailbox"])
         communicate = gossip.mix
         sent = 0.0
     communicate()                       # warm-up: first-call costs (Numba's JIT, buffers) are not the round's
@@ -87,9 +87,9 @@ def _iterations(comm, method: dict, count: int, dtype, iters: int, compute_s: fl
             "comm_ms": 1e3 * communicating / iters, "wait_ms": 1e3 * waited / iters, "rank": rank}
 
 
-def methods(graphs: list[str], transports: list[str], taus: list[int]) -> list[dict]:
-    found = [{"method": "allreduce", "graph": "-", "transport": "ring", "tau": 0}]
-    found += [{"method": "sgp", "graph": g, "transport": t, "tau": tau} for g in graphs for t in transports
+def methods(graphs: list[str], mailboxes: list[str], taus: list[int]) -> list[dict]:
+    found = [{"method": "allreduce", "graph": "-", "mailbox": "-", "tau": 0}]   # the ring allreduce
+    found += [{"method": "sgp", "graph": g, "mailbox": t, "tau": tau} for g in graphs for t in mailboxes
               for tau in taus]
     return found
 
@@ -98,7 +98,7 @@ def run(args) -> int:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     graphs = parse_choices("bench-gossip", "graph", args.graphs, GRAPHS)
-    transports = parse_choices("bench-gossip", "transport", args.transports, TRANSPORTS)
+    mailboxes = parse_choices("bench-gossip", "mailbox", args.mailboxes, MAILBOXES)
     taus = [int(t) for t in args.taus.split(",")]
     parse(args.straggler)
     dtype = np.dtype(args.dtype)
@@ -107,20 +107,20 @@ def run(args) -> int:
     if rank == 0:
         print(f"# mpicoll bench-gossip: {comm.Get_size()} ranks, {dtype.name}, {args.iters} iterations, "
               f"{args.compute_ms:g} ms of computation each")
-        print(f"{'graph':>25} {'transport':>9} {'rounds to 1e-6':>14} {'theory':>6}")
+        print(f"{'graph':>25} {'mailbox':>9} {'rounds to 1e-6':>14} {'theory':>6}")
     for graph in graphs:
-        record = _averaging(comm, graph, transports[0])
+        record = _averaging(comm, graph, mailboxes[0])
         records.append({"kind": "averaging", **record})
         if rank == 0:
-            print(f"{graph:>25} {transports[0]:>9} {record['rounds'] or '>400':>14} {record['theory_rounds']:>6}",
+            print(f"{graph:>25} {mailboxes[0]:>9} {record['rounds'] or '>400':>14} {record['theory_rounds']:>6}",
                   flush=True)
     if rank == 0:
-        print(f"\n{'method':>9} {'graph':>25} {'transport':>9} {'tau':>3} {'params':>9} {'straggler':>9} "
+        print(f"\n{'method':>9} {'graph':>25} {'mailbox':>9} {'tau':>3} {'params':>9} {'straggler':>9} "
               f"{'it/s':>7} {'x allreduce':>11} {'sent/it':>9} {'comm ms':>8} {'wait ms':>8}")
     for count in sizes:
         for straggle in [""] + ([args.straggler] if args.straggler else []):
             baseline = None
-            for method in methods(graphs, transports, taus):
+            for method in methods(graphs, mailboxes, taus):
                 found = comm.gather(_iterations(comm, method, count, dtype, args.iters, args.compute_ms / 1e3,
                                                 straggle), root=0)
                 if rank != 0:
@@ -132,7 +132,7 @@ def run(args) -> int:
                 baseline = baseline or summary["iterations_per_s"]
                 summary["ratio_to_allreduce"] = summary["iterations_per_s"] / baseline
                 records.append(summary)
-                print(f"{method['method']:>9} {method['graph']:>25} {method['transport']:>9} {method['tau']:>3} "
+                print(f"{method['method']:>9} {method['graph']:>25} {method['mailbox']:>9} {method['tau']:>3} "
                       f"{format_bytes(count * dtype.itemsize):>9} {straggle or '-':>9} "
                       f"{summary['iterations_per_s']:>7.1f} {summary['ratio_to_allreduce']:>11.2f} "
                       f"{format_bytes(summary['bytes_per_iteration']):>9} {summary['comm_ms']:>8.1f} "

@@ -14,8 +14,8 @@ one-sided or point-to-point :mod:`~mpicoll.gossip.mailbox`).
 """
 
 from .mixing import MatrixMixing, Mixing, UniformMixing, mixing_matrix, rounds_to_average
-from .pushsum import SGP, TRANSPORTS, PushSum
+from .pushsum import MAILBOXES, SGP, PushSum
 from .topology import GRAPHS, Complete, Exponential, Graph, MatrixGraph, Ring, TimeVaryingExponential, make
 
-__all__ = ["PushSum", "SGP", "TRANSPORTS", "Mixing", "UniformMixing", "MatrixMixing", "mixing_matrix", "rounds_to_average", "Graph",
+__all__ = ["PushSum", "SGP", "MAILBOXES", "Mixing", "UniformMixing", "MatrixMixing", "mixing_matrix", "rounds_to_average", "Graph",
            "Exponential", "TimeVaryingExponential", "Ring", "Complete", "MatrixGraph", "GRAPHS", "make"]

@@ -26,9 +26,9 @@ from .mailbox import OneSidedMailbox, PointToPointMailbox
 from .mixing import Mixing, UniformMixing
 from .topology import Graph, make
 
-__all__ = ["PushSum", "SGP", "TRANSPORTS"]
+__all__ = ["PushSum", "SGP", "MAILBOXES"]
 
-TRANSPORTS = {"onesided": OneSidedMailbox, "p2p": PointToPointMailbox}
+MAILBOXES = {"onesided": OneSidedMailbox, "p2p": PointToPointMailbox}
 
 
 class PushSum:
@@ -38,21 +38,21 @@ class PushSum:
     copied to the host, where the mixing happens).  ``graph``: a name from
     :mod:`mpicoll.gossip.topology` or a :class:`Graph`; ``mixing``: shares per
     round (default: uniform over out-peers and self); a :class:`MatrixMixing`
-    brings its own graph.  ``transport``: ``"onesided"`` (default) or ``"p2p"``.
+    brings its own graph.  ``mailbox``: how gossip arrives, ``"onesided"`` (default) or ``"p2p"``.
     Every rank must call :meth:`mix` the same number of times.
     """
 
     def __init__(self, comm: MPI.Intracomm, x0, *, graph: str | Graph = "time-varying-exponential",
-                 mixing: Mixing | None = None, tau: int = 0, transport: str = "onesided"):
+                 mixing: Mixing | None = None, tau: int = 0, mailbox: str = "onesided"):
         if tau < 0:
             raise ValueError(f"tau (rounds a message may stay in flight) must be >= 0, got {tau}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if mailbox not in MAILBOXES:
+            raise ValueError(f"mailbox must be one of {', '.join(MAILBOXES)}, got {mailbox!r}")
         self.ctx = Context(comm, "push-sum")
         self.rank, self.size = self.ctx.rank, self.ctx.size
         self.mixing = mixing or UniformMixing()
         self.graph = make(getattr(self.mixing, "graph", None) or graph, self.size)
-        self.tau, self.transport = tau, transport
+        self.tau, self.mailbox_kind = tau, mailbox
         self.x = np.array(arrays.as_host(x0), copy=True).reshape(-1)     # our own numerator
         if self.x.dtype not in (np.float32, np.float64):
             raise TypeError(f"push-sum mixes float32 or float64 parameters, got {self.x.dtype}")
@@ -60,9 +60,9 @@ class PushSum:
         self.round = 0              # rounds sent
         self.folded = 0             # rounds whose messages have been folded in
         self._z = np.empty_like(self.x)
-        self.mailbox = TRANSPORTS[transport](self.ctx, self.graph, self.x.size, self.x.dtype, slots=tau + 2)
+        self.mailbox = MAILBOXES[mailbox](self.ctx, self.graph, self.x.size, self.x.dtype, slots=tau + 2)
         # peers write into our window while we compute: keep MPI progressing meanwhile
-        self._progress = Progress(self.ctx.comm).start() if transport == "onesided" else None
+        self._progress = Progress(self.ctx.comm).start() if mailbox == "onesided" else None
         self.bytes_sent = 0
         self.wait_s = 0.0
 

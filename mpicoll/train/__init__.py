@@ -1,11 +1,11 @@
-"""``mpicoll train``: distributed SGD on real data with any of mpicoll's algorithms.
+"""``mpicoll train``: distributed SGD on real data with any of mpicoll's training methods.
 
-    mpiexec -n 4 mpicoll train --algorithm allreduce-ring
-    mpiexec -n 4 mpicoll train --algorithm dcasgd --straggler 3=3 --output run.jsonl
+    mpiexec -n 4 mpicoll train --method allreduce-ring
+    mpiexec -n 4 mpicoll train --method dcasgd --straggler 3=3 --output run.jsonl
 
 Pieces: :mod:`.data` (digits or an .npz file, sharded per worker),
 :mod:`.models` (softmax regression, MLP, or your own over a flat vector),
-:mod:`.run` (one runner per family of algorithms), :mod:`.report` (progress
+:mod:`.run` (the table of methods and one runner per family), :mod:`.report` (progress
 bar and JSON-lines log), :mod:`.compare` (several runs side by side, plots).
 """
 
@@ -16,11 +16,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from .. import gossip, ps
 from .data import Dataset, load
 from .models import MLP, Model, SoftmaxRegression
-from .run import ALGORITHMS, Options, train
+from .run import METHODS, Method, Options, train
 
-__all__ = ["ALGORITHMS", "Options", "train", "load", "Dataset", "Model", "SoftmaxRegression", "MLP", "main"]
+__all__ = ["METHODS", "Method", "Options", "train", "load", "Dataset", "Model", "SoftmaxRegression", "MLP", "main"]
 
 
 def _array_namespace(device: str):
@@ -49,12 +50,7 @@ def main(args) -> int:
     xp = _array_namespace(args.device)
     hidden = [int(h) for h in args.hidden.split(",")] if args.hidden else None
     model = make(args.model, data.features, data.classes, hidden, xp)
-    options = Options(algorithm=args.algorithm, epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
-                      straggler=args.straggler, servers=args.servers, softsync_k=args.softsync_k,
-                      staleness=args.staleness, lam=args.lam, adaptive=args.adaptive, n_fetch=args.n_fetch,
-                      n_push=args.n_push, warm_start=args.warm_start, transport=args.transport, graph=args.graph,
-                      tau=args.tau, output=args.output, progress=not args.quiet, checkpoint=args.checkpoint,
-                      resume=args.resume)
+    options = Options.from_args(args)
     if args.resume and not args.checkpoint:
         raise SystemExit("mpicoll train: --resume needs --checkpoint PREFIX (the prefix the earlier run used)")
     train(comm, options, model, data, xp)
@@ -63,9 +59,10 @@ def main(args) -> int:
 
 def add_parser(commands) -> None:
     train_ = commands.add_parser(
-        "train", help="distributed SGD on real data with any algorithm (run under mpiexec)",
-        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll train --algorithm allreduce-ring")
-    train_.add_argument("--algorithm", default="allreduce-ring", choices=ALGORITHMS)
+        "train", help="distributed SGD on real data with any training method (run under mpiexec)",
+        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll train --method allreduce-ring")
+    train_.add_argument("--method", "--algorithm", default="allreduce-ring", choices=METHODS, dest="method",
+                        help="the training method (default allreduce-ring); --algorithm is its old name")
     train_.add_argument("--data", metavar="FILE.npz", help="arrays X, y (optional X_test, y_test); "
                         "default: scikit-learn's digits (pip install -e '.[data]')")
     train_.add_argument("--model", default="softmax", choices=("softmax", "mlp"))
@@ -91,9 +88,11 @@ def add_parser(commands) -> None:
     group.add_argument("--n-fetch", type=int, default=1, help="downpour: fetch every N steps")
     group.add_argument("--n-push", type=int, default=1, help="downpour: push every N steps")
     group.add_argument("--warm-start", type=int, default=0, help="downpour: updates by one worker before the rest")
-    group.add_argument("--transport", default="auto", choices=("auto", "p2p", "onesided"),
-                       help="ps: p2p (auto) or onesided; sgp: onesided (auto) or p2p")
+    group.add_argument("--transport", default="p2p", choices=ps.TRANSPORTS,
+                       help="how workers reach the servers: p2p messages (default) or onesided windows")
     group = train_.add_argument_group("stochastic gradient push (sgp)")
+    group.add_argument("--mailbox", default="onesided", choices=gossip.MAILBOXES,
+                       help="how gossip arrives: onesided windows (default) or p2p messages")
     group.add_argument("--graph", default="time-varying-exponential",
                        choices=("time-varying-exponential", "exponential", "ring", "complete"))
     group.add_argument("--tau", type=int, default=0, help="rounds a gossip message may stay in flight (default 0)")
@@ -101,9 +100,10 @@ def add_parser(commands) -> None:
 
 def add_compare_parsers(commands) -> None:
     compare = commands.add_parser(
-        "compare", help="train with several algorithms (each under mpiexec) and write a report with plots",
+        "compare", help="train with several methods (each under mpiexec) and write a report with plots",
         description="Any other option is passed to every 'mpicoll train' run, e.g. --epochs 5 --straggler 3=3")
-    compare.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
+    compare.add_argument("--methods", "--algorithms", default=",".join(METHODS), dest="methods",
+                         help="comma-separated (default: all); --algorithms is the old name")
     compare.add_argument("-n", "--ranks", type=int, default=4, help="MPI ranks per run (default 4)")
     compare.add_argument("--output", default="compare-report", help="report folder (default compare-report)")
     compare.add_argument("--target", type=float, default=0.9, help="accuracy to time (default 0.9)")
@@ -116,7 +116,7 @@ def add_compare_parsers(commands) -> None:
 
 def compare_main(args) -> int:
     from .compare import compare
-    compare(args.algorithms.split(","), args.ranks, args.output, args.train_args, args.target, args.timeout)
+    compare(args.methods.split(","), args.ranks, args.output, args.train_args, args.target, args.timeout)
     return 0
 
 

@@ -1,11 +1,11 @@
 """``mpicoll compare`` and ``mpicoll plot``: several training runs side by side.
 
-``compare`` launches ``mpicoll train`` once per algorithm under mpiexec, on
+``compare`` launches ``mpicoll train`` once per training method under mpiexec, on
 the same data, model, seed and budget (training options are passed through),
 then writes a report folder; ``plot`` writes the same report from existing
 JSON-lines logs.  The report: ``report.md`` (final accuracy, time to the target
 accuracy, samples per second, wall time) and two plots, loss against wall time
-and accuracy against epochs, one line per algorithm.
+and accuracy against epochs, one line per method.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .run import ALGORITHMS
+from .run import METHODS
 
 __all__ = ["compare", "report", "read_log", "mpiexec_command"]
 
@@ -59,9 +59,10 @@ def read_log(path: str | Path) -> tuple[list[dict], dict]:
 
 
 def label(summary: dict) -> str:
-    """An algorithm's name in tables and legends, with the option that distinguishes SGP runs."""
+    """A method's name in tables and legends, with the option that distinguishes SGP runs."""
     tau = summary.get("options", {}).get("tau", 0)
-    return f"{summary['algorithm']} (tau={tau})" if summary["algorithm"] == "sgp" and tau else summary["algorithm"]
+    method = summary.get("method", summary.get("algorithm"))      # logs before the rename say "algorithm"
+    return f"{method} (tau={tau})" if method == "sgp" and tau else method
 
 
 def _time_to(records: list[dict], target: float) -> float | None:
@@ -73,7 +74,7 @@ def report(logs: list[str | Path], folder: str | Path, target: float = 0.9) -> P
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     runs = [(Path(path), *read_log(path)) for path in logs]
-    lines = [f"| algorithm | ranks | final accuracy | time to {target:.0%} (s) | samples/s | wall (s) | log |",
+    lines = [f"| method | ranks | final accuracy | time to {target:.0%} (s) | samples/s | wall (s) | log |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for path, records, summary in runs:
         reached = _time_to(records, target)
@@ -118,24 +119,24 @@ def _plots(runs, folder: Path) -> None:
         plt.close(figure)
 
 
-def compare(algorithms: list[str], ranks: int, folder: str | Path, train_args: list[str], target: float = 0.9,
+def compare(methods: list[str], ranks: int, folder: str | Path, train_args: list[str], target: float = 0.9,
             timeout: float = 600) -> Path:
-    """Run ``mpicoll train`` for each algorithm (one job each) and write the report."""
-    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    """Run ``mpicoll train`` for each method (one job each) and write the report."""
+    unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SystemExit(f"mpicoll compare: unknown algorithm(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join(ALGORITHMS)}")
+        raise SystemExit(f"mpicoll compare: unknown method(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(METHODS)}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     logs = []
-    for algorithm in algorithms:
-        log = folder / f"{algorithm}.jsonl"
-        command = [*mpiexec_command(ranks), sys.executable, "-m", "mpicoll", "train", "--algorithm", algorithm,
+    for method in methods:
+        log = folder / f"{method}.jsonl"
+        command = [*mpiexec_command(ranks), sys.executable, "-m", "mpicoll", "train", "--method", method,
                    "--output", str(log), *train_args]
         print(f"+ {' '.join(command)}", file=sys.stderr, flush=True)
         result = subprocess.run(command, timeout=timeout)
         if result.returncode != 0:
-            raise SystemExit(f"mpicoll compare: {algorithm} failed (exit {result.returncode}); see its output above")
+            raise SystemExit(f"mpicoll compare: {method} failed (exit {result.returncode}); see its output above")
         logs.append(log)
     markdown = report(logs, folder, target)
     print(f"mpicoll compare: wrote {markdown} and the plots beside it", file=sys.stderr)

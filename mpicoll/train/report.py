@@ -2,7 +2,7 @@
 
 One record per evaluation (``time_s``, ``epoch``, ``samples``, ``loss``,
 ``accuracy``, ``samples_per_s``) and a final summary (``final_accuracy``,
-``final_loss``, ``wall_s``, ``samples_per_s``, ``algorithm``, ``ranks`` and
+``final_loss``, ``wall_s``, ``samples_per_s``, ``method``, ``ranks`` and
 the options).  The bar redraws in place on a terminal and prints one line per
 evaluation elsewhere (a Slurm log, a pipe).
 """
@@ -43,7 +43,7 @@ class Reporter:
         loss, accuracy = self.model.evaluate(params, self.X_test, self.y_test)
         wall = time.perf_counter() - self.start
         options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "extra", "resume")}
-        summary = {"summary": True, "algorithm": self.options.algorithm, "ranks": self.ranks,
+        summary = {"summary": True, "method": self.options.method, "ranks": self.ranks,
                    "final_accuracy": accuracy, "final_loss": loss, "wall_s": round(wall, 4),
                    "samples": int(self.samples), "samples_per_s": self.samples / max(wall, 1e-9),
                    "data": self.data.name, "model_size": self.model.size, "options": options}
@@ -51,7 +51,7 @@ class Reporter:
         if self.options.progress:
             if self.live:
                 self.stream.write("\n")
-            self.stream.write(f"{self.options.algorithm}: test accuracy {accuracy:.1%}, loss {loss:.4f}, "
+            self.stream.write(f"{self.options.method}: test accuracy {accuracy:.1%}, loss {loss:.4f}, "
                               f"{wall:.1f} s, {summary['samples_per_s']:,.0f} samples/s on {self.ranks} ranks\n")
             self.stream.flush()
         if self.log:
@@ -68,7 +68,7 @@ class Reporter:
             return
         total = self.options.epochs
         filled = int(20 * min(record["epoch"], total) / total)
-        line = (f"{self.options.algorithm:>18} epoch {record['epoch']:>3}/{total} [{'#' * filled:<20}] "
+        line = (f"{self.options.method:>18} epoch {record['epoch']:>3}/{total} [{'#' * filled:<20}] "
                 f"loss {record['loss']:.4f}  accuracy {record['accuracy']:6.1%}  "
                 f"{record['samples_per_s']:>9,.0f} samples/s")
         self.stream.write(("\r" + line) if self.live else line + "\n")

@@ -1,6 +1,9 @@
-"""Distributed SGD with any of mpicoll's algorithms on one problem: ``mpicoll train``.
+"""Distributed SGD with any of mpicoll's training methods on one problem: ``mpicoll train``.
 
-Every algorithm spends the same budget, ``epochs`` passes over the training
+A *method* is a way of training (``allreduce-ring``, ``ps-async``, ``sgp``,
+...): one row of :data:`METHODS`, naming its runner and, where it has them,
+the collective algorithm, the server rule or the default transport it uses.
+Every method spends the same budget, ``epochs`` passes over the training
 set counted over all workers, on the same model, data, batches and seed, so
 runs compare: synchronous ones (allreduce, ps-sync, SGP) take equal steps on
 every rank; asynchronous parameter servers let fast workers take more steps
@@ -12,7 +15,8 @@ after each epoch, draws the progress bar and writes the log.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 from mpi4py import MPI
@@ -23,15 +27,12 @@ from .data import Dataset
 from .models import Model
 from .report import Reporter
 
-__all__ = ["Options", "ALGORITHMS", "train"]
-
-ALGORITHMS = ("allreduce-ring", "allreduce-parallel", "allreduce-auto", "ps-sync", "ps-softsync", "ps-async",
-              "dcasgd", "downpour", "sgp")
+__all__ = ["Options", "Method", "METHODS", "train"]
 
 
 @dataclass
 class Options:
-    algorithm: str = "allreduce-ring"
+    method: str = "allreduce-ring"
     epochs: int = 10
     batch: int = 32                   # samples per gradient, per worker
     lr: float = 0.1
@@ -45,7 +46,8 @@ class Options:
     n_fetch: int = 1                  # downpour
     n_push: int = 1
     warm_start: int = 0
-    transport: str = "auto"           # ps: p2p or onesided; sgp: onesided or p2p
+    transport: str = "p2p"            # ps: how workers reach servers, p2p or onesided
+    mailbox: str = "onesided"         # sgp: how gossip arrives, onesided or p2p
     graph: str = "time-varying-exponential"
     tau: int = 0                      # sgp overlap
     output: str | None = None         # JSON lines log
@@ -53,6 +55,12 @@ class Options:
     resume: bool = False              # continue from the checkpoint
     progress: bool = True
     extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, args) -> "Options":
+        """The options of an ``mpicoll train`` command line (every field of the same name)."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**given, progress=not getattr(args, "quiet", False))
 
 
 def _batches(rows: int, batch: int, steps: int, seed) -> list[np.ndarray]:
@@ -68,11 +76,10 @@ def _batches(rows: int, batch: int, steps: int, seed) -> list[np.ndarray]:
 
 def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp=np) -> dict | None:
     """Run one training job; returns the summary record on the reporting rank, None elsewhere."""
-    if options.algorithm not in ALGORITHMS:
-        raise ValueError(f"Unrecognized algorithm: {options.algorithm!r}; choose from {', '.join(ALGORITHMS)}")
-    family = options.algorithm.split("-")[0]
-    runner = {"allreduce": _allreduce, "sgp": _sgp}.get(family, _parameter_server)
-    return runner(comm, options, model, data, xp)
+    if options.method not in METHODS:
+        raise ValueError(f"Unrecognized method: {options.method!r}; choose from {', '.join(METHODS)}")
+    method = METHODS[options.method]
+    return method.runner(comm, options, model, data, xp, method)
 
 
 def _setup(comm, options, data, xp, workers: tuple[int, ...]):
@@ -84,16 +91,16 @@ def _setup(comm, options, data, xp, workers: tuple[int, ...]):
     return me, steps, X, y, Straggler.for_rank(rank, options.straggler)
 
 
-def _allreduce(comm, options, model, data, xp):
+def _allreduce(comm, options, model, data, xp, method):
     rank, size = comm.Get_rank(), comm.Get_size()
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     params, start = model.init(options.seed), 0
     if options.resume:                       # every rank holds the same parameters: one file
-        state = checkpoint.load(f"{options.checkpoint}.npz", options.algorithm)
+        state = checkpoint.load(f"{options.checkpoint}.npz", options.method)
         params, start = xp.asarray(state["params"]), int(state["epoch"])
     average = xp.empty_like(params)
-    with Communicator(comm, algorithm=options.algorithm.split("-", 1)[1]) as channel:
+    with Communicator(comm, algorithm=method.algorithm) as channel:
         for epoch in range(start, options.epochs):
             for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
                 with slow:
@@ -107,17 +114,16 @@ def _allreduce(comm, options, model, data, xp):
     return reporter.finish(params) if reporter else None
 
 
-def _sgp(comm, options, model, data, xp):
+def _sgp(comm, options, model, data, xp, method):
     rank, size = comm.Get_rank(), comm.Get_size()
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
-    transport = "onesided" if options.transport == "auto" else options.transport
     pushsum = gossip.PushSum(comm, model.init(options.seed), graph=options.graph, tau=options.tau,
-                             transport=transport)
+                             mailbox=options.mailbox)
     sgp = gossip.SGP(pushsum, options.lr)
     start, mine = 0, f"{options.checkpoint}.rank{rank}.npz"
     if options.resume:                       # each rank its own numerator and push-sum weight
-        state = checkpoint.load(mine, options.algorithm)
+        state = checkpoint.load(mine, options.method)
         pushsum.load_state(state)
         start = int(state["epoch"])
     z = xp.asarray(sgp.parameters)
@@ -137,31 +143,15 @@ def _sgp(comm, options, model, data, xp):
     return reporter.finish(xp.asarray(consensus.astype(pushsum.x.dtype))) if reporter else None
 
 
-def _rule(options: Options, workers: int) -> tuple[ps.Rule, int]:
-    """The server rule and how many gradients one of its updates consumes."""
-    name = options.algorithm
-    if name == "ps-sync":
-        return ps.Sync(options.lr), workers
-    if name == "ps-softsync":
-        k = options.softsync_k
-        return ps.SoftSync(options.lr, k), (math.ceil(k * workers) if k < 1 else int(k))
-    if name == "ps-async":
-        return ps.Async(options.lr, options.staleness), 1
-    if name == "dcasgd":
-        return ps.DCASGD(options.lr, options.lam, adaptive=options.adaptive), 1
-    return ps.Downpour(options.lr), options.n_push
-
-
-def _parameter_server(comm, options, model, data, xp):
+def _parameter_server(comm, options, model, data, xp, method):
     rank, size = comm.Get_rank(), comm.Get_size()
     if size <= options.servers:
-        raise SystemExit(f"{options.algorithm} needs more ranks than its {options.servers} server(s): "
+        raise SystemExit(f"{options.method} needs more ranks than its {options.servers} server(s): "
                          f"mpiexec -n {options.servers + 1} or more")
     workers = tuple(range(options.servers, size))
-    rule, per_update = _rule(options, len(workers))
-    transport = "p2p" if options.transport == "auto" else options.transport
+    rule, per_update = method.rule(options, len(workers))
     server = ps.ParameterServer(comm, arrays.as_host(model.init(options.seed)), rule,
-                                servers=options.servers, transport=transport)
+                                servers=options.servers, transport=options.transport)
     me, steps, X, y, slow = _setup(comm, options, data, xp, workers)
     budget = options.epochs * steps * len(workers)        # gradients, over every worker
     reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
@@ -171,7 +161,7 @@ def _parameter_server(comm, options, model, data, xp):
                      resume=options.resume)
     else:
         client = server.client
-        schedule = ps.Schedule(client, options.n_fetch, options.n_push) if options.algorithm == "downpour" else None
+        schedule = ps.Schedule(client, options.n_fetch, options.n_push) if method.name == "downpour" else None
         w = xp.asarray(client.pull())
         done = min(client.versions.values()) * per_update            # more than 0 when resumed
         reported = done * options.epochs // budget
@@ -197,3 +187,31 @@ def _parameter_server(comm, options, model, data, xp):
         reporter.evaluate(xp.asarray(final), options.epochs, budget * options.batch)
         return reporter.finish(xp.asarray(final))
     return None
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of training: its name, its runner, and what the runner needs to know."""
+
+    name: str
+    runner: Callable
+    algorithm: str | None = None           # allreduce methods: the collective algorithm
+    rule: Callable | None = None           # parameter servers: (options, workers) -> (rule, gradients per update)
+
+
+def _softsync(options, workers):
+    k = options.softsync_k
+    return ps.SoftSync(options.lr, k), (math.ceil(k * workers) if k < 1 else int(k))
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("allreduce-ring", _allreduce, algorithm="ring"),
+    Method("allreduce-parallel", _allreduce, algorithm="parallel"),
+    Method("allreduce-auto", _allreduce, algorithm="auto"),
+    Method("ps-sync", _parameter_server, rule=lambda o, workers: (ps.Sync(o.lr), workers)),
+    Method("ps-softsync", _parameter_server, rule=_softsync),
+    Method("ps-async", _parameter_server, rule=lambda o, workers: (ps.Async(o.lr, o.staleness), 1)),
+    Method("dcasgd", _parameter_server, rule=lambda o, workers: (ps.DCASGD(o.lr, o.lam, adaptive=o.adaptive), 1)),
+    Method("downpour", _parameter_server, rule=lambda o, workers: (ps.Downpour(o.lr), o.n_push)),
+    Method("sgp", _sgp),
+)}
