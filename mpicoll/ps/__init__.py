@@ -28,13 +28,12 @@ from ..context import Context
 from .client import Client, Schedule
 from .layout import Layout
 from .rules import DCASGD, Async, Downpour, Rule, SoftSync, Sync, make
-from .server import ServerStats, WorkerLost, serve
+from .server import Server, ServerStats, WorkerLost
+from .transports import TRANSPORTS
 from .windows import Windows
 
-TRANSPORTS = ("p2p", "onesided")
-
-__all__ = ["ParameterServer", "Layout", "Client", "Schedule", "ServerStats", "WorkerLost", "Rule", "Sync", "SoftSync", "Async", "DCASGD",
-           "Downpour", "make"]
+__all__ = ["ParameterServer", "Layout", "Client", "Schedule", "Server", "ServerStats", "WorkerLost", "Rule", "Sync",
+           "SoftSync", "Async", "DCASGD", "Downpour", "make", "TRANSPORTS"]
 
 
 class ParameterServer:
@@ -83,9 +82,9 @@ class ParameterServer:
         if resume and not checkpoint:
             raise ValueError("resume=True needs the checkpoint prefix to resume from")
         self._unclean = True          # until serve returns: an error leaves messages in flight
-        self.stats = serve(self.context, self.layout, self.rule, self.weights, worker_timeout,
-                           checkpoint=checkpoint, every=every, resume=resume, warm_start=warm_start,
-                           windows=self.windows)
+        self.stats = Server(self.context, self.layout, self.rule, self.weights, self.windows,
+                            worker_timeout).run(checkpoint=checkpoint, every=every, resume=resume,
+                                                warm_start=warm_start)
         self._unclean = bool(self.stats.lost)
         return self.stats
 
