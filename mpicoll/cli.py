@@ -43,15 +43,21 @@ def _bench_ps_parser(commands) -> None:
     bench = commands.add_parser(
         "bench-ps", help="parameter-server updates/s and GB/s by rule, size and straggler",
         description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench-ps --straggler 3=3")
-    bench.add_argument("--rules", default="sync,softsync,async,dcasgd,downpour", help="comma-separated")
-    bench.add_argument("--sizes", default="4M,64M", help="parameter bytes: '4M,64M' or LOW:HIGH[:FACTOR]")
-    bench.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+    from .ps.rules import RULES
+    bench.add_argument("--rules", default=",".join(RULES), help=f"comma-separated (default {','.join(RULES)})")
     bench.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
     bench.add_argument("--transports", default="p2p", help="comma-separated: p2p, onesided (default p2p)")
     bench.add_argument("--seconds", type=float, default=3.0, help="length of each run (default 3)")
+    _simulated_training_options(bench, "write one record per (rule, size, straggler, server)")
+
+
+def _simulated_training_options(bench, output: str) -> None:
+    """The options of the benchmarks that simulate training steps (bench-ps, bench-gossip)."""
+    bench.add_argument("--sizes", default="4M,64M", help="parameter bytes: '4M,64M' or LOW:HIGH[:FACTOR]")
+    bench.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
     bench.add_argument("--compute-ms", type=float, default=20.0, help="simulated gradient time (default 20)")
     bench.add_argument("--straggler", help="RANK=FACTOR: also run with that rank slowed, e.g. 3=3")
-    bench.add_argument("--output", metavar="FILE.json", help="write one record per (rule, size, straggler, server)")
+    bench.add_argument("--output", metavar="FILE.json", help=output)
 
 
 def _bench_gossip_parser(commands) -> None:
@@ -62,12 +68,8 @@ def _bench_gossip_parser(commands) -> None:
                        help="comma-separated: time-varying-exponential, exponential, ring, complete")
     bench.add_argument("--mailboxes", default="onesided,p2p", help="comma-separated: onesided, p2p")
     bench.add_argument("--taus", default="0,1", help="comma-separated overlap bounds (default 0,1)")
-    bench.add_argument("--sizes", default="4M,64M", help="parameter bytes: '4M,64M' or LOW:HIGH[:FACTOR]")
-    bench.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
     bench.add_argument("--iters", type=int, default=20, help="iterations per method (default 20)")
-    bench.add_argument("--compute-ms", type=float, default=20.0, help="simulated gradient time (default 20)")
-    bench.add_argument("--straggler", help="RANK=FACTOR: also run with that rank slowed, e.g. 3=3")
-    bench.add_argument("--output", metavar="FILE.json", help="write the averaging and iteration records")
+    _simulated_training_options(bench, "write the averaging and iteration records")
 
 
 def _info_parser(commands) -> None:

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
+WORLD = MPI.COMM_WORLD
+P = SIZE = WORLD.Get_size()          # the ranks of this run
+RANK = WORLD.Get_rank()
 TEST_TIMEOUT = float(os.environ.get("MPICOLL_TEST_TIMEOUT", "120"))
 
 # Peers that stop answering in mpicoll's own algorithms should fail a test
@@ -70,6 +71,13 @@ def watchdog(request):
     timer.start()
     yield
     timer.cancel()
+
+
+# Every parameter-server rule, with each of its variants (test_rules checks none is missing).
+RULE_CASES = [("sync", dict(lr=0.1)), ("softsync", dict(lr=0.1, k=0.5)), ("async", dict(lr=0.05, staleness="tau")),
+              ("async", dict(lr=0.1, staleness="workers")), ("dcasgd", dict(lr=0.05, lam=0.04)),
+              ("dcasgd", dict(lr=0.05, lam=0.04, adaptive=True)), ("downpour", dict(lr=0.3))]
+RULE_IDS = [f"{name}-{'-'.join(map(str, options.values()))}" for name, options in RULE_CASES]
 
 
 def everywhere(ok: bool, message: str = "", comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
@@ -116,3 +124,25 @@ def cupy_or_skip():
     except cupy.cuda.runtime.CUDARuntimeError as error:
         pytest.skip(f"CuPy found no CUDA device: {error}")
     return cupy
+
+
+class DLPackOnly:
+    """Host memory seen only through DLPack (torch CPU tensors, mpi4py's tests' dlpack backends)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __dlpack__(self, **kwargs):
+        return self.values.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.values.__dlpack_device__()
+
+
+class InterfaceOnly:
+    """Host memory seen only through ``__cuda_array_interface__`` (mpi4py's tests' fake GPU arrays)."""
+
+    def __init__(self, values):
+        self.values = values
+        self.__cuda_array_interface__ = {"shape": values.shape, "typestr": values.dtype.str, "strides": None,
+                                         "data": (values.ctypes.data, not values.flags.writeable), "version": 3}

@@ -7,12 +7,9 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import everywhere, shared_seed
+from conftest import P, RANK, WORLD, everywhere, shared_seed
 
 pytestmark = pytest.mark.mpi
-
-WORLD = MPI.COMM_WORLD
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "parallel", "recursive_doubling", "auto"])

@@ -14,36 +14,10 @@ import types
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import mpicoll
 from mpicoll import arrays
-from conftest import everywhere, numba_cuda_or_skip
-
-WORLD = MPI.COMM_WORLD
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
-
-
-class DLPackOnly:
-    """Host memory seen only through DLPack (torch CPU tensors, mpi4py's tests' dlpack backends)."""
-
-    def __init__(self, values):
-        self.values = values
-
-    def __dlpack__(self, **kwargs):
-        return self.values.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.values.__dlpack_device__()
-
-
-class InterfaceOnly:
-    """Host memory seen only through ``__cuda_array_interface__`` (mpi4py's tests' fake GPU arrays)."""
-
-    def __init__(self, values):
-        self.values = values
-        self.__cuda_array_interface__ = {"shape": values.shape, "typestr": values.dtype.str, "strides": None,
-                                         "data": (values.ctypes.data, not values.flags.writeable), "version": 3}
+from conftest import DLPackOnly, InterfaceOnly, P, RANK, WORLD, everywhere, numba_cuda_or_skip
 
 
 @pytest.mark.parametrize("make", [np.asarray, lambda v: array.array("d", v), lambda v: memoryview(np.asarray(v)),

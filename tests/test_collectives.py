@@ -14,12 +14,10 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import everywhere, ranks_share_one_node, shared_seed
+from conftest import DLPackOnly, InterfaceOnly, P, RANK, WORLD, everywhere, ranks_share_one_node, shared_seed
 
 pytestmark = pytest.mark.mpi
 
-WORLD = MPI.COMM_WORLD
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 
 # (id, algorithm, environment): the ring is run over both of its channels,
 # with small segments so that small test buffers still take the pipelined path.
@@ -321,28 +319,6 @@ def test_buffer_specifications_like_mpi4py(comm):
     finally:
         vector.Free()
     cases.judge()
-
-
-class DLPackOnly:
-    """Host memory seen only through DLPack (as mpi4py's tests' dlpack backends, and torch CPU tensors)."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
-
-
-class InterfaceOnly:
-    """Host memory seen only through ``__cuda_array_interface__`` (mpi4py's tests' fake GPU arrays)."""
-
-    def __init__(self, array):
-        self.array = array
-        self.__cuda_array_interface__ = {"shape": array.shape, "typestr": array.dtype.str, "strides": None,
-                                         "data": (array.ctypes.data, not array.flags.writeable), "version": 3}
 
 
 def test_every_buffer_kind_and_count_form_mpi4py_takes(comm):

@@ -14,22 +14,28 @@ import pytest
 
 import mpicoll.algorithms
 from mpicoll import ps
+from mpicoll.launcher import mpiexec_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def command(ranks: int, flags=()) -> list[str]:
+    """The package's own command to start ``ranks`` ranks, or skip the test where there is no launcher."""
+    try:
+        return mpiexec_command(ranks, flags)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
 def mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        pytest.skip("no mpiexec on PATH or beside the Python interpreter")
-    return found
+    """The launcher program itself (skips the test where there is none)."""
+    return command(1)[0]
 
 
 def launch(ranks: int, *args: str, env: dict | None = None, timeout: float = 240, extra=()) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     # A session of its own: under pytest's, Hydra tears the whole job down when one rank dies.
-    return subprocess.run([mpiexec(), *extra, "-n", str(ranks), sys.executable, *args], cwd=ROOT, env=environment,
+    return subprocess.run([*command(ranks, extra), sys.executable, *args], cwd=ROOT, env=environment,
                           capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
@@ -111,7 +117,7 @@ def test_watchdog_names_the_stuck_rank(tmp_path):
                 time.sleep(60)
             MPI.COMM_WORLD.Barrier()
     """))
-    result = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p",
+    result = subprocess.run([*command(2), sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p",
                              "no:cacheprovider", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, env={**os.environ, "MPICOLL_TEST_TIMEOUT": "3", "PYTHONPATH": str(ROOT)})
     assert result.returncode != 0

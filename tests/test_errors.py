@@ -7,12 +7,9 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import everywhere
+from conftest import P, RANK, WORLD, everywhere
 
 pytestmark = pytest.mark.mpi
-
-WORLD = MPI.COMM_WORLD
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 
 
 def raised(call) -> BaseException | None:

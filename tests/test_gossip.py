@@ -10,10 +10,8 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll import gossip
-from conftest import everywhere, numba_cuda_or_skip, shared_seed
+from conftest import P, RANK, WORLD, everywhere, numba_cuda_or_skip, shared_seed
 
-WORLD = MPI.COMM_WORLD
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 MAILBOXES = list(gossip.MAILBOXES)
 
 

@@ -6,19 +6,15 @@ import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import mpicoll
 from mpicoll import ps
 from mpicoll.straggler import Straggler, parse
-from conftest import everywhere, numba_cuda_or_skip, shared_seed
+from conftest import P, RANK, RULE_CASES, RULE_IDS, WORLD, everywhere, numba_cuda_or_skip, shared_seed
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 TRANSPORTS = pytest.mark.parametrize("transport", ps.TRANSPORTS)
-
-WORLD = MPI.COMM_WORLD
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 
 
 def problem(seed, rows=240, dims=12):
@@ -46,13 +42,8 @@ def train(server, X, y, steps, seed, batch=24):
     return final
 
 
-RULES = [("sync", dict(lr=0.1)), ("softsync", dict(lr=0.1, k=0.5)), ("async", dict(lr=0.05, staleness="tau")),
-         ("async", dict(lr=0.1, staleness="workers")), ("dcasgd", dict(lr=0.05, lam=0.04)),
-         ("dcasgd", dict(lr=0.05, lam=0.04, adaptive=True)), ("downpour", dict(lr=0.3))]
-
-
 @TRANSPORTS
-@pytest.mark.parametrize("name, options", RULES, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in RULES])
+@pytest.mark.parametrize("name, options", RULE_CASES, ids=RULE_IDS)
 def test_every_rule_reaches_the_least_squares_optimum(name, options, transport):
     seed = shared_seed()
     X, y, optimum = problem(seed)

@@ -6,14 +6,10 @@ import json
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from mpicoll.train import METHODS, MLP, Options, SoftmaxRegression, load, train
 from mpicoll.train.compare import read_log, report
-from conftest import everywhere
-
-WORLD = MPI.COMM_WORLD
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
+from conftest import P, RANK, WORLD, everywhere
 
 
 def digits():

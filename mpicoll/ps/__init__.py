@@ -27,13 +27,13 @@ from mpi4py import MPI
 from ..context import Context
 from .client import Client, Schedule
 from .layout import Layout
-from .rules import DCASGD, Async, Downpour, Rule, SoftSync, Sync, make
+from .rules import DCASGD, RULES, Async, Downpour, Rule, SoftSync, Sync, make
 from .server import Server, ServerStats, WorkerLost
 from .transports import TRANSPORTS
 from .windows import Windows
 
 __all__ = ["ParameterServer", "Layout", "Client", "Schedule", "Server", "ServerStats", "WorkerLost", "Rule", "Sync",
-           "SoftSync", "Async", "DCASGD", "Downpour", "make", "TRANSPORTS"]
+           "SoftSync", "Async", "DCASGD", "Downpour", "make", "RULES", "TRANSPORTS"]
 
 
 class ParameterServer:

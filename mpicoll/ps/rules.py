@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import compute
 
-__all__ = ["Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "make"]
+__all__ = ["Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "make", "RULES"]
 
 
 class Rule:
@@ -261,12 +261,12 @@ class Downpour(Rule):
         return [worker]
 
 
-_RULES = {rule.name: rule for rule in (Sync, SoftSync, Async, DCASGD, Downpour)}
+RULES = {rule.name: rule for rule in (Sync, SoftSync, Async, DCASGD, Downpour)}
 
 
 def make(name: str, **options) -> Rule:
     """A rule by name (``sync``, ``softsync``, ``async``, ``dcasgd``, ``downpour``)."""
     try:
-        return _RULES[name](**options)
+        return RULES[name](**options)
     except KeyError:
-        raise ValueError(f"Unrecognized rule: {name!r}; choose from {', '.join(_RULES)}") from None
+        raise ValueError(f"Unrecognized rule: {name!r}; choose from {', '.join(RULES)}") from None

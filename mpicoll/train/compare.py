@@ -11,29 +11,14 @@ and accuracy against epochs, one line per method.
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from ..launcher import mpiexec_command
 from .run import METHODS
 
-__all__ = ["compare", "report", "read_log", "mpiexec_command"]
-
-
-def mpiexec_command(ranks: int) -> list[str]:
-    """$MPIEXEC (a command, e.g. "srun --mpi=pmix"), else the launcher next to this Python (the
-    MPICH wheel's) or on PATH, with the flags it needs."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    command = shlex.split(os.environ.get("MPIEXEC", "")) or [str(beside) if beside.exists()
-                                                             else shutil.which("mpiexec")]
-    if not command[0]:
-        raise SystemExit("mpicoll compare: no mpiexec found; pip install mpich, or load your site's MPI")
-    version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
-    extra = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
-    return [*command, *extra, "-n", str(ranks)]
+__all__ = ["compare", "report", "read_log"]
 
 
 def read_log(path: str | Path) -> tuple[list[dict], dict]:
@@ -129,9 +114,13 @@ def compare(methods: list[str], ranks: int, folder: str | Path, train_args: list
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     logs = []
+    try:
+        launch = mpiexec_command(ranks)
+    except FileNotFoundError as error:
+        raise SystemExit(f"mpicoll compare: {error}") from None
     for method in methods:
         log = folder / f"{method}.jsonl"
-        command = [*mpiexec_command(ranks), sys.executable, "-m", "mpicoll", "train", "--method", method,
+        command = [*launch, sys.executable, "-m", "mpicoll", "train", "--method", method,
                    "--output", str(log), *train_args]
         print(f"+ {' '.join(command)}", file=sys.stderr, flush=True)
         result = subprocess.run(command, timeout=timeout)

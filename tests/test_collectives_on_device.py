@@ -14,10 +14,7 @@ from mpi4py import MPI
 import mpicoll
 import mpicoll.algorithms
 from mpicoll import arrays
-from conftest import cupy_or_skip, everywhere, numba_cuda_or_skip, shared_seed
-
-WORLD = MPI.COMM_WORLD
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
+from conftest import P, RANK, WORLD, cupy_or_skip, everywhere, numba_cuda_or_skip, shared_seed
 
 
 @pytest.mark.mpi

@@ -1,0 +1,31 @@
+"""Finding the MPI launcher: the one place that knows how to start N ranks from Python.
+
+Used by ``mpicoll compare`` (one ``mpicoll train`` job per method) and by the
+tests that launch real jobs.  Shell scripts use ``scripts/launch``, which also
+validates hostfiles.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["mpiexec_command"]
+
+
+def mpiexec_command(ranks: int, flags=()) -> list[str]:
+    """The command that starts ``ranks`` ranks: $MPIEXEC (a command, e.g. "srun --mpi=pmix"), else the
+    launcher next to this Python (the MPICH wheel's) or on PATH, with the flags it needs and ``flags``."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    command = shlex.split(os.environ.get("MPIEXEC", "")) or [str(beside) if beside.exists()
+                                                             else shutil.which("mpiexec")]
+    if not command[0]:
+        raise FileNotFoundError("no mpiexec found beside this Python or on PATH: pip install mpich, or load "
+                                "your site's MPI (or set MPIEXEC)")
+    version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
+    extra = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
+    return [*command, *extra, *flags, "-n", str(ranks)]

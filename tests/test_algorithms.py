@@ -1,0 +1,54 @@
+"""mpicoll.algorithms: the registry, auto's rules, and the chunk arithmetic they share (mpicoll.chunks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpicoll.algorithms import auto, get, names
+from mpicoll.chunks import balanced_bounds, segments
+
+
+class TestAuto:
+    def test_defaults_pick_mpi_small_and_ring_large(self):
+        assert auto.choose("allreduce", 8, 4) == "mpi"
+        assert auto.choose("allreduce", 64 << 20, 4) == "ring"
+        assert auto.choose("allreduce", 64 << 20, 1) == "mpi"
+        assert auto.choose("allreduce", 64 << 20, 4, commutative=False) == "mpi"
+
+    def test_environment_overrides(self, monkeypatch):
+        monkeypatch.setenv("MPICOLL_AUTO_ALLREDUCE", "recursive_doubling:4K, parallel:1M, ring")
+        assert [auto.choose("allreduce", n, 4) for n in (8, 4096, 1 << 20)] == \
+            ["recursive_doubling", "parallel", "ring"]
+
+    @pytest.mark.parametrize("rule, words", [("ring:1M", "no limit"), ("rung", "not an algorithm"), ("mpi:lots,ring", "byte")])
+    def test_bad_rules_are_explained(self, monkeypatch, rule, words):
+        monkeypatch.setenv("MPICOLL_AUTO_BCAST", rule)
+        with pytest.raises(ValueError, match=words):
+            auto.choose("bcast", 8, 4)
+
+    def test_registry(self):
+        assert set(names()) == {"ring", "parallel", "recursive_doubling", "direct", "mpi", "auto"}
+        assert set(names(device=True)) == {"direct", "mpi", "auto"}
+        assert get("ring").name == "ring"
+        with pytest.raises(ValueError, match="Unrecognized algorithm: 'rung'"):
+            get("rung")
+        with pytest.raises(TypeError, match="does not serve device .* direct, mpi, auto"):
+            get("ring", device=True)
+
+    def test_device_arrays_go_to_algorithms_that_serve_them(self, monkeypatch):
+        assert auto.choose("allreduce", 64 << 20, 4, device=True) == "direct"
+        assert auto.choose("allreduce", 8, 1, commutative=False, device=True) == "direct"
+        monkeypatch.setenv("MPICOLL_AUTO_DEVICE_ALLREDUCE", "ring")
+        with pytest.raises(ValueError, match="serves device arrays"):
+            auto.choose("allreduce", 8, 4, device=True)
+
+
+def test_chunks_and_segments_cover_everything_once():
+    for count in (0, 1, 3, 10, 1001):
+        for parts in (1, 2, 3, 7):
+            bounds = balanced_bounds(count, parts)
+            sizes = np.diff(bounds)
+            assert bounds[0] == 0 and bounds[-1] == count and sizes.max() - sizes.min() <= 1
+            pieces = [s for a, b in zip(bounds, bounds[1:]) for s in segments(a, b, 4)]
+            assert sum(s.stop - s.start for s in pieces) == count
