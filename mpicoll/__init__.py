@@ -11,8 +11,7 @@
 
 from .api import allgather, allreduce, broadcast, reduce_scatter
 from .communicator import Communicator
-from .errors import CollectiveTimeout, MismatchError, MpicollError, NonFiniteError
-from .reduction import ReductionError
+from .errors import CollectiveTimeout, MismatchError, MpicollError, NonFiniteError, ReductionError
 
 __version__ = "0.1.0"
 

@@ -19,6 +19,7 @@ from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from .checks import Signature, check_call
 from .context import Context
+from .errors import RootError
 from .reduction import Reduction, op_name
 
 __all__ = ["Communicator"]
@@ -144,7 +145,7 @@ class Communicator(MPI.Intracomm):
     def Bcast(self, buf, root: int = 0) -> None:
         size = self.Get_size()
         if not 0 <= root < size:
-            raise ValueError(f"Bcast: root {root} is not a rank of this {size}-rank communicator")
+            raise RootError(f"Bcast: root {root} is not a rank of this {size}-rank communicator; pass 0 to {size - 1}")
         message = read_message(buf, writable=self.Get_rank() != root, role="Bcast: buf")
         self._run(self._choose("bcast", message, None),
                   Signature("Bcast", message.count, message.array.dtype, root=root),

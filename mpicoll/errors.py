@@ -2,7 +2,36 @@
 
 from __future__ import annotations
 
-__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "NonFiniteError"]
+from mpi4py import MPI
+
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "NonFiniteError", "MPIRefusal", "ReductionError",
+           "RootError"]
+
+
+class MPIRefusal(MPI.Exception):
+    """A call MPI itself would refuse: mpi4py raises ``MPI.Exception`` there, and so does mpicoll,
+    with the same error class (``Get_error_class()``) but a message that says what to pass."""
+
+    error_class = MPI.ERR_OTHER
+
+    def __init__(self, message: str):
+        super().__init__(self.error_class)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ReductionError(MPIRefusal, TypeError):
+    """The op is not defined for the datatype (MPI's rules; MPI_ERR_OP)."""
+
+    error_class = MPI.ERR_OP
+
+
+class RootError(MPIRefusal, ValueError):
+    """The root is not a rank of the communicator (MPI_ERR_ROOT)."""
+
+    error_class = MPI.ERR_ROOT
 
 
 class MpicollError(RuntimeError):

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from . import compute
 from .compute import numpy_kernels
+from .errors import ReductionError
 
 __all__ = ["Reduction", "ReductionError", "op_name", "resolve_op", "OP_NAMES"]
 
@@ -40,10 +41,6 @@ _UFUNCS = {
 # MPI's predefined reductions, by the names mpicoll's array API takes too ("sum" or "SUM")
 OP_NAMES = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR", "MAXLOC", "MINLOC")
 _PREDEFINED = (*OP_NAMES, "REPLACE", "NO_OP")
-
-
-class ReductionError(TypeError):
-    """The op is not defined for the datatype (MPI's rules)."""
 
 
 def op_name(op: MPI.Op) -> str:

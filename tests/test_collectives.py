@@ -388,6 +388,8 @@ def test_every_buffer_kind_and_count_form_mpi4py_takes(comm):
         (lambda: comm.Allreduce(data, bytes(80)), BufferError),
         (lambda: comm.Allreduce(data, 42), TypeError),
         (lambda: comm.Bcast([None, 3, MPI.INT]), ValueError),
+        (lambda: comm.Bcast(data, root=P), MPI.Exception),                       # MPI_ERR_ROOT, as in mpi4py
+        (lambda: comm.Allreduce(np.ones(2, complex), np.empty(2, complex), MPI.MAX), MPI.Exception),  # MPI_ERR_OP
     ]:
         try:
             call()
