@@ -17,6 +17,7 @@ import pytest
 
 import mpicoll
 from mpicoll import arrays
+from mpicoll.arrays import kinds
 from conftest import DLPackOnly, InterfaceOnly, P, RANK, WORLD, everywhere, numba_cuda_or_skip
 
 
@@ -163,9 +164,9 @@ def async_cupy(monkeypatch):
                                  cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=np.empty))
-    arrays._module.cache_clear()
+    kinds._module.cache_clear()
     yield _AsyncCupy
-    arrays._module.cache_clear()
+    kinds._module.cache_clear()
 
 
 @pytest.mark.mpi
