@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .. import arrays
-from ..context import Context
-from ..reduction import Reduction
+
+if TYPE_CHECKING:                    # annotations only: algorithms stand beside the reduction, not on it
+    from ..context import Context
+    from ..reduction import Reduction
 
 __all__ = ["Algorithm", "MpiBuffers", "copy"]
 

@@ -35,14 +35,18 @@ x[p-1]`` straight to the chunk's owner j, which finishes with
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from ..context import Context
-from ..reduction import Reduction
 from ..chunks import balanced_bounds, block_bounds, segment_elements, segments
 from ..tags import Tag
 from .base import Algorithm
 from .ring_shared import shared_reduce_scatter
+
+if TYPE_CHECKING:                    # annotations only
+    from ..context import Context
+    from ..reduction import Reduction
 
 __all__ = ["Ring"]
 

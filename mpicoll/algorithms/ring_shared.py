@@ -20,12 +20,16 @@ each chunk's owner.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from ..context import Context
-from ..reduction import Reduction
 from ..chunks import segment_elements, segments
 from ..tags import Tag
+
+if TYPE_CHECKING:                    # annotations only
+    from ..context import Context
+    from ..reduction import Reduction
 
 __all__ = ["shared_reduce_scatter"]
 

@@ -39,7 +39,8 @@ import os
 
 import numpy as np
 
-from .. import arrays, config
+from .. import config
+from ..arrays import kinds     # which memory, and views: the only part of the array layer the kernels need
 
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad",
            "backend_for", "backends", "set_threads", "ranks_on_this_node", "REDUCIBLE", "REDUCE_OPS", "FLOATS"]
@@ -144,7 +145,7 @@ def _host_backend(operands) -> str:
 
 def backend_for(array) -> str:
     """The backend that would run for ``array``."""
-    name = arrays.library(array)
+    name = kinds.library(array)
     if name is None:
         return _host_backend([np.asarray(array)])
     if _backend(name) is None:
@@ -160,8 +161,8 @@ def _prepare(kinds: tuple, operands: dict, names_in_place=()):
     """
     prepared, libraries = {}, set()
     for name, array in operands.items():
-        library = arrays.library(array)
-        prepared[name] = np.asarray(array) if library is None else arrays.device_view(array)[1]
+        library = kinds.library(array)
+        prepared[name] = np.asarray(array) if library is None else kinds.device_view(array)[1]
         libraries.add(library)
     first_name, first = next(iter(prepared.items()))
     if len(libraries) > 1:
@@ -181,7 +182,7 @@ def _prepare(kinds: tuple, operands: dict, names_in_place=()):
     if _backend(backend) is None:
         raise RuntimeError(f"{type(first).__name__} arrays need the {backend} backend: {_missing.get(backend)}")
     if backend != "numpy":      # flat views; a non-contiguous device array is refused, never copied
-        prepared = {name: arrays.flat(array, name) for name, array in prepared.items()}
+        prepared = {name: kinds.flat(array, name) for name, array in prepared.items()}
     return _backend(backend), prepared, dtype
 
 

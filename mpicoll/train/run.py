@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 from mpi4py import MPI
 
-from .. import Communicator, arrays, checkpoint, gossip, ps
+from .. import arrays, checkpoint, gossip, ps
+from ..communicator import Communicator
 from ..straggler import Straggler
 from .data import Dataset
 from .models import Model
