@@ -153,7 +153,7 @@ def backend_for(array) -> str:
     return name
 
 
-def _prepare(kinds: tuple, operands: dict, names_in_place=()):
+def _prepare(dtypes: tuple, operands: dict, names_in_place=()):
     """Check arrays agree (size, dtype, kind); return (backend module, flat arrays, dtype).
 
     Any non-contiguous host array sends the call to numpy, whose in-place
@@ -169,8 +169,8 @@ def _prepare(kinds: tuple, operands: dict, names_in_place=()):
         raise TypeError(f"{first_name} is a {type(first).__name__}, but not every array is: "
                         "pass arrays of one kind (all on the host, or all on one device library)")
     dtype = np.dtype(first.dtype)
-    if dtype not in kinds:
-        raise TypeError(f"{first_name} has dtype {dtype}; this kernel takes {', '.join(map(str, kinds))}")
+    if dtype not in dtypes:
+        raise TypeError(f"{first_name} has dtype {dtype}; this kernel takes {', '.join(map(str, dtypes))}")
     library = libraries.pop()
     for name, array in prepared.items():
         if np.dtype(array.dtype) != dtype or array.shape != first.shape:
