@@ -12,19 +12,18 @@ import functools
 import cupy
 import numpy as np
 
-from . import sources
+from . import REDUCE_OPS, sources     # reduce.cu numbers its ops in REDUCE_OPS order
 
 THREADS = 256
 _C_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float", np.dtype(np.float64): "double",
             np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
 _OPTIMIZERS = ("dcasgd", "dcasgd_adaptive", "sgd", "adagrad", "scaled_accumulate")
 
 
 @functools.lru_cache(maxsize=None)
 def _module(source: str) -> cupy.RawModule:
     if source == "reduce.cu":
-        names = [f"reduce<{t}, {op}>" for t in _C_TYPES.values() for op in _OPS.values()]
+        names = [f"reduce<{t}, {op}>" for t in _C_TYPES.values() for op in range(len(REDUCE_OPS))]
         names += ["reduce_complex_prod<float>", "reduce_complex_prod<double>"]
     else:
         names = [f"{k}<{t}>" for k in _OPTIMIZERS for t in ("__half", "float", "double")]
@@ -52,7 +51,7 @@ def reduce(out, a, b, op):
         else:   # prod (the dispatcher admits nothing else for complex)
             _launch(_kernel("reduce.cu", f"reduce_complex_prod<{_C_TYPES[real]}>"), out.size, out_r, a_r, b_r)
         return
-    _launch(_kernel("reduce.cu", f"reduce<{_C_TYPES[out.dtype]}, {_OPS[op]}>"), out.size, out, a, b)
+    _launch(_kernel("reduce.cu", f"reduce<{_C_TYPES[out.dtype]}, {REDUCE_OPS.index(op)}>"), out.size, out, a, b)
 
 
 def _optimizer(name: str, dtype):
