@@ -1,31 +1,100 @@
-"""Checkpoint files: written atomically, read back with errors that say what to do."""
+"""Checkpoint files: written atomically and durably, and read back only into the run they belong to.
+
+Every file records what it belongs to (its *identity*: the training method, the
+model and its size, a fingerprint of the data, the rank, worker and server
+counts, the file format), and :func:`load` refuses a file whose identity
+differs from the run asking for it, naming both sides, before anything is
+written.  A write goes to ``NAME.partial``, is flushed to disk (``fsync``),
+renamed over the old file and the folder synced, so a crash at any point
+leaves either the previous checkpoint or the new one, whole.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "check", "identity_of", "existing", "CheckpointMismatch", "FORMAT"]
+
+FORMAT = 2            # 1: files without an identity (mpicoll before checkpoints recorded it)
+_IDENTITY = "__identity__"
 
 
-def save(path: str | Path, **arrays) -> Path:
-    """Write ``arrays`` to ``path`` (.npz); a crash mid-write leaves the previous file intact."""
+class CheckpointMismatch(ValueError):
+    """A checkpoint belongs to another run (different method, model, data, or rank counts)."""
+
+
+def save(path: str | Path, identity: dict, **arrays) -> Path:
+    """Write ``arrays`` and ``identity`` to ``path`` (.npz); a crash mid-write leaves the previous file intact."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
+    stamp = json.dumps({"format": FORMAT, **identity}, sort_keys=True)
     with open(partial, "wb") as handle:
-        np.savez(handle, **arrays)
+        np.savez(handle, **{_IDENTITY: np.array(stamp)}, **arrays)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(partial, path)
+    _sync_folder(path.parent)
     return path
 
 
-def load(path: str | Path, what: str) -> dict[str, np.ndarray]:
-    """The arrays of checkpoint ``path``; ``what`` names the run that needs it, for the error."""
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (where the OS lets a folder be synced)."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def identity_of(path: str | Path) -> dict:
+    """The identity a checkpoint file records ({"format": 1} for files from before identities)."""
+    with np.load(path) as stored:
+        return json.loads(str(stored[_IDENTITY])) if _IDENTITY in stored.files else {"format": 1}
+
+
+def load(path: str | Path, identity: dict) -> dict[str, np.ndarray]:
+    """The arrays of checkpoint ``path``, which must belong to the run described by ``identity``."""
+    check(path, identity)
+    with np.load(path) as stored:
+        return {name: stored[name] for name in stored.files if name != _IDENTITY}
+
+
+def check(path: str | Path, identity: dict) -> None:
+    """Raise :class:`CheckpointMismatch` unless ``path`` records ``identity`` (and this file format)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}: {what} resumes from the files an earlier run "
-                                "wrote with the same --checkpoint prefix and rank count")
-    with np.load(path) as stored:
-        return {name: stored[name] for name in stored.files}
+        raise FileNotFoundError(f"no checkpoint at {path}: --resume continues from the files an earlier run wrote "
+                                "with the same --checkpoint prefix, method and rank count")
+    stored = identity_of(path)
+    expected = {"format": FORMAT, **identity}
+    differences = [f"{key} {_show(stored.get(key))} there, {_show(value)} here" for key, value in expected.items()
+                   if stored.get(key) != value]
+    if differences:
+        raise CheckpointMismatch(f"{path} belongs to another run ({'; '.join(differences)}): resume with the "
+                                 "options it was written with, or start afresh under another --checkpoint prefix")
+
+
+def _show(value) -> str:
+    return "none" if value is None else str(value)
+
+
+def existing(prefix: str | Path) -> list[Path]:
+    """The checkpoint files a run with ``--checkpoint prefix`` writes that exist now."""
+    prefix = Path(prefix)
+    if not prefix.parent.is_dir():
+        return []
+    names = [prefix.name + ".npz"]
+    found = [prefix.parent / name for name in names if (prefix.parent / name).is_file()]
+    for pattern in (f"{prefix.name}.rank*.npz", f"{prefix.name}.server*.npz"):
+        found += sorted(prefix.parent.glob(pattern))
+    return found

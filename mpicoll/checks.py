@@ -15,9 +15,9 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-from .errors import MismatchError, NonFiniteError
+from .errors import MismatchError, NonFiniteError, SetupError
 
-__all__ = ["Signature", "check_call"]
+__all__ = ["Signature", "check_call", "agree"]
 
 
 class Signature:
@@ -62,3 +62,21 @@ def check_call(context, signature: Signature, contribution: np.ndarray | None = 
     bad = np.flatnonzero(everyone[:, -1])
     if bad.size:
         raise NonFiniteError(signature.collective, bad.tolist())
+
+
+def agree(comm, check) -> None:
+    """Run ``check()`` on every rank of ``comm``; if it raises on any, raise one :class:`SetupError` on all.
+
+    For the checks before a job starts (input files, options, checkpoints): one
+    rank's bad input must not leave the others waiting in the first collective.
+    Every rank must call it, at the same point.
+    """
+    try:
+        check()
+        mine = None
+    except Exception as error:  # noqa: BLE001 - whatever stops one rank must stop them all
+        mine = str(error) if isinstance(error, (ValueError, OSError, KeyError)) else f"{type(error).__name__}: {error}"
+    everyone = comm.allgather(mine)
+    failed = {rank: reason for rank, reason in enumerate(everyone) if reason is not None}
+    if failed:
+        raise SetupError(failed, comm.Get_size())

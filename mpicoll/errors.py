@@ -5,7 +5,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 __all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "NonFiniteError", "MPIRefusal", "ReductionError",
-           "RootError"]
+           "RootError", "SetupError"]
 
 
 class MPIRefusal(MPI.Exception):
@@ -80,6 +80,25 @@ class NonFiniteError(MpicollError, FloatingPointError):
             f"{collective}: NaN or Inf in the contribution of rank(s) {_ranks(self.ranks)} "
             "(MPICOLL_DEBUG checks finiteness; unset it to let non-finite values through)"
         )
+
+
+class SetupError(MpicollError, ValueError):
+    """Some rank could not start (bad input, a checkpoint of another run, ...).
+
+    Raised on every rank with the same text, so all stop together; ``per_rank``
+    maps each failing rank to its reason.
+    """
+
+    def __init__(self, per_rank: dict[int, str], ranks: int):
+        self.per_rank = per_rank
+        groups: dict[str, list[int]] = {}
+        for rank, reason in sorted(per_rank.items()):
+            groups.setdefault(reason, []).append(rank)
+        if len(groups) == 1 and len(per_rank) == ranks:
+            text = next(iter(groups))
+        else:
+            text = "; ".join(f"rank {_ranks(r)}: {reason}" for reason, r in groups.items())
+        super().__init__(text)
 
 
 def _ranks(ranks) -> str:

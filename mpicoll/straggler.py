@@ -6,6 +6,7 @@ took, so a 3x straggler looks like a machine one third as fast, whatever the wor
 
 from __future__ import annotations
 
+import math
 import time
 
 __all__ = ["parse", "Straggler"]
@@ -22,6 +23,8 @@ def parse(spec: str | None) -> dict[int, float]:
             factors[int(rank)] = float(factor)
         except ValueError:
             raise ValueError(f"--straggler {spec!r}: write RANK=FACTOR, e.g. 3=3 or 1=2,3=4") from None
+        if not math.isfinite(factors[int(rank)]):
+            raise ValueError(f"--straggler {spec!r}: the factor must be a finite number, e.g. 3")
         if factors[int(rank)] < 1:
             raise ValueError(f"--straggler {spec!r}: a factor below 1 would speed rank {rank} up")
     return factors

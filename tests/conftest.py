@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 # Without a GPU, Numba's CUDA kernels run in its simulator (set before numba is imported).
 if not os.path.exists("/dev/nvidiactl"):
@@ -24,6 +26,8 @@ if not os.path.exists("/dev/nvidiactl"):
 import numpy as np
 import pytest
 from mpi4py import MPI
+
+from mpicoll.launcher import mpiexec_command
 
 WORLD = MPI.COMM_WORLD
 P = SIZE = WORLD.Get_size()          # the ranks of this run
@@ -146,3 +150,28 @@ class InterfaceOnly:
         self.values = values
         self.__cuda_array_interface__ = {"shape": values.shape, "typestr": values.dtype.str, "strides": None,
                                          "data": (values.ctypes.data, not values.flags.writeable), "version": 3}
+
+
+# -- launching real jobs, as a user would ------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent     # the checkout
+
+
+def command(ranks: int, flags=()) -> list[str]:
+    """The package's own command to start ``ranks`` ranks, or skip the test where there is no launcher."""
+    try:
+        return mpiexec_command(ranks, flags)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+def mpiexec() -> str:
+    """The launcher program itself (skips the test where there is none)."""
+    return command(1)[0]
+
+
+def launch(ranks: int, *args: str, env: dict | None = None, timeout: float = 240, extra=()) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    # A session of its own: under pytest's, Hydra tears the whole job down when one rank dies.
+    return subprocess.run([*command(ranks, extra), sys.executable, *args], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=timeout, start_new_session=True)

@@ -14,30 +14,7 @@ import pytest
 
 import mpicoll.algorithms
 from mpicoll import ps
-from mpicoll.launcher import mpiexec_command
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def command(ranks: int, flags=()) -> list[str]:
-    """The package's own command to start ``ranks`` ranks, or skip the test where there is no launcher."""
-    try:
-        return mpiexec_command(ranks, flags)
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-
-
-def mpiexec() -> str:
-    """The launcher program itself (skips the test where there is none)."""
-    return command(1)[0]
-
-
-def launch(ranks: int, *args: str, env: dict | None = None, timeout: float = 240, extra=()) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    # A session of its own: under pytest's, Hydra tears the whole job down when one rank dies.
-    return subprocess.run([*command(ranks, extra), sys.executable, *args], cwd=ROOT, env=environment,
-                          capture_output=True, text=True, timeout=timeout, start_new_session=True)
-
+from conftest import ROOT, command, launch, mpiexec
 
 def test_bench_writes_table_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"

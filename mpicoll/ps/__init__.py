@@ -67,7 +67,7 @@ class ParameterServer:
         self._unclean = False
 
     def serve(self, worker_timeout: float | None = None, *, checkpoint: str | None = None, every: int = 100,
-              resume: bool = False, warm_start: int = 0) -> ServerStats:
+              resume: bool = False, warm_start: int = 0, identity: dict | None = None) -> ServerStats:
         """Run this server's loop until every worker has closed or been dropped; returns its statistics.
 
         ``worker_timeout``: seconds of silence after which a worker counts as lost
@@ -75,7 +75,8 @@ class ParameterServer:
         ``PREFIX.server<rank>.npz`` every ``every`` updates and at the end, and
         ``resume=True`` continues from those files (workers learn where from
         ``client.pull()`` and ``client.versions``).  ``warm_start=k``: the first
-        worker trains alone for k updates before the others' first pull is answered.
+        worker trains alone for k updates before the others' first pull is answered.  ``identity``:
+        what else the checkpoint belongs to (e.g. the training run's data), refused on resume if it differs.
         """
         if not self.is_server:
             raise RuntimeError(f"rank {self.layout.rank} is a worker: use .client")
@@ -84,7 +85,7 @@ class ParameterServer:
         self._unclean = True          # until serve returns: an error leaves messages in flight
         self.stats = Server(self.context, self.layout, self.rule, self.weights, self.windows,
                             worker_timeout).run(checkpoint=checkpoint, every=every, resume=resume,
-                                                warm_start=warm_start)
+                                                warm_start=warm_start, identity=identity)
         self._unclean = bool(self.stats.lost)
         return self.stats
 

@@ -61,18 +61,24 @@ def checkpoint_path(prefix: str, server: int) -> Path:
     return Path(f"{prefix}.server{server}.npz")
 
 
-def save_checkpoint(prefix: str, server: int, rule: Rule) -> Path:
-    """Write the rule's state atomically (a crash mid-write leaves the previous checkpoint)."""
-    return checkpoint.save(checkpoint_path(prefix, server), rule=np.array(rule.name), **rule.state())
+def checkpoint_identity(layout: Layout, rule: Rule, run: dict | None = None) -> dict:
+    """What a server's checkpoint belongs to: the rule, the shard layout, and the run's own identity."""
+    return {"rule": rule.name, "servers": len(layout.servers), "workers": len(layout.workers),
+            "parameters": layout.size, **(run or {})}
 
 
-def load_checkpoint(prefix: str, server: int, rule: Rule) -> int:
-    """Load this server's checkpoint into ``rule`` (after setup); returns the update count it holds."""
-    path = checkpoint_path(prefix, server)
-    state = checkpoint.load(path, f"server rank {server}")
-    if str(state["rule"]) != rule.name:
-        raise ValueError(f"{path} was written by a {state['rule']} run, this one uses {rule.name}")
-    rule.load_state(state)
+def save_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None) -> Path:
+    """Write the rule's state atomically and durably (a crash mid-write leaves the previous checkpoint)."""
+    return checkpoint.save(checkpoint_path(prefix, layout.rank), checkpoint_identity(layout, rule, run),
+                           **rule.state())
+
+
+def load_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None) -> int:
+    """Load this server's checkpoint into ``rule`` (after setup); returns the update count it holds.
+
+    A checkpoint of another rule, layout or run is refused (``CheckpointMismatch``) before anything changes.
+    """
+    rule.load_state(checkpoint.load(checkpoint_path(prefix, layout.rank), checkpoint_identity(layout, rule, run)))
     return rule.version
 
 
@@ -97,11 +103,12 @@ class Server:
         self.stats = ServerStats()
 
     def run(self, *, checkpoint: str | None = None, every: int = 100, resume: bool = False,
-            warm_start: int = 0) -> ServerStats:
+            warm_start: int = 0, identity: dict | None = None) -> ServerStats:
         """Serve until every worker is done or dropped; returns the statistics.
 
         With ``checkpoint`` (a path prefix) the state is saved every ``every``
-        updates and at the end; ``resume`` continues from the saved state.
+        updates and at the end; ``resume`` continues from the saved state.  ``identity``:
+        what else the checkpoint belongs to (the training run's method, data, ...), checked on resume.
         ``warm_start=k``: only the first worker is answered until k updates are
         in (Downpour's warm start); the others' first pulls wait for that.
         """
@@ -112,7 +119,7 @@ class Server:
         self.transport = transport = server_side(ctx, self.layout, self.weights, self.windows)
         rule.setup(transport.weights, tuple(workers))
         if resume:
-            load_checkpoint(checkpoint, self.layout.rank, rule)
+            load_checkpoint(checkpoint, self.layout, rule, identity)
         with transport.publish(lambda: rule.version):
             pass
         saved_at = rule.version
@@ -153,13 +160,13 @@ class Server:
             if kind is not Kind.DONE:
                 self.requests[index] = ctx.irecv(headers[worker], worker, Tag.PS_REQUEST)
             if checkpoint and rule.version - saved_at >= every:
-                save_checkpoint(checkpoint, self.layout.rank, rule)
+                save_checkpoint(checkpoint, self.layout, rule, identity)
                 saved_at = rule.version
             self._drop_silent_workers()
         finished = [worker for worker in workers if worker not in stats.lost]
         transport.finish(workers, finished, len(stats.lost))
         if checkpoint:
-            save_checkpoint(checkpoint, self.layout.rank, rule)
+            save_checkpoint(checkpoint, self.layout, rule, identity)
         if transport.weights is not self.weights:
             self.weights[...] = transport.weights
         stats.updates, stats.dropped = rule.version, rule.dropped

@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import gossip, ps
+from ..errors import SetupError
 from .data import Dataset, load
 from .models import MLP, Model, SoftmaxRegression
 from .run import METHODS, Method, Options, train
@@ -53,7 +54,12 @@ def main(args) -> int:
     options = Options.from_args(args)
     if args.resume and not args.checkpoint:
         raise SystemExit("mpicoll train: --resume needs --checkpoint PREFIX (the prefix the earlier run used)")
-    train(comm, options, model, data, xp)
+    try:
+        train(comm, options, model, data, xp)
+    except SetupError as error:          # raised on every rank alike: say it once, stop them all
+        if comm.Get_rank() == 0:
+            print(f"mpicoll train: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -77,6 +83,8 @@ def add_parser(commands) -> None:
     train_.add_argument("--quiet", action="store_true", help="no progress bar")
     train_.add_argument("--checkpoint", metavar="PREFIX", help="save the state after every epoch under PREFIX")
     train_.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
+    train_.add_argument("--overwrite", action="store_true",
+                        help="let a fresh run replace an earlier run's --checkpoint files (refused otherwise)")
     group = train_.add_argument_group("parameter servers (ps-*, dcasgd, downpour)")
     group.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
     group.add_argument("--softsync-k", type=float, default=0.5, help="ps-softsync: first K gradients per round, "

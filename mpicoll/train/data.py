@@ -3,6 +3,7 @@ package, no download), or the user's own ``.npz`` file; each worker takes its sh
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,13 @@ class Dataset:
     @property
     def features(self) -> int:
         return self.X.shape[1]
+
+    def fingerprint(self) -> str:
+        """A short digest of the training set, so a checkpoint knows which data it was trained on."""
+        digest = hashlib.blake2b(digest_size=8)
+        for array in (self.X, self.y):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return f"{self.X.shape[0]}x{self.X.shape[1]}:{digest.hexdigest()}"
 
     def shard(self, index: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Worker ``index`` of ``count``'s rows of the training set (every count-th row)."""

@@ -15,15 +15,18 @@ after each epoch, draws the progress bar and writes the log.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import arrays, checkpoint, gossip, ps
 from ..communicator import Communicator
-from ..straggler import Straggler
+from ..checks import agree
+from ..straggler import Straggler, parse as parse_straggler
 from .data import Dataset
 from .models import Model
 from .report import Reporter
@@ -54,6 +57,7 @@ class Options:
     output: str | None = None         # JSON lines log
     checkpoint: str | None = None     # path prefix: state saved after every epoch
     resume: bool = False              # continue from the checkpoint
+    overwrite: bool = False           # a fresh run may replace an earlier run's checkpoint
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -76,11 +80,64 @@ def _batches(rows: int, batch: int, steps: int, seed) -> list[np.ndarray]:
 
 
 def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp=np) -> dict | None:
-    """Run one training job; returns the summary record on the reporting rank, None elsewhere."""
+    """Run one training job; returns the summary record on the reporting rank, None elsewhere.
+
+    Before any rank starts, every rank checks what could stop it (options, the
+    output folder, checkpoints); a problem on any rank raises the same
+    :class:`~mpicoll.errors.SetupError` on all of them.
+    """
     if options.method not in METHODS:
         raise ValueError(f"Unrecognized method: {options.method!r}; choose from {', '.join(METHODS)}")
     method = METHODS[options.method]
-    return method.runner(comm, options, model, data, xp, method)
+    run = _identity(comm, options, model, data) if options.checkpoint else {}
+    agree(comm, lambda: _preflight(comm, options, model, data, method, run))
+    return method.runner(comm, options, model, data, xp, method, run)
+
+
+def _identity(comm, options: Options, model: Model, data: Dataset) -> dict:
+    """What this run's checkpoints belong to: resuming needs the same method, model, data and ranks."""
+    return {"method": options.method, "model": type(model).__name__, "parameters": int(model.size),
+            "data": data.fingerprint(), "ranks": comm.Get_size()}
+
+
+def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Method", run: dict) -> None:
+    """Raise (on this rank) what would stop this rank's part of the job, before anything is written."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if options.batch < 1 or options.epochs < 0:
+        raise ValueError(f"--batch must be at least 1 and --epochs at least 0, got {options.batch} and "
+                         f"{options.epochs}")
+    slow = [r for r in parse_straggler(options.straggler) if not 0 <= r < size]
+    if slow:
+        raise ValueError(f"--straggler {options.straggler}: rank {slow[0]} is not among the {size} ranks")
+    parameter_server = method.rule is not None
+    if parameter_server and size <= options.servers:
+        raise ValueError(f"{options.method} needs more ranks than its {options.servers} server(s): "
+                         f"mpiexec -n {options.servers + 1} or more")
+    if options.output and rank == (options.servers if parameter_server else 0):
+        folder = Path(options.output).parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ValueError(f"--output {options.output}: the folder {folder} does not exist or is not writable")
+    if not options.checkpoint:
+        return
+    if not options.resume:
+        found = checkpoint.existing(options.checkpoint) if rank == 0 else []
+        if found and not options.overwrite:
+            raise ValueError(f"--checkpoint {options.checkpoint}: {found[0]} is an earlier run's checkpoint; pass "
+                             "--resume to continue it, --overwrite to replace it, or another prefix")
+        return
+    if parameter_server:
+        if rank < options.servers:
+            layout = ps.Layout.split(comm, model.size, options.servers)
+            rule, _ = method.rule(options, len(layout.workers))
+            checkpoint.check(ps.server.checkpoint_path(options.checkpoint, rank),
+                             ps.server.checkpoint_identity(layout, rule, run))
+    else:
+        checkpoint.check(_checkpoint_file(options, method, rank), run)
+
+
+def _checkpoint_file(options: Options, method: "Method", rank: int) -> str:
+    """The file this rank resumes from: one for allreduce methods (every rank holds the same), one per rank for SGP."""
+    return f"{options.checkpoint}.rank{rank}.npz" if method.runner is _sgp else f"{options.checkpoint}.npz"
 
 
 def _setup(comm, options, data, xp, workers: tuple[int, ...]):
@@ -92,13 +149,13 @@ def _setup(comm, options, data, xp, workers: tuple[int, ...]):
     return me, steps, X, y, Straggler.for_rank(rank, options.straggler)
 
 
-def _allreduce(comm, options, model, data, xp, method):
+def _allreduce(comm, options, model, data, xp, method, run):
     rank, size = comm.Get_rank(), comm.Get_size()
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     params, start = model.init(options.seed), 0
     if options.resume:                       # every rank holds the same parameters: one file
-        state = checkpoint.load(f"{options.checkpoint}.npz", options.method)
+        state = checkpoint.load(_checkpoint_file(options, method, rank), run)
         params, start = xp.asarray(state["params"]), int(state["epoch"])
     average = xp.empty_like(params)
     with Communicator(comm, algorithm=method.algorithm) as channel:
@@ -109,22 +166,23 @@ def _allreduce(comm, options, model, data, xp, method):
                 channel.Allreduce(grad, average)
                 params -= (options.lr / size) * average
             if options.checkpoint and rank == 0:
-                checkpoint.save(f"{options.checkpoint}.npz", params=arrays.as_host(params), epoch=epoch + 1)
+                checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
+                                epoch=epoch + 1)
             if reporter:
                 reporter.evaluate(params, epoch + 1, (epoch + 1) * steps * options.batch * size)
     return reporter.finish(params) if reporter else None
 
 
-def _sgp(comm, options, model, data, xp, method):
+def _sgp(comm, options, model, data, xp, method, run):
     rank, size = comm.Get_rank(), comm.Get_size()
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     pushsum = gossip.PushSum(comm, model.init(options.seed), graph=options.graph, tau=options.tau,
                              mailbox=options.mailbox)
     sgp = gossip.SGP(pushsum, options.lr)
-    start, mine = 0, f"{options.checkpoint}.rank{rank}.npz"
+    start, mine = 0, _checkpoint_file(options, method, rank)
     if options.resume:                       # each rank its own numerator and push-sum weight
-        state = checkpoint.load(mine, options.method)
+        state = checkpoint.load(mine, run)
         pushsum.load_state(state)
         start = int(state["epoch"])
     z = xp.asarray(sgp.parameters)
@@ -135,7 +193,7 @@ def _sgp(comm, options, model, data, xp, method):
             z = xp.asarray(sgp.step(grad))
         if options.checkpoint:               # every rank is at the same round: nothing left in flight
             pushsum.drain()
-            checkpoint.save(mine, epoch=epoch + 1, **pushsum.state())
+            checkpoint.save(mine, run, epoch=epoch + 1, **pushsum.state())
         if reporter:
             reporter.evaluate(z, epoch + 1, (epoch + 1) * steps * options.batch * size)
     pushsum.drain()
@@ -144,11 +202,8 @@ def _sgp(comm, options, model, data, xp, method):
     return reporter.finish(xp.asarray(consensus.astype(pushsum.x.dtype))) if reporter else None
 
 
-def _parameter_server(comm, options, model, data, xp, method):
+def _parameter_server(comm, options, model, data, xp, method, run):
     rank, size = comm.Get_rank(), comm.Get_size()
-    if size <= options.servers:
-        raise SystemExit(f"{options.method} needs more ranks than its {options.servers} server(s): "
-                         f"mpiexec -n {options.servers + 1} or more")
     workers = tuple(range(options.servers, size))
     rule, per_update = method.rule(options, len(workers))
     server = ps.ParameterServer(comm, arrays.as_host(model.init(options.seed)), rule,
@@ -159,7 +214,7 @@ def _parameter_server(comm, options, model, data, xp, method):
     if server.is_server:
         every = max(1, budget // options.epochs // per_update)       # updates per epoch
         server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
-                     resume=options.resume)
+                     resume=options.resume, identity=run)
     else:
         client = server.client
         schedule = ps.Schedule(client, options.n_fetch, options.n_push) if method.name == "downpour" else None

@@ -1,0 +1,99 @@
+"""Fault injection at the command line: bad input and other runs' checkpoints stop every rank at once,
+with one clear line, and nothing on disk changes.
+
+Each case launches a real ``mpicoll train`` job under mpiexec and asserts the exit
+status, that the reason is printed once (not a traceback per rank), that the
+job ended promptly (well inside MPICOLL_TIMEOUT, which is set high here so a
+hang cannot pass for a timeout), and that no checkpoint file was touched.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from conftest import launch
+
+TIMEOUT_ENV = {"MPICOLL_TIMEOUT": "600", "OPENBLAS_NUM_THREADS": "1"}
+PROMPT_S = 60          # a failure must reach every rank well within this
+
+
+def data_file(folder, name, features=6, classes=3, rows=120, seed=0):
+    rng = np.random.default_rng(seed)
+    path = folder / name
+    np.savez(path, X=rng.standard_normal((rows, features)).astype(np.float32), y=rng.integers(0, classes, rows))
+    return str(path)
+
+
+def train(ranks, *options, timeout=180):
+    start = time.perf_counter()
+    result = launch(ranks, "-m", "mpicoll", "train", "--quiet", "--epochs", "1", *options, env=TIMEOUT_ENV,
+                    timeout=timeout)
+    return result, time.perf_counter() - start
+
+
+def snapshot(folder) -> dict:
+    return {path.name: path.read_bytes() for path in sorted(folder.glob("*.npz"))}
+
+
+def assert_refused(result, seconds, words):
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert seconds < PROMPT_S, f"took {seconds:.0f} s to fail"
+    lines = [line for line in result.stderr.splitlines() if words in line]
+    assert len(lines) == 1, result.stderr             # said once, by one rank
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("method, ranks", [("allreduce-ring", 2), ("sgp", 2), ("ps-async", 3)])
+def test_resuming_into_other_data_is_refused_and_the_checkpoint_kept(tmp_path, method, ranks):
+    first, other = data_file(tmp_path, "a.npz"), data_file(tmp_path, "b.npz", seed=1)
+    prefix = str(tmp_path / "ck")
+    result, _ = train(ranks, "--method", method, "--data", first, "--checkpoint", prefix)
+    assert result.returncode == 0, result.stderr
+    before = snapshot(tmp_path)
+    assert before, "the first run wrote no checkpoint"
+    result, seconds = train(ranks, "--method", method, "--data", other, "--checkpoint", prefix, "--resume",
+                            "--epochs", "2")
+    assert_refused(result, seconds, "belongs to another run")
+    assert "data" in result.stderr
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("method, first, then, words", [
+    ("sgp", 2, 3, "ranks 2 there, 3 here"),
+    ("ps-async", 3, 4, "workers 2 there, 3 here"),
+])
+def test_resuming_with_other_rank_counts_is_refused(tmp_path, method, first, then, words):
+    data, prefix = data_file(tmp_path, "a.npz"), str(tmp_path / "ck")
+    assert train(first, "--method", method, "--data", data, "--checkpoint", prefix)[0].returncode == 0
+    before = snapshot(tmp_path)
+    result, seconds = train(then, "--method", method, "--data", data, "--checkpoint", prefix, "--resume")
+    assert_refused(result, seconds, words)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_fresh_run_does_not_replace_a_checkpoint_unless_told(tmp_path):
+    data, prefix = data_file(tmp_path, "a.npz"), str(tmp_path / "ck")
+    assert train(2, "--data", data, "--checkpoint", prefix)[0].returncode == 0
+    before = snapshot(tmp_path)
+    result, seconds = train(2, "--data", data, "--checkpoint", prefix, "--model", "mlp")
+    assert_refused(result, seconds, "is an earlier run's checkpoint")
+    assert snapshot(tmp_path) == before
+    result, _ = train(2, "--data", data, "--checkpoint", prefix, "--model", "mlp", "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert snapshot(tmp_path) != before
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--output", "/no/such/folder/run.jsonl"], "does not exist"),
+    (["--straggler", "1=inf"], "finite"),
+    (["--straggler", "1=nan"], "finite"),
+    (["--straggler", "9=3"], "rank 9 is not among the 2 ranks"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--batch", "-5"], "--batch must be at least 1"),
+])
+def test_bad_options_stop_every_rank_with_one_line(tmp_path, options, words):
+    result, seconds = train(2, "--data", data_file(tmp_path, "a.npz"), *options)
+    assert_refused(result, seconds, words)
