@@ -12,6 +12,9 @@
                            when all ranks share a node), ``p2p`` (MPI
                            point-to-point), or ``auto`` (the default: shared
                            when possible)
+``MPICOLL_END_BROKEN_JOBS``  1 (default): a process whose communicator broke
+                           ends the whole job at exit with MPI_Abort instead of
+                           hanging in MPI_Finalize; 0: leave it to the program
 ``MPICOLL_AUTO_<COLL>``    the ``auto`` choice for one collective, e.g.
                            ``MPICOLL_AUTO_ALLREDUCE=mpi:512K,ring`` (see auto.py)
 =========================  =======================================================
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["debug", "timeout", "segment_bytes", "channel", "parse_bytes", "cores"]
+__all__ = ["debug", "timeout", "segment_bytes", "channel", "end_broken_jobs", "parse_bytes", "cores"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -64,6 +67,14 @@ def channel() -> str:
     if value not in ("auto", "shared", "p2p"):
         raise ValueError(f"MPICOLL_CHANNEL must be auto, shared or p2p, got {value!r}")
     return value
+
+
+def end_broken_jobs() -> bool:
+    """Whether a process whose communicator broke ends the job at exit (MPI_Abort) instead of hanging."""
+    value = os.environ.get("MPICOLL_END_BROKEN_JOBS", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"MPICOLL_END_BROKEN_JOBS must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def cores() -> int:

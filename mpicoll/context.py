@@ -16,9 +16,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import arrays, config
-from .errors import CollectiveTimeout, MismatchError
+from . import arrays, config, failure
+from .errors import CollectiveTimeout, MismatchError, PeerFailed
 from .shared import SharedRegions
+from .tags import Tag
 
 __all__ = ["Context"]
 
@@ -161,7 +162,11 @@ class Context:
                 raise MismatchError(self.collective, {
                     self.rank: "received a larger message than its own count implies; "
                                "the ranks passed different counts (MPICOLL_DEBUG=1 names them)"}) from None
-            raise
+            if isinstance(peers, int):
+                peers = [peers] * len(requests)
+            failed = [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
+            raise self._break(PeerFailed(self.collective, self.rank, self._missing(failed)[0],
+                                         error.Get_error_string())) from None
 
     def waitany(self, requests: list, peers: list[int], patience: float | None = None) -> int | None:
         """Index of a completed request (REQUEST_NULL entries are skipped).
@@ -187,9 +192,7 @@ class Context:
         waits that are not requests, such as data landing in a window; past the
         deadline a :class:`CollectiveTimeout` names ``peers``."""
         def give_up():
-            error = CollectiveTimeout(self.collective, self.rank, peers, self.timeout)
-            self._broken = str(error)
-            raise error
+            raise self._break(CollectiveTimeout(self.collective, self.rank, self._missing(peers)[0], self.timeout))
 
         self._poll(lambda: True if ready() else None, give_up)
 
@@ -221,18 +224,57 @@ class Context:
         return result
 
     def _give_up(self, requests: list, peers, limit: float | None = None) -> None:
+        """Raise the timeout, naming the ranks that are really missing.
+
+        Pending requests are abandoned, not cancelled: cancelling a large send
+        in flight can crash MPICH, and the communicator is unusable anyway.
+        """
         if isinstance(peers, int):
             peers = [peers] * len(requests)
-        if len(requests) == 1 and len(peers) > 1:     # a collective request: one or more of peers is missing
-            stuck, some = list(peers), True
-        else:
-            stuck, some = [peer for request, peer in zip(requests, peers) if not request.Test()], False
-        for request in requests:
-            if request != MPI.REQUEST_NULL:
-                try:
-                    request.Cancel()
-                except MPI.Exception:       # collective requests cannot be cancelled
-                    pass
-        error = CollectiveTimeout(self.collective, self.rank, stuck, limit or self.timeout, some_of=some)
+        collective_request = len(requests) == 1 and len(peers) > 1     # one or more of peers is missing
+        stuck = list(peers) if collective_request else [p for r, p in zip(requests, peers) if not r.Test()]
+        missing, sure = self._missing(stuck)
+        raise self._break(CollectiveTimeout(self.collective, self.rank, missing, limit or self.timeout,
+                                            some_of=not sure and collective_request))
+
+    def _missing(self, suspects) -> tuple[list[int], bool]:
+        """(the ranks to name as missing, whether the roll call confirmed them).
+
+        Silent suspects first (a rank that finished its part and left is silent
+        too, but was not waited for), else every silent rank (the suspect was a
+        live neighbour waiting like us), else the suspects.
+        """
+        silent = self._silent_ranks()
+        confirmed = [peer for peer in silent if peer in suspects] or silent
+        return (confirmed, True) if confirmed else (list(suspects), False)
+
+    def _silent_ranks(self) -> list[int]:
+        """The ranks that are really gone, found by a roll call among the survivors.
+
+        A rank that times out may have been waiting for a live neighbour that is
+        itself waiting for the lost rank.  Every survivor of a failed call sends
+        "alive" to every other rank and listens for a grace period (the timeout,
+        at most 10 s): those never heard from are the missing ones.  Empty when
+        all were heard (nobody is gone: a rank called something else).
+        """
+        if self.comm == MPI.COMM_NULL or self.size == 1:
+            return []
+        note = np.zeros(1, np.uint8)
+        for peer in self.others():
+            self.comm.Isend([note, MPI.BYTE], peer, Tag.ROLL_CALL)      # abandoned if the peer is gone
+        grace = min(max(self.timeout, 1.0), 10.0)
+        heard, status, start = set(), MPI.Status(), time.perf_counter()
+        while len(heard) < self.size - 1 and time.perf_counter() - start < grace:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
+                source = status.Get_source()
+                self.comm.Recv([np.empty(1, np.uint8), MPI.BYTE], source, Tag.ROLL_CALL)
+                heard.add(source)
+            else:
+                time.sleep(1e-3)
+        return [peer for peer in self.others() if peer not in heard]
+
+    def _break(self, error: Exception) -> Exception:
+        """Mark the communicator unusable and arrange for the job to end at exit; returns ``error``."""
         self._broken = str(error)
-        raise error
+        failure.end_at_exit(str(error))
+        return error

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "NonFiniteError", "MPIRefusal", "ReductionError",
-           "RootError", "SetupError"]
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "NonFiniteError", "MPIRefusal",
+           "ReductionError", "RootError", "SetupError"]
 
 
 class MPIRefusal(MPI.Exception):
@@ -69,6 +69,16 @@ class CollectiveTimeout(MpicollError, TimeoutError):
             "(dead, hung, or calling a different collective). Raise MPICOLL_TIMEOUT if a peer "
             "is just slow; this communicator is no longer usable."
         )
+
+
+class PeerFailed(MpicollError, ConnectionError):
+    """MPI reported a failed transfer with a peer (it died, or its connection broke)."""
+
+    def __init__(self, collective: str, rank: int, peers, reason: str):
+        self.collective, self.rank, self.peers = collective, rank, sorted(set(peers))
+        who = f"rank(s) {_ranks(self.peers)}" if self.peers else "a peer"
+        super().__init__(f"{collective}: rank {rank} lost {who}: MPI reports {reason}; this communicator is "
+                         "no longer usable")
 
 
 class NonFiniteError(MpicollError, FloatingPointError):

@@ -28,3 +28,4 @@ class Tag(IntEnum):
     PS_ANSWER = 73
     PS_WEIGHTS = 74
     GOSSIP = 91               # push-sum over point-to-point messages
+    ROLL_CALL = 99            # after a timeout: "I am alive", from every survivor to every rank

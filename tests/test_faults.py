@@ -9,6 +9,7 @@ hang cannot pass for a timeout), and that no checkpoint file was touched.
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import numpy as np
@@ -97,3 +98,49 @@ def test_a_fresh_run_does_not_replace_a_checkpoint_unless_told(tmp_path):
 def test_bad_options_stop_every_rank_with_one_line(tmp_path, options, words):
     result, seconds = train(2, "--data", data_file(tmp_path, "a.npz"), *options)
     assert_refused(result, seconds, words)
+
+
+LOSE_A_RANK = """
+import os, sys, time, numpy as np
+from mpi4py import MPI
+import mpicoll
+world = MPI.COMM_WORLD
+algorithm, collective, victim, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+comm = mpicoll.Communicator(world, algorithm=algorithm)
+x = np.ones(1 << 20, np.float32)
+comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))        # the first call's checks pass
+if world.rank == victim:
+    if how == "hang":
+        time.sleep(40)
+    os._exit(3)
+try:
+    comm.Bcast(x, root=0) if collective == "bcast" else comm.Allreduce(MPI.IN_PLACE, x)
+    print(f"rank {world.rank}: finished", flush=True)
+except mpicoll.MpicollError as error:
+    print(f"rank {world.rank}: {type(error).__name__}: {error}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("algorithm, collective, victim, how", [
+    ("ring", "allreduce", 2, "exit"), ("ring", "allreduce", 1, "hang"), ("ring", "bcast", 2, "hang"),
+    ("parallel", "allreduce", 2, "exit"), ("recursive_doubling", "allreduce", 2, "exit"),
+])
+def test_a_lost_rank_is_named_by_every_survivor_and_the_job_ends(tmp_path, algorithm, collective, victim, how):
+    """No segfault, no live neighbour named, no survivor left hanging in MPI_Finalize."""
+    script = tmp_path / "lose.py"
+    script.write_text(LOSE_A_RANK)
+    start = time.perf_counter()
+    result = launch(3, str(script), algorithm, collective, str(victim), how, timeout=120,
+                    env={"MPICOLL_TIMEOUT": "3", "MPICOLL_CHANNEL": "p2p", "MPICOLL_END_BROKEN_JOBS": "1"},
+                    extra=["-disable-auto-cleanup"])
+    seconds = time.perf_counter() - start
+    reports = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert result.returncode != 0 and seconds < 35, (seconds, result.stdout, result.stderr[-2000:])
+    assert "Segmentation" not in result.stderr and "signal 11" not in result.stderr, result.stderr[-2000:]
+    waited = [line for line in reports if "CollectiveTimeout" in line]
+    assert waited, result.stdout
+    assert all(f"for rank(s) {victim}," in line for line in waited), reports
+    assert f"rank {victim}:" not in result.stdout
+    assert "ends the job" in result.stderr
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
