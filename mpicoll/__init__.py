@@ -11,13 +11,16 @@
 
 from .api import allgather, allreduce, broadcast, reduce_scatter
 from .communicator import Communicator
-from .errors import CollectiveTimeout, MismatchError, MpicollError, NonFiniteError, ReductionError
+from .errors import (CollectiveTimeout, MismatchError, MpicollError, NonFiniteError, PeerFailed, ReductionError,
+                     RootError, SetupError)
+from .failure import end_job
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator",
     "allreduce", "reduce_scatter", "allgather", "broadcast",
-    "MpicollError", "MismatchError", "CollectiveTimeout", "NonFiniteError", "ReductionError",
+    "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "NonFiniteError", "ReductionError",
+    "RootError", "SetupError", "end_job",
     "__version__",
 ]

@@ -27,5 +27,6 @@ class Tag(IntEnum):
     PS_GRADIENT = 72
     PS_ANSWER = 73
     PS_WEIGHTS = 74
+    PS_FINAL = 75             # the final weights, and the workers each server lost
     GOSSIP = 91               # push-sum over point-to-point messages
     ROLL_CALL = 99            # after a timeout: "I am alive", from every survivor to every rank

@@ -190,7 +190,8 @@ def test_bench_kernels_reports_bandwidth_against_copy(tmp_path):
 @pytest.mark.parametrize("transport", ps.TRANSPORTS)
 def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transport):
     """async training, 1 server + 3 workers, under ``scripts/launch --keep-going``; one worker
-    is killed with SIGKILL mid-run: training finishes, the server's log names the lost rank."""
+    is killed with SIGKILL mid-run: training finishes, the server's log names the lost rank, and the
+    healthy workers get the final weights and learn which worker was lost."""
     script = tmp_path / "ps_dead.py"
     script.write_text(textwrap.dedent("""
         import os, signal, sys, time, numpy as np
@@ -214,6 +215,8 @@ def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transpor
                 w = server.client.exchange(X[pick].T @ (X[pick] @ w - y[pick]) / 16).copy()
             server.client.close()
             outcome = f"trained, error {np.linalg.norm(X @ w - y) / np.linalg.norm(y):.1e}"
+        final = server.gather_weights()
+        outcome += f"; final error {np.linalg.norm(X @ final - y) / np.linalg.norm(y):.1e}, lost {server.lost}"
         server.close()
         with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
             handle.write(outcome)
@@ -231,6 +234,8 @@ def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transpor
                 if (tmp_path / f"rank{rank}.txt").exists()}
     assert outcomes.get(0, "").startswith("lost [3]"), (outcomes, result.stderr[-2000:])
     assert all(outcomes.get(rank, "").startswith("trained") for rank in (1, 2)), outcomes
+    assert all(outcomes[rank].endswith("lost [3]") and float(outcomes[rank].split("final error ")[1][:7]) < 0.05
+               for rank in (0, 1, 2)), outcomes
     assert "worker rank 3 sent nothing for 1 s: dropped" in result.stderr, result.stderr[-2000:]
 
 

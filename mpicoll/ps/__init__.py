@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..context import Context
+from ..tags import Tag
 from .client import Client, Schedule
 from .layout import Layout
 from .rules import DCASGD, RULES, Async, Downpour, Rule, SoftSync, Sync, make
@@ -64,6 +65,7 @@ class ParameterServer:
         self.client = None if self.is_server else Client(self.context, self.layout, init.dtype, self.windows,
                                                          reads_live=rule.reads_live)
         self.stats: ServerStats | None = None
+        self.lost: list[int] = []        # workers lost during training (known after gather_weights)
         self._unclean = False
 
     def serve(self, worker_timeout: float | None = None, *, checkpoint: str | None = None, every: int = 100,
@@ -90,16 +92,41 @@ class ParameterServer:
         return self.stats
 
     def gather_weights(self) -> np.ndarray:
-        """The servers' current full parameter vector, on every rank (collective)."""
+        """The servers' final full parameter vector, on every rank still in the job.
+
+        Every rank calls it (after serving, or after closing its client).  Each
+        server sends its shard point to point to every rank, with the list of
+        workers it lost, and waits only for the sends to ranks it did not lose, so
+        a dead worker does not stop the others from getting the result (a lost
+        one that is merely late still gets it); afterwards ``lost`` names the
+        lost workers on every rank that got the result.
+        """
+        layout, ctx = self.layout, self.context
         dtype = self.weights.dtype if self.is_server else self.client.weights.dtype
-        full = np.empty(self.layout.size, dtype)
+        full = np.empty(layout.size, dtype)
         if not self.is_server and not self.client.closed:
-            raise RuntimeError(f"worker rank {self.layout.rank}: close the client before gathering the weights")
-        for server in self.layout.servers:
-            part = full[self.layout.shard(server)]
-            if self.layout.rank == server:
-                part[...] = self.weights
-            self.context.waitall([self.context.comm.Ibcast(part, server)], [server])
+            raise RuntimeError(f"worker rank {layout.rank}: close the client before gathering the weights")
+        size = ctx.size
+        notes = {server: np.zeros(size, np.int8) for server in layout.servers}     # 1: a worker that server lost
+        requests, peers = [], []
+        for server in layout.servers:
+            if server == layout.rank:
+                full[layout.shard(server)] = self.weights
+                notes[server][self.stats.lost if self.stats else []] = 1
+            else:
+                requests += [ctx.irecv(notes[server], server, Tag.PS_FINAL), ctx.irecv(full[layout.shard(server)],
+                                                                                     server, Tag.PS_FINAL)]
+                peers += [server, server]
+        if self.is_server:
+            mine = notes[layout.rank]
+            for rank in range(size):
+                if rank != layout.rank:
+                    sends = [ctx.isend(mine, rank, Tag.PS_FINAL), ctx.isend(self.weights, rank, Tag.PS_FINAL)]
+                    if not mine[rank]:        # to a lost worker: sent in case it lives, never waited for
+                        requests += sends
+                        peers += [rank, rank]
+        ctx.waitall(requests, peers)
+        self.lost = sorted(int(rank) for rank in np.flatnonzero(np.logical_or.reduce(list(notes.values()))))
         return full
 
     def close(self) -> None:

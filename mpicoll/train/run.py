@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from .. import arrays, checkpoint, gossip, ps
+from .. import arrays, checkpoint, failure, gossip, ps
 from ..communicator import Communicator
 from ..checks import agree
 from ..straggler import Straggler, parse as parse_straggler
@@ -239,6 +239,10 @@ def _parameter_server(comm, options, model, data, xp, method, run):
         client.close()
     final = server.gather_weights()
     server.close()
+    survivors = [worker for worker in workers if worker not in server.lost]
+    if server.lost and survivors and rank == survivors[0]:
+        # MPI_Finalize would wait for the lost ranks forever: once the result is out, end the job
+        failure.end_at_exit(f"worker rank(s) {server.lost} were lost during training; the others finished")
     if reporter:
         reporter.evaluate(xp.asarray(final), options.epochs, budget * options.batch)
         return reporter.finish(xp.asarray(final))
