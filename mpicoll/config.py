@@ -48,9 +48,13 @@ def debug() -> bool:
 
 
 def timeout() -> float:
-    value = float(os.environ.get("MPICOLL_TIMEOUT", "300"))
-    if value < 0:
-        raise ValueError(f"MPICOLL_TIMEOUT must be >= 0 seconds, got {value}")
+    text = os.environ.get("MPICOLL_TIMEOUT", "300")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"MPICOLL_TIMEOUT must be a number of seconds (0: wait forever), got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"MPICOLL_TIMEOUT must be >= 0 seconds and finite (0: wait forever), got {text!r}")
     return value
 
 

@@ -119,12 +119,28 @@ def test_launcher_runs_a_command_with_a_hostfile():
     assert "ranks 2 size 2" in result.stdout
 
 
+@pytest.mark.parametrize("content", ["localhost:2  # this laptop\n", "localhost:2\r\n\r\n"],
+                         ids=["trailing-comment", "crlf"])
+def test_launcher_cleans_comments_and_windows_line_ends(tmp_path, content):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_bytes(content.encode())
+    if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("an MPICH hostfile")
+    result = subprocess.run(["bash", "scripts/launch", "-n", "2", "--hostfile", str(hostfile), sys.executable, "-c",
+                             "from mpi4py import MPI; w = MPI.COMM_WORLD; w.rank or print('size', w.size)"],
+                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "size 2" in result.stdout, result.stderr
+
+
 @pytest.mark.parametrize("content, words", [
     (None, "does not exist"),
     ("# nothing here\n\n", "names no host"),
     ("node01 slots=4\n", "line 1"),
+    ("localhost:0\n", "1 to 99999 slots"),
+    ("localhost:99999999999999999999\n", "1 to 99999 slots"),
 ])
 def test_launcher_explains_a_bad_hostfile(tmp_path, content, words):
+    """Refused before the launcher starts, naming the line (Hydra dies of SIGFPE on 0 slots, spins on huge ones)."""
     mpiexec()
     hostfile = tmp_path / "hosts"
     if content is not None:

@@ -74,6 +74,17 @@ def test_nan_contribution_is_named_in_debug_mode(debug):
         everywhere(isinstance(error, mpicoll.NonFiniteError) and "rank(s) 1 " in str(error), repr(error))
 
 
+@pytest.mark.mpi
+def test_an_inf_in_the_first_call_passes_through_without_debug_mode(monkeypatch):
+    """Finiteness is the debug mode's check: a first gradient with Inf must not stop a job."""
+    monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
+    with mpicoll.Communicator(WORLD, algorithm="ring") as comm:
+        data, out = np.ones(8), np.empty(8)
+        data[2] = np.inf
+        error = raised(lambda: comm.Allreduce(data, out))
+        everywhere(error is None and np.isinf(out[2]), repr(error))
+
+
 def test_local_errors_say_what_to_do():
     with mpicoll.Communicator(WORLD, algorithm="ring") as comm:
         cases = [

@@ -100,6 +100,28 @@ def test_bad_options_stop_every_rank_with_one_line(tmp_path, options, words):
     assert_refused(result, seconds, words)
 
 
+def test_bad_data_files_are_explained_once(tmp_path):
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "plain.npy", rng.standard_normal((20, 3)))
+    (tmp_path / "plain.npy").rename(tmp_path / "renamed.npz")
+    np.savez(tmp_path / "strings.npz", X=rng.standard_normal((20, 3)), y=np.array(["cat", "dog"] * 10))
+    np.savez(tmp_path / "sparse.npz", X=rng.standard_normal((20, 3)), y=np.array([0, 1, 1000, 2] * 5))
+    np.savez(tmp_path / "tiny.npz", X=rng.standard_normal((4, 3)), y=np.array([0, 1, 0, 1]),
+             X_test=rng.standard_normal((2, 3)), y_test=np.array([0, 1]))
+    for name, ranks, words in [("renamed.npz", 2, "not an .npz archive"), ("strings.npz", 2, "must be numeric"),
+                               ("sparse.npz", 2, "have no training sample"), ("tiny.npz", 6, "only 4 training")]:
+        result, seconds = train(ranks, "--data", str(tmp_path / name))
+        assert result.returncode != 0 and seconds < PROMPT_S, (name, result.stderr)
+        assert "Traceback" not in result.stderr and result.stderr.count(words) == 1, (name, result.stderr)
+
+
+def test_a_bad_timeout_setting_is_named(tmp_path):
+    result = launch(2, "-m", "mpicoll", "train", "--quiet", "--data", data_file(tmp_path, "a.npz"),
+                    env={"MPICOLL_TIMEOUT": "abc"}, timeout=120)
+    assert result.returncode != 0 and result.stderr.count("MPICOLL_TIMEOUT must be a number of seconds") == 1
+    assert "Traceback" not in result.stderr, result.stderr
+
+
 LOSE_A_RANK = """
 import os, sys, time, numpy as np
 from mpi4py import MPI

@@ -58,6 +58,9 @@ def _npz(path: str):
         arrays = np.load(file, allow_pickle=False)
     except Exception as error:                    # numpy raises several kinds for a bad file
         raise ValueError(f"--data {path}: not a readable .npz file ({error})") from None
+    if not isinstance(arrays, np.lib.npyio.NpzFile):
+        raise ValueError(f"--data {path}: a single .npy array, not an .npz archive; save one with "
+                         "np.savez(path, X=features, y=labels)")
     with arrays:
         missing = [name for name in ("X", "y") if name not in arrays.files]
         if missing:
@@ -75,6 +78,10 @@ def _check(X, y, where: str):
     if X.ndim != 2 or y.ndim != 1 or len(X) != len(y):
         raise ValueError(f"{where}: X must be samples x features and y one label per sample; got X {X.shape}, "
                          f"y {y.shape}")
+    for name, array in (("X", X), ("y", y)):
+        if array.dtype.kind not in "biuf":
+            raise ValueError(f"{where}: {name} holds {array.dtype} values; it must be numeric (map string "
+                             "labels to 0..classes-1, e.g. with np.unique(y, return_inverse=True))")
     if not np.issubdtype(y.dtype, np.integer) and not np.array_equal(y, np.round(y)):
         raise ValueError(f"{where}: labels must be integers 0..classes-1, got {y.dtype} values")
     if len(y) and y.min() < 0:
@@ -100,6 +107,11 @@ def load(path: str | None = None, *, test_fraction: float = 0.2, seed: int = 0) 
             raise ValueError(f"{where}: X_test has {X_test.shape[1]} features, X has {X.shape[1]}")
     if len(y) == 0 or len(y_test) == 0:
         raise ValueError(f"{where}: need at least one training and one test sample")
+    absent = np.setdiff1d(np.arange(max(y.max(), y_test.max()) + 1), y)
+    if absent.size:
+        raise ValueError(f"{where}: labels must be 0..classes-1 with every class in the training set; "
+                         f"{absent.size} of {max(y.max(), y_test.max()) + 1} have no training sample (e.g. "
+                         f"{absent[0]}): remap them, e.g. with np.unique(y, return_inverse=True)")
     mean, scale = X.mean(axis=0), X.std(axis=0)
     scale[scale == 0] = 1.0
     return Dataset(((X - mean) / scale).astype(np.float32), y, ((X_test - mean) / scale).astype(np.float32),

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from .. import arrays, checkpoint, failure, gossip, ps
+from .. import arrays, checkpoint, config, failure, gossip, ps
 from ..communicator import Communicator
 from ..checks import agree
 from ..straggler import Straggler, parse as parse_straggler
@@ -103,6 +103,7 @@ def _identity(comm, options: Options, model: Model, data: Dataset) -> dict:
 def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Method", run: dict) -> None:
     """Raise (on this rank) what would stop this rank's part of the job, before anything is written."""
     rank, size = comm.Get_rank(), comm.Get_size()
+    config.timeout(), config.segment_bytes(), config.channel(), config.end_broken_jobs()   # settings that parse
     if options.batch < 1 or options.epochs < 0:
         raise ValueError(f"--batch must be at least 1 and --epochs at least 0, got {options.batch} and "
                          f"{options.epochs}")
@@ -110,6 +111,10 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
     if slow:
         raise ValueError(f"--straggler {options.straggler}: rank {slow[0]} is not among the {size} ranks")
     parameter_server = method.rule is not None
+    workers = size - options.servers if parameter_server else size
+    if len(data.y) < workers:
+        raise ValueError(f"{workers} workers but only {len(data.y)} training samples: every worker needs a shard; "
+                         "use fewer ranks or more data")
     if parameter_server and size <= options.servers:
         raise ValueError(f"{options.method} needs more ranks than its {options.servers} server(s): "
                          f"mpiexec -n {options.servers + 1} or more")
