@@ -12,23 +12,32 @@ on every call under ``MPICOLL_DEBUG=1``.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
+from mpi4py import MPI
+
 from .errors import MismatchError, NonFiniteError, SetupError
 
-__all__ = ["Signature", "check_call", "agree"]
+__all__ = ["Signature", "check_call", "check_fingerprint", "agree"]
 
 
 class Signature:
     """What one rank passed to one collective, as integers that must agree across ranks."""
 
-    def __init__(self, collective: str, count: int, dtype: np.dtype, op: str = "-", root: int = -1):
+    def __init__(self, collective: str, count: int, dtype: np.dtype, op: str = "-", root: int = -1,
+                 algorithm: str = "-"):
         self.collective, self.count, self.dtype, self.op, self.root = collective, count, np.dtype(dtype), op, root
+        self.algorithm = algorithm          # the one that runs this call (set by the communicator)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
 
     def codes(self) -> list[int]:
         return [_code(self.collective), self.count, self.dtype.itemsize, _code(self.dtype.str),
-                _code(self.op), self.root]
+                _code(self.op), self.root, _code(self.algorithm)]
 
     def __str__(self) -> str:
         text = f"{self.collective}(count={self.count}, dtype={self.dtype}"
@@ -36,6 +45,8 @@ class Signature:
             text += f", op={self.op}"
         if self.root >= 0:
             text += f", root={self.root}"
+        if self.algorithm != "-":
+            text += f", algorithm={self.algorithm}"
         return text + ")"
 
 
@@ -62,6 +73,30 @@ def check_call(context, signature: Signature, contribution: np.ndarray | None = 
     bad = np.flatnonzero(everyone[:, -1])
     if bad.size:
         raise NonFiniteError(signature.collective, bad.tolist())
+
+
+def check_fingerprint(context, signature: Signature) -> None:
+    """Raise the same :class:`MismatchError` on every rank if the ranks' calls differ.
+
+    One 16-byte nonblocking allreduce (MAX of the call's hash and of its
+    negation: equal hashes everywhere exactly when max == -min) on the
+    context's side channel ``watch``, waited on with the deadline.  The hash
+    covers the collective, count, dtype, op, root and algorithm, so ranks that
+    chose different algorithms are caught too.
+    """
+    code = _fingerprint((signature.collective, signature.count, signature.dtype.str, signature.op, signature.root,
+                         signature.algorithm))
+    both = np.array([code, -code], np.int64)
+    context.waitall([context.watch.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)], context.others())
+    if both[0] != -both[1]:
+        described = context.watch.allgather(str(signature))
+        raise MismatchError(signature.collective, dict(enumerate(described)))
+
+
+@functools.lru_cache(maxsize=256)
+def _fingerprint(key: tuple) -> int:
+    """The same integer on every rank for the same call (Python's own hash is salted per process)."""
+    return zlib.crc32(repr(key).encode())
 
 
 def agree(comm, check) -> None:

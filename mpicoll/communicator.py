@@ -17,12 +17,17 @@ from mpi4py import MPI
 from . import algorithms, arrays
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
-from .checks import Signature, check_call
+from .checks import Signature, check_call, check_fingerprint
 from .context import Context
 from .errors import RootError
 from .reduction import Reduction, op_name
 
-__all__ = ["Communicator"]
+__all__ = ["Communicator", "FINGERPRINT_FROM"]
+
+# bytes: calls this large carry a cross-rank fingerprint.  auto's small-message threshold: a check costs
+# 5 us at 2 ranks and 36 us at 4 oversubscribed ranks, under 2% of a call from 2 MiB, 2.4-3.6% at 1 MiB
+# (mpicoll bench prints it; docs/benchmarks.md)
+FINGERPRINT_FROM = 2 << 20
 
 
 class Communicator(MPI.Intracomm):
@@ -87,18 +92,25 @@ class Communicator(MPI.Intracomm):
     def _checked_context(self, signature: Signature, contribution: np.ndarray | None = None) -> Context:
         """The private context for one call, after the cross-rank check when one is due.
 
-        Due on a communicator's first call (the call sequence is the same on
-        every rank, so all check together) and on every call in debug mode.
+        The full check is due on a communicator's first call (the call sequence
+        is the same on every rank, so all check together) and on every call in
+        debug mode.  Other calls that mpicoll's own algorithms carry, from
+        ``FINGERPRINT_FROM`` bytes, compare a fingerprint of the call across
+        ranks first, so ranks that disagree get a MismatchError, never a wrong
+        answer (:func:`~mpicoll.checks.check_fingerprint`).
         """
         context = self.__dict__.get("_context")
         first = context is None
         if first:
             context = self.__dict__["_context"] = Context(self)
+            context.watch = MPI.Intracomm(MPI.Intracomm.Dup(context.comm))   # every rank is here: checked
         context.begin(signature.collective)
         if first or context.debug:
             check_call(context, signature, contribution if context.debug else None)   # finiteness: debug only
             if first and not context.debug and self.algorithm == "auto":
                 self._hand_small_calls_to_mpi()
+        elif signature.algorithm != "mpi" and signature.nbytes >= FINGERPRINT_FROM:
+            check_fingerprint(context, signature)
         return context
 
     # -- the collectives ----------------------------------------------------
@@ -195,6 +207,7 @@ class Communicator(MPI.Intracomm):
     def _run(self, name: str | None, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
         """Check the call if due, then run algorithm ``name`` (None: MPI's own call with the caller's arguments)."""
         checked = None if contribution is None or contribution.on_device else contribution.array
+        signature.algorithm = name or "mpi"
         context = self._checked_context(signature, checked)
         if name is None:
             run_mpi()

@@ -69,6 +69,7 @@ class Context:
                              f"this node has {local} of them (use p2p or auto)")
         self._shared: SharedRegions | None = None
         self._scratch: dict[tuple, object] = {}
+        self.watch: MPI.Intracomm | None = None     # a side channel for cross-rank checks (mpicoll.checks)
 
     def free(self, keep_channel: bool = False) -> None:
         """Release the private communicator and the scratch memory.
@@ -78,8 +79,11 @@ class Context:
         identity can be reused by the next one, which would take them for its own.
         """
         comm, self.comm = self.comm, MPI.COMM_NULL
+        watch, self.watch = self.watch, None
         if comm != MPI.COMM_NULL and not (keep_channel or self.broken):
             comm.Free()
+            if watch is not None:
+                watch.Free()
         self._scratch.clear()
         if self._shared is not None:
             self._shared.free()

@@ -54,7 +54,7 @@ class MismatchError(MpicollError, ValueError):
         lines = [f"  ranks {_ranks(ranks)}: {value}" for value, ranks in groups.items()]
         super().__init__(
             f"{collective}: ranks disagree on the call; every rank must pass the same "
-            "count, datatype, op and root:\n" + "\n".join(lines)
+            "count, datatype, op and root, and use the same algorithm:\n" + "\n".join(lines)
         )
 
 

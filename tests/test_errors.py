@@ -74,6 +74,31 @@ def test_nan_contribution_is_named_in_debug_mode(debug):
         everywhere(isinstance(error, mpicoll.NonFiniteError) and "rank(s) 1 " in str(error), repr(error))
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["count", "op", "dtype", "root", "algorithm"])
+def test_mismatches_after_the_first_call_are_caught_on_every_rank(monkeypatch, case):
+    """Without debug mode, a call mpicoll's algorithms carry (>= 1 MiB) still compares a fingerprint:
+    ranks that disagree all get MismatchError, never a wrong answer that differs per rank."""
+    monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
+    n = (2 << 20) // 4 + 5              # float64 and float32 alike above the fingerprint's 2 MiB
+    algorithm = "parallel" if case == "algorithm" and RANK == 1 else "ring"
+    with mpicoll.Communicator(WORLD, algorithm=algorithm) as comm:
+        first = raised(lambda: comm.Allreduce(np.ones(4), np.empty(4)))     # the first call's full check
+        if case == "algorithm":           # caught there already: the algorithm is part of the call's signature
+            everywhere(isinstance(first, mpicoll.MismatchError) and "algorithm=parallel" in str(first), repr(first))
+            return
+        count = n + (RANK if case == "count" else 0)
+        dtype = np.float32 if case == "dtype" and RANK == 1 else np.float64
+        op = MPI.MAX if case == "op" and RANK == 1 else MPI.SUM
+        data = np.ones(count, dtype)
+        if case == "root":
+            call = lambda: comm.Bcast(data, root=RANK % 2)  # noqa: E731
+        else:
+            call = lambda: comm.Allreduce(MPI.IN_PLACE, data, op)  # noqa: E731
+        error = raised(call)
+    everywhere(isinstance(error, mpicoll.MismatchError), repr(error))
+
+
 @pytest.mark.mpi
 def test_an_inf_in_the_first_call_passes_through_without_debug_mode(monkeypatch):
     """Finiteness is the debug mode's check: a first gradient with Inf must not stop a job."""

@@ -30,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import algorithms
-from ..communicator import Communicator
+from ..communicator import FINGERPRINT_FROM, Communicator
 from .common import format_bytes, parse_sizes, write_records
 
 __all__ = ["run", "default_sizes", "measure", "COLLECTIVES"]
@@ -197,6 +197,27 @@ def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> 
     return best["mpi"], best["auto"]
 
 
+def fingerprint_seconds(comm: MPI.Intracomm, calls: int = 500, rounds: int = 5) -> float:
+    """Seconds per cross-rank fingerprint check (what every call of mpicoll's own algorithms from
+    FINGERPRINT_FROM bytes adds), back to back, fastest of ``rounds`` blocks, slowest rank's."""
+    from ..checks import Signature, check_fingerprint
+    wrapped = Communicator(comm)
+    wrapped.Allreduce(np.ones(2, np.float32), np.empty(2, np.float32))       # sets up the context
+    context = wrapped.__dict__["_context"]
+    signature = Signature("Allreduce", 1 << 18, np.float32, "SUM", algorithm="ring")
+    best = float("inf")
+    for _ in range(rounds):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            check_fingerprint(context, signature)
+        elapsed = np.array((time.perf_counter() - start) / calls)
+        comm.Allreduce(MPI.IN_PLACE, elapsed, MPI.MAX)
+        best = min(best, float(elapsed))
+    wrapped.close()
+    return best
+
+
 def run(args) -> int:
     comm = MPI.COMM_WORLD
     names = args.algorithms.split(",") if args.algorithms else [*algorithms.REGISTRY, "auto"]
@@ -213,9 +234,14 @@ def run(args) -> int:
     records = measure(comm, names, sizes, args.dtype, args.iters, args.min_iters, args.warmup,
                       report=lambda row: print(table_row(row), file=out, flush=True), collective=args.collective)
     raw, wrapped = python_overhead(comm)
+    check = fingerprint_seconds(comm) if comm.Get_size() > 1 else 0.0
     if comm.Get_rank() == 0:
         print(f"# per-call overhead of the Python layer at 8 B: {(wrapped - raw) * 1e6:+.2f} us "
               f"(auto {wrapped * 1e6:.2f} us vs mpi {raw * 1e6:.2f} us per call, back to back)", file=out)
+        costs = [f"{format_bytes(r['bytes'])} {r['algorithm']} {100 * check / r['time_s']:.1f}%" for r in records
+                 if r["bytes"] >= FINGERPRINT_FROM and r["algorithm"] not in (PEER, "auto")]
+        print(f"# cross-rank fingerprint per call from {format_bytes(FINGERPRINT_FROM)}: {check * 1e6:.1f} us"
+              + (f" = {', '.join(costs)} of the call" if costs else ""), file=out)
         if args.output:
             write_records(args.output, records, out)
         if args.plot:
