@@ -58,8 +58,12 @@ def _sync_folder(folder: Path) -> None:
 
 def identity_of(path: str | Path) -> dict:
     """The identity a checkpoint file records ({"format": 1} for files from before identities)."""
-    with np.load(path) as stored:
-        return json.loads(str(stored[_IDENTITY])) if _IDENTITY in stored.files else {"format": 1}
+    try:
+        with np.load(path) as stored:
+            return json.loads(str(stored[_IDENTITY])) if _IDENTITY in stored.files else {"format": 1}
+    except Exception as error:  # noqa: BLE001 - a cut-short or foreign file fails in several ways
+        raise CheckpointMismatch(f"{path} is not a readable checkpoint ({type(error).__name__}: {error}); it may "
+                                 "have been cut short or replaced: resume from a copy, or start afresh") from None
 
 
 def load(path: str | Path, identity: dict) -> dict[str, np.ndarray]:

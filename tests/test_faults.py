@@ -75,6 +75,17 @@ def test_resuming_with_other_rank_counts_is_refused(tmp_path, method, first, the
     assert snapshot(tmp_path) == before
 
 
+def test_a_damaged_checkpoint_is_refused_and_left_as_it_is(tmp_path):
+    data, prefix = data_file(tmp_path, "a.npz"), str(tmp_path / "ck")
+    assert train(2, "--data", data, "--checkpoint", prefix)[0].returncode == 0
+    path = tmp_path / "ck.npz"
+    path.write_bytes(path.read_bytes()[:100])                 # cut short, as by a full disk
+    before = snapshot(tmp_path)
+    result, seconds = train(2, "--data", data, "--checkpoint", prefix, "--resume", "--epochs", "2")
+    assert_refused(result, seconds, "is not a readable checkpoint")
+    assert snapshot(tmp_path) == before
+
+
 def test_a_fresh_run_does_not_replace_a_checkpoint_unless_told(tmp_path):
     data, prefix = data_file(tmp_path, "a.npz"), str(tmp_path / "ck")
     assert train(2, "--data", data, "--checkpoint", prefix)[0].returncode == 0
