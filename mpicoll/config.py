@@ -67,6 +67,8 @@ def segment_bytes() -> int:
 
 def channel() -> str:
     """How the collective algorithms move data between ranks: "shared", "p2p" or "auto"."""
+    if "MPICOLL_TRANSPORT" in os.environ:
+        raise ValueError("MPICOLL_TRANSPORT is now called MPICOLL_CHANNEL (auto, shared or p2p): rename it")
     value = os.environ.get("MPICOLL_CHANNEL", "auto").strip().lower()
     if value not in ("auto", "shared", "p2p"):
         raise ValueError(f"MPICOLL_CHANNEL must be auto, shared or p2p, got {value!r}")
