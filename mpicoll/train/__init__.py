@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import gossip, ps
-from ..errors import SetupError
+from ..errors import MpicollError, SetupError
 from .data import Dataset, load
 from .models import MLP, Model, SoftmaxRegression
 from .run import METHODS, Method, Options, train
@@ -60,6 +60,9 @@ def main(args) -> int:
         if comm.Get_rank() == 0:
             print(f"mpicoll train: {error}", file=sys.stderr)
         return 2
+    except MpicollError as error:        # a lost peer, a mismatch: each rank says what it saw, in one line
+        print(f"mpicoll train: rank {comm.Get_rank()}: {error}", file=sys.stderr, flush=True)
+        return 1                         # a broken communicator ends the job at exit (mpicoll.failure)
     return 0
 
 
