@@ -77,6 +77,8 @@ class Context:
         After a lost peer (or with ``keep_channel``) the communicator is kept, not
         freed: messages may still be on their way to it, and a freed communicator's
         identity can be reused by the next one, which would take them for its own.
+        After a lost peer the shared-memory window is abandoned too: freeing a
+        window is collective, and would wait for the lost rank forever.
         """
         comm, self.comm = self.comm, MPI.COMM_NULL
         watch, self.watch = self.watch, None
@@ -85,9 +87,9 @@ class Context:
             if watch is not None:
                 watch.Free()
         self._scratch.clear()
-        if self._shared is not None:
+        if self._shared is not None and not self.broken:
             self._shared.free()
-            self._shared = None
+        self._shared = None
 
     @property
     def broken(self) -> bool:

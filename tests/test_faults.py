@@ -139,32 +139,34 @@ from mpi4py import MPI
 import mpicoll
 world = MPI.COMM_WORLD
 algorithm, collective, victim, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-comm = mpicoll.Communicator(world, algorithm=algorithm)
 x = np.ones(1 << 20, np.float32)
-comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))        # the first call's checks pass
-if world.rank == victim:
-    if how == "hang":
-        time.sleep(40)
-    os._exit(3)
-try:
-    comm.Bcast(x, root=0) if collective == "bcast" else comm.Allreduce(MPI.IN_PLACE, x)
-    print(f"rank {world.rank}: finished", flush=True)
-except mpicoll.MpicollError as error:
-    print(f"rank {world.rank}: {type(error).__name__}: {error}", flush=True)
+with mpicoll.Communicator(world, algorithm=algorithm) as comm:   # closing after a loss must not hang either
+    comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))        # the first call's checks pass
+    if world.rank == victim:
+        if how == "hang":
+            time.sleep(40)
+        os._exit(3)
+    try:
+        comm.Bcast(x, root=0) if collective == "bcast" else comm.Allreduce(MPI.IN_PLACE, x)
+        print(f"rank {world.rank}: finished", flush=True)
+    except mpicoll.MpicollError as error:
+        print(f"rank {world.rank}: {type(error).__name__}: {error}", flush=True)
 """
 
 
-@pytest.mark.parametrize("algorithm, collective, victim, how", [
-    ("ring", "allreduce", 2, "exit"), ("ring", "allreduce", 1, "hang"), ("ring", "bcast", 2, "hang"),
-    ("parallel", "allreduce", 2, "exit"), ("recursive_doubling", "allreduce", 2, "exit"),
+@pytest.mark.parametrize("algorithm, collective, victim, how, channel", [
+    ("ring", "allreduce", 2, "exit", "p2p"), ("ring", "allreduce", 1, "hang", "p2p"), ("ring", "bcast", 2, "hang", "p2p"),
+    ("ring", "allreduce", 2, "exit", "shared"), ("parallel", "allreduce", 2, "exit", "p2p"),
+    ("recursive_doubling", "allreduce", 2, "exit", "p2p"),
 ])
-def test_a_lost_rank_is_named_by_every_survivor_and_the_job_ends(tmp_path, algorithm, collective, victim, how):
+def test_a_lost_rank_is_named_by_every_survivor_and_the_job_ends(tmp_path, algorithm, collective, victim, how,
+                                                                  channel):
     """No segfault, no live neighbour named, no survivor left hanging in MPI_Finalize."""
     script = tmp_path / "lose.py"
     script.write_text(LOSE_A_RANK)
     start = time.perf_counter()
     result = launch(3, str(script), algorithm, collective, str(victim), how, timeout=120,
-                    env={"MPICOLL_TIMEOUT": "3", "MPICOLL_CHANNEL": "p2p", "MPICOLL_END_BROKEN_JOBS": "1"},
+                    env={"MPICOLL_TIMEOUT": "3", "MPICOLL_CHANNEL": channel, "MPICOLL_END_BROKEN_JOBS": "1"},
                     extra=["-disable-auto-cleanup"])
     seconds = time.perf_counter() - start
     reports = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
