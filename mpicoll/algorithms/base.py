@@ -12,7 +12,7 @@ if TYPE_CHECKING:                    # annotations only: algorithms stand beside
     from ..context import Context
     from ..reduction import Reduction
 
-__all__ = ["Algorithm", "MpiBuffers", "copy"]
+__all__ = ["Algorithm", "MpiBuffers"]
 
 
 class Algorithm:
@@ -95,11 +95,3 @@ class MpiBuffers:
         target = self.scratch(name, landed.size, landed.dtype)
         arrays.from_host(landed, target)
         return target
-
-
-def copy(source, target) -> None:
-    """``target[...] = source`` for host or device arrays of one kind."""
-    if type(target) is np.ndarray:
-        target[...] = source
-    else:
-        arrays.copy(source, target)

@@ -21,10 +21,9 @@ from mpi4py import MPI
 from .. import arrays
 from ..chunks import balanced_bounds, block_bounds
 from ..tags import Tag
-from .base import Algorithm, MpiBuffers, copy
+from .base import Algorithm, MpiBuffers
 
 __all__ = ["Direct"]
-
 
 
 class Direct(Algorithm):
@@ -35,7 +34,7 @@ class Direct(Algorithm):
         source = recv if send is None else send
         if ctx.size == 1:
             if send is not None:
-                copy(send, recv)
+                arrays.copy(send, recv)
             return
         bounds = balanced_bounds(recv.size, ctx.size)
         buffers = MpiBuffers(ctx, recv, "direct")
@@ -44,10 +43,10 @@ class Direct(Algorithm):
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
         if ctx.size == 1:
-            copy(send[:recv.size], recv)
+            arrays.copy(send[:recv.size], recv)
             return
         buffers = MpiBuffers(ctx, recv, "direct")
-        copy(_exchange_and_fold(ctx, buffers, send, block_bounds(recv.size, ctx.size), reduction), recv)
+        arrays.copy(_exchange_and_fold(ctx, buffers, send, block_bounds(recv.size, ctx.size), reduction), recv)
 
     def allgather(self, ctx, send, recv):
         bounds = block_bounds(recv.size // ctx.size, ctx.size)
@@ -89,7 +88,7 @@ def _gather_into(ctx, buffers: MpiBuffers, chunk, target, bounds) -> None:
     if buffers.staged:
         arrays.to_host(chunk, mine)
     else:
-        copy(chunk, mine)
+        arrays.copy(chunk, mine)
         if buffers.library is not None:
             arrays.synchronize(buffers.library)
     received = [ctx.irecv(gathered[bounds[q]:bounds[q + 1]], q, Tag.DIRECT_GATHER) for q in others]

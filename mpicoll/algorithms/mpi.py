@@ -32,12 +32,12 @@ class Mpi(Algorithm):
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
         buffers, datatype = MpiBuffers(ctx, recv, "mpi"), reduction.datatype
-        source, data = buffers.readable("send", send), buffers.writable("recv", recv)
-        block = recv.size         # mpi4py's explicit counts here are per rank
+        source, block = buffers.readable("send", send), recv.size    # mpi4py's explicit counts here are per rank
         if _same_memory(send, recv):
             ctx.comm.Reduce_scatter_block(MPI.IN_PLACE, [source, block, datatype], reduction.op)
             data = source[:block]
         else:
+            data = buffers.writable("recv", recv)
             ctx.comm.Reduce_scatter_block([source, block, datatype], [data, block, datatype], reduction.op)
         buffers.deliver(data, recv)
 

@@ -135,6 +135,14 @@ def _dlpack_layout(obj) -> tuple[np.dtype, tuple]:
     return np.dtype("?" if kind == "b" else f"{kind}{bits // 8}"), shape
 
 
+def _foreign_layout(obj) -> tuple[np.dtype, tuple]:
+    """(dtype, shape) of an object known only by DLPack or the CUDA array interface (DLPack first, as mpi4py)."""
+    if hasattr(obj, "__dlpack__"):
+        return _dlpack_layout(obj)
+    interface = obj.__cuda_array_interface__
+    return np.dtype(interface["typestr"]), tuple(interface["shape"])
+
+
 def host_view(obj, *, writable: bool = False) -> np.ndarray:
     """A 1-D numpy view of any host-memory array mpi4py takes, typed as the object declares itself.
 
@@ -154,8 +162,7 @@ def host_view(obj, *, writable: bool = False) -> np.ndarray:
         if interface is None and not hasattr(obj, "__dlpack__"):
             raise TypeError(f"message: expecting buffer or list/tuple, got {type(obj).__name__}: pass an array "
                             "(numpy, anything with the buffer protocol, DLPack or __cuda_array_interface__)")
-        dtype = np.dtype(interface["typestr"]) if interface is not None and not hasattr(obj, "__dlpack__") \
-            else _dlpack_layout(obj)[0]
+        dtype = _foreign_layout(obj)[0]
         try:
             raw = MPI.buffer(obj)
         except BufferError as error:
@@ -193,12 +200,15 @@ def view(obj, *, writable: bool = False):
     return name, flat(array, "buffer")
 
 
-def is_contiguous(array) -> bool:
-    """C- or Fortran-contiguous, for numpy, CuPy and Numba arrays (whose ``flags`` is a dict on a GPU)."""
+def _flag(array, name: str) -> bool:
+    """One of an array's flags ("C_CONTIGUOUS", ...): numpy and CuPy have attributes, real Numba a dict."""
     flags = array.flags
-    if isinstance(flags, dict):
-        return bool(flags.get("C_CONTIGUOUS") or flags.get("F_CONTIGUOUS"))
-    return bool(flags.c_contiguous or flags.f_contiguous)
+    return bool(flags.get(name) if isinstance(flags, dict) else flags[name])
+
+
+def is_contiguous(array) -> bool:
+    """C- or Fortran-contiguous, for numpy, CuPy and Numba arrays."""
+    return _flag(array, "C_CONTIGUOUS") or _flag(array, "F_CONTIGUOUS")
 
 
 def flat(array, role: str = "array"):
@@ -213,18 +223,8 @@ def flat(array, role: str = "array"):
     if not is_contiguous(array):
         raise BufferError(f"{role}: {type(array).__name__} of shape {array.shape} is not contiguous; pass a "
                           "contiguous array (ascontiguousarray) or use mpicoll.allreduce(), which accepts any layout")
-    order = "F" if (array.ndim > 1 and not _c_contiguous(array)) else "C"
+    order = "F" if (array.ndim > 1 and not _flag(array, "C_CONTIGUOUS")) else "C"
     return array.reshape(array.size, order=order)
-
-
-def _c_contiguous(array) -> bool:
-    flags = array.flags
-    return bool(flags["C_CONTIGUOUS"] if isinstance(flags, dict) else flags.c_contiguous)
-
-
-def byte_view(array):
-    """A flat uint8 view of a contiguous array of any library."""
-    return flat(array).view(np.uint8)
 
 
 def _shaped_host(obj) -> np.ndarray:
@@ -233,6 +233,4 @@ def _shaped_host(obj) -> np.ndarray:
         return obj
     if hasattr(obj, "__array__") or hasattr(obj, "__array_interface__") or _has_buffer(obj):
         return np.asarray(obj)          # numpy's own protocols (torch CPU tensors have __array__)
-    interface = getattr(obj, "__cuda_array_interface__", None)
-    shape = interface["shape"] if interface is not None and not hasattr(obj, "__dlpack__") else _dlpack_layout(obj)[1]
-    return host_view(obj).reshape(shape)
+    return host_view(obj).reshape(_foreign_layout(obj)[1])
