@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["save", "load", "check", "identity_of", "existing", "CheckpointMismatch", "FORMAT"]
+__all__ = ["save", "load", "check", "identity_of", "path", "existing", "CheckpointMismatch", "FORMAT"]
 
 FORMAT = 2            # 1: files without an identity (mpicoll before checkpoints recorded it)
 _IDENTITY = "__identity__"
@@ -92,13 +92,25 @@ def _show(value) -> str:
     return "none" if value is None else str(value)
 
 
+_OWNERS = ("rank", "server")      # files kept per training rank (SGP) or per parameter server
+
+
+def path(prefix: str | Path, owner: str | None = None, rank: int = 0) -> Path:
+    """The file of a run with ``--checkpoint prefix``: ``PREFIX.npz`` (one for the whole run), or
+    ``PREFIX.rank<r>.npz`` / ``PREFIX.server<r>.npz`` (one per ``owner`` rank)."""
+    if owner is None:
+        return Path(f"{prefix}.npz")
+    if owner not in _OWNERS:
+        raise ValueError(f"checkpoint owner must be one of {', '.join(_OWNERS)}, got {owner!r}")
+    return Path(f"{prefix}.{owner}{rank}.npz")
+
+
 def existing(prefix: str | Path) -> list[Path]:
     """The checkpoint files a run with ``--checkpoint prefix`` writes that exist now."""
     prefix = Path(prefix)
     if not prefix.parent.is_dir():
         return []
-    names = [prefix.name + ".npz"]
-    found = [prefix.parent / name for name in names if (prefix.parent / name).is_file()]
-    for pattern in (f"{prefix.name}.rank*.npz", f"{prefix.name}.server*.npz"):
-        found += sorted(prefix.parent.glob(pattern))
+    found = [path(prefix)] if path(prefix).is_file() else []
+    for owner in _OWNERS:
+        found += sorted(prefix.parent.glob(f"{prefix.name}.{owner}*.npz"))
     return found

@@ -57,10 +57,6 @@ def _finite(gradient: np.ndarray) -> bool:
     return bool(np.isfinite(gradient.sum())) or bool(np.isfinite(gradient).all())
 
 
-def checkpoint_path(prefix: str, server: int) -> Path:
-    return Path(f"{prefix}.server{server}.npz")
-
-
 def checkpoint_identity(layout: Layout, rule: Rule, run: dict | None = None) -> dict:
     """What a server's checkpoint belongs to: the rule, the shard layout, and the run's own identity."""
     return {"rule": rule.name, "servers": len(layout.servers), "workers": len(layout.workers),
@@ -69,7 +65,7 @@ def checkpoint_identity(layout: Layout, rule: Rule, run: dict | None = None) -> 
 
 def save_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None) -> Path:
     """Write the rule's state atomically and durably (a crash mid-write leaves the previous checkpoint)."""
-    return checkpoint.save(checkpoint_path(prefix, layout.rank), checkpoint_identity(layout, rule, run),
+    return checkpoint.save(checkpoint.path(prefix, "server", layout.rank), checkpoint_identity(layout, rule, run),
                            **rule.state())
 
 
@@ -78,7 +74,8 @@ def load_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = 
 
     A checkpoint of another rule, layout or run is refused (``CheckpointMismatch``) before anything changes.
     """
-    rule.load_state(checkpoint.load(checkpoint_path(prefix, layout.rank), checkpoint_identity(layout, rule, run)))
+    rule.load_state(checkpoint.load(checkpoint.path(prefix, "server", layout.rank),
+                                    checkpoint_identity(layout, rule, run)))
     return rule.version
 
 

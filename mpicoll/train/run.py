@@ -134,15 +134,15 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
         if rank < options.servers:
             layout = ps.Layout.split(comm, model.size, options.servers)
             rule, _ = method.rule(options, len(layout.workers))
-            checkpoint.check(ps.server.checkpoint_path(options.checkpoint, rank),
+            checkpoint.check(checkpoint.path(options.checkpoint, "server", rank),
                              ps.server.checkpoint_identity(layout, rule, run))
     else:
         checkpoint.check(_checkpoint_file(options, method, rank), run)
 
 
-def _checkpoint_file(options: Options, method: "Method", rank: int) -> str:
+def _checkpoint_file(options: Options, method: "Method", rank: int) -> Path:
     """The file this rank resumes from: one for allreduce methods (every rank holds the same), one per rank for SGP."""
-    return f"{options.checkpoint}.rank{rank}.npz" if method.runner is _sgp else f"{options.checkpoint}.npz"
+    return checkpoint.path(options.checkpoint, "rank" if method.runner is _sgp else None, rank)
 
 
 def _setup(comm, options, data, xp, workers: tuple[int, ...]):
