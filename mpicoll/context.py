@@ -268,15 +268,15 @@ class Context:
         note = np.zeros(1, np.uint8)
         for peer in self.others():
             self.comm.Isend([note, MPI.BYTE], peer, Tag.ROLL_CALL)      # abandoned if the peer is gone
-        grace = min(max(self.timeout, 1.0), 10.0)
-        heard, status, start = set(), MPI.Status(), time.perf_counter()
-        while len(heard) < self.size - 1 and time.perf_counter() - start < grace:
-            if self.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
-                source = status.Get_source()
-                self.comm.Recv([np.empty(1, np.uint8), MPI.BYTE], source, Tag.ROLL_CALL)
-                heard.add(source)
-            else:
-                time.sleep(1e-3)
+        heard, status, incoming = set(), MPI.Status(), np.empty(1, np.uint8)
+
+        def heard_everyone():
+            while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
+                heard.add(status.Get_source())
+                self.comm.Recv([incoming, MPI.BYTE], status.Get_source(), Tag.ROLL_CALL)
+            return True if len(heard) == self.size - 1 else None
+
+        self._poll(heard_everyone, lambda: None, limit=min(max(self.timeout, 1.0), 10.0))   # past it: stop looking
         return [peer for peer in self.others() if peer not in heard]
 
     def _break(self, error: Exception) -> Exception:
