@@ -172,6 +172,17 @@ def plot(records: list[dict], path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def _block_seconds(comm: MPI.Intracomm, call, calls: int) -> float:
+    """Seconds per ``call`` over one block of ``calls`` back to back, the slowest rank's."""
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = np.array((time.perf_counter() - start) / calls)
+    comm.Allreduce(MPI.IN_PLACE, elapsed, MPI.MAX)
+    return float(elapsed)
+
+
 def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> tuple[float, float]:
     """Seconds per 8-byte allreduce, back to back: (MPI through mpi4py, mpicoll's auto).
 
@@ -186,13 +197,7 @@ def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> 
     for _ in range(rounds):
         for name, call in (("mpi", lambda: MPI.Intracomm.Allreduce(comm, send, recv, MPI.SUM)),
                            ("auto", lambda: wrapped.Allreduce(send, recv))):
-            comm.Barrier()
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            elapsed = np.array((time.perf_counter() - start) / calls)
-            comm.Allreduce(MPI.IN_PLACE, elapsed, MPI.MAX)
-            best[name] = min(best[name], float(elapsed))
+            best[name] = min(best[name], _block_seconds(comm, call, calls))
     wrapped.close()
     return best["mpi"], best["auto"]
 
@@ -205,15 +210,7 @@ def fingerprint_seconds(comm: MPI.Intracomm, calls: int = 500, rounds: int = 5) 
     wrapped.Allreduce(np.ones(2, np.float32), np.empty(2, np.float32))       # sets up the context
     context = wrapped.__dict__["_context"]
     signature = Signature("Allreduce", 1 << 18, np.float32, "SUM", algorithm="ring")
-    best = float("inf")
-    for _ in range(rounds):
-        comm.Barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            check_fingerprint(context, signature)
-        elapsed = np.array((time.perf_counter() - start) / calls)
-        comm.Allreduce(MPI.IN_PLACE, elapsed, MPI.MAX)
-        best = min(best, float(elapsed))
+    best = min(_block_seconds(comm, lambda: check_fingerprint(context, signature), calls) for _ in range(rounds))
     wrapped.close()
     return best
 
