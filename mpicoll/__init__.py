@@ -12,7 +12,7 @@
 from .api import allgather, allreduce, broadcast, reduce_scatter
 from .communicator import Communicator
 from .errors import (CollectiveTimeout, MismatchError, MpicollError, NonFiniteError, PeerFailed, ReductionError,
-                     RootError, SetupError)
+                     RootError, ServerFailed, SetupError)
 from .failure import end_job
 
 __version__ = "0.1.0"
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator",
     "allreduce", "reduce_scatter", "allgather", "broadcast",
-    "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "NonFiniteError", "ReductionError",
-    "RootError", "SetupError", "end_job",
+    "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "NonFiniteError",
+    "ReductionError", "RootError", "SetupError", "end_job",
     "__version__",
 ]

@@ -7,7 +7,8 @@ of a few integers) and, if they differ, raises the same
 :class:`~mpicoll.errors.MismatchError` on every rank, with what each rank
 passed.  It also reports NaN or Inf in any rank's float contribution.  It
 costs one small collective, so the communicator runs it on its first call and
-on every call under ``MPICOLL_DEBUG=1``.
+on every call under ``MPICOLL_DEBUG=1``.  In between, large calls carry a
+:class:`Fingerprint`, compared across ranks while the data moves.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mpi4py import MPI
 
 from .errors import MismatchError, NonFiniteError, SetupError
 
-__all__ = ["Signature", "check_call", "check_fingerprint", "agree"]
+__all__ = ["Signature", "Fingerprint", "check_call", "agree"]
 
 
 class Signature:
@@ -75,28 +76,80 @@ def check_call(context, signature: Signature, contribution: np.ndarray | None = 
         raise NonFiniteError(signature.collective, bad.tolist())
 
 
-def check_fingerprint(context, signature: Signature) -> None:
-    """Raise the same :class:`MismatchError` on every rank if the ranks' calls differ.
+class Fingerprint:
+    """A cross-rank comparison of each call, carried alongside the call's own messages.
 
-    One 16-byte nonblocking allreduce (MAX of the call's hash and of its
-    negation: equal hashes everywhere exactly when max == -min) on the
-    context's side channel ``watch``, waited on with the deadline.  The hash
-    covers the collective, count, dtype, op, root and algorithm, so ranks that
-    chose different algorithms are caught too.
+    One persistent 16-byte allreduce (MAX of the call's hash and of its
+    negation: equal hashes everywhere exactly when max == -min) on a side
+    channel of its own, set up once per communicator and started as each call
+    starts (a persistent start costs well under a microsecond where starting
+    a fresh nonblocking allreduce costs several).  It progresses while the
+    algorithm moves the data.  The context looks at it whenever a wait lasts
+    (:meth:`raise_if_mismatched`), so ranks whose calls disagree and wait for
+    messages that never come learn it at once; :meth:`settle` waits for it as
+    the call ends, so ranks whose calls disagree yet complete never return the
+    result.  The hash covers the collective, count, dtype, op, root and
+    algorithm.  Every rank must create it together.
     """
-    code = _fingerprint((signature.collective, signature.count, signature.dtype.str, signature.op, signature.root,
-                         signature.algorithm))
-    both = np.array([code, -code], np.int64)
-    context.waitall([context.watch.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)], context.others())
-    if both[0] != -both[1]:
-        described = context.watch.allgather(str(signature))
-        raise MismatchError(signature.collective, dict(enumerate(described)))
+
+    def __init__(self, context):
+        self.context = context
+        self.channel = MPI.Intracomm(MPI.Intracomm.Dup(context.comm))
+        self.values = np.zeros(2, np.int64)
+        self.request = self.channel.Allreduce_init(MPI.IN_PLACE, self.values, MPI.MAX)
+        self.signature: Signature | None = None          # the call in flight
+        self.pending = False                             # its comparison not yet in
+        context.alarms.append(self.raise_if_mismatched)
+
+    def start(self, signature: Signature) -> None:
+        self.values[:] = _fingerprint(signature.collective, signature.count, signature.dtype.str, signature.op,
+                                      signature.root, signature.algorithm)
+        self.signature, self.pending = signature, True
+        self.request.Start()
+
+    def raise_if_mismatched(self) -> None:
+        """Raise the call's MismatchError (on every rank) if the comparison is in and the calls differ."""
+        if self.pending and self.request.Test():
+            self.pending = False
+            if self.values[0] != -self.values[1]:
+                self._raise()
+
+    def settle(self) -> None:
+        """Wait for the comparison in flight, if any (with the deadline); MismatchError if the calls differ."""
+        if self.pending:
+            if not self.request.Test():
+                self.context.waitall([self.request], self.context.others())
+            self.pending = False
+        if self.signature is not None and self.values[0] != -self.values[1]:
+            self._raise()
+        self.signature = None
+
+    def free(self, abandon: bool = False) -> None:
+        """Release the request and the side channel (kept, as the context's own, when abandoned)."""
+        if not abandon:
+            self.request.Free()
+            self.channel.Free()
+
+    def _raise(self) -> None:
+        """Every rank finds the same difference (the comparison is an allreduce): exchange what each
+        passed (fixed-size, with the deadline), and raise."""
+        signature, self.signature = self.signature, None      # no second look while describing
+        width = 240
+        mine = np.zeros(width, np.uint8)
+        text = str(signature).encode()[:width]
+        mine[:len(text)] = np.frombuffer(text, np.uint8)
+        everyone = np.zeros((self.context.size, width), np.uint8)
+        self.context.waitall([self.channel.Iallgather(mine, everyone)], self.context.others())
+        described = {rank: bytes(row).rstrip(b"\0").decode(errors="replace") for rank, row in enumerate(everyone)}
+        raise MismatchError(signature.collective, described)
 
 
 @functools.lru_cache(maxsize=256)
-def _fingerprint(key: tuple) -> int:
-    """The same integer on every rank for the same call (Python's own hash is salted per process)."""
-    return zlib.crc32(repr(key).encode())
+def _fingerprint(*key) -> np.ndarray:
+    """(code, -code), the code the same integer on every rank for the same call (Python's own hash is
+    salted per process)."""
+    code = zlib.crc32(repr(key).encode())
+    return np.array([code, -code], np.int64)
 
 
 def agree(comm, check) -> None:

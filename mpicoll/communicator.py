@@ -17,17 +17,18 @@ from mpi4py import MPI
 from . import algorithms, arrays
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
-from .checks import Signature, check_call, check_fingerprint
+from .checks import Fingerprint, Signature, check_call
 from .context import Context
 from .errors import RootError
 from .reduction import Reduction, op_name
 
 __all__ = ["Communicator", "FINGERPRINT_FROM"]
 
-# bytes: calls this large carry a cross-rank fingerprint.  auto's small-message threshold: a check costs
-# 5 us at 2 ranks and 36 us at 4 oversubscribed ranks, under 2% of a call from 2 MiB, 2.4-3.6% at 1 MiB
-# (mpicoll bench prints it; docs/benchmarks.md)
-FINGERPRINT_FROM = 2 << 20
+# elements (1 MiB of float64, 512 KiB of float32): calls this large that mpicoll's own algorithms carry are
+# compared across ranks while their data moves (checks.Fingerprint).  Counted in elements, not bytes, so
+# ranks that pass different dtypes agree on whether to compare.  mpicoll bench times the calls with and
+# without it in one run (docs/benchmarks.md).
+FINGERPRINT_FROM = 1 << 17
 
 
 class Communicator(MPI.Intracomm):
@@ -42,6 +43,7 @@ class Communicator(MPI.Intracomm):
     """
 
     algorithm = "auto"   # also the value for communicators mpi4py builds from this one
+    fingerprint_from = FINGERPRINT_FROM     # elements; a benchmark sets it to inf to time calls without
 
     def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -95,22 +97,22 @@ class Communicator(MPI.Intracomm):
         The full check is due on a communicator's first call (the call sequence
         is the same on every rank, so all check together) and on every call in
         debug mode.  Other calls that mpicoll's own algorithms carry, from
-        ``FINGERPRINT_FROM`` bytes, compare a fingerprint of the call across
-        ranks first, so ranks that disagree get a MismatchError, never a wrong
-        answer (:func:`~mpicoll.checks.check_fingerprint`).
+        ``fingerprint_from`` elements, carry a fingerprint of the call compared
+        across ranks while the data moves (:class:`~mpicoll.checks.Fingerprint`),
+        so ranks that disagree get a MismatchError, never a wrong answer.
         """
         context = self.__dict__.get("_context")
         first = context is None
         if first:
             context = self.__dict__["_context"] = Context(self)
-            context.watch = MPI.Intracomm(MPI.Intracomm.Dup(context.comm))   # every rank is here: checked
+            context.fingerprint = Fingerprint(context)      # every rank is here (Context checked)
         context.begin(signature.collective)
         if first or context.debug:
             check_call(context, signature, contribution if context.debug else None)   # finiteness: debug only
             if first and not context.debug and self.algorithm == "auto":
                 self._hand_small_calls_to_mpi()
-        elif signature.algorithm != "mpi" and signature.nbytes >= FINGERPRINT_FROM:
-            check_fingerprint(context, signature)
+        elif signature.algorithm != "mpi" and signature.count >= self.fingerprint_from:
+            context.fingerprint.start(signature)
         return context
 
     # -- the collectives ----------------------------------------------------
@@ -211,8 +213,18 @@ class Communicator(MPI.Intracomm):
         context = self._checked_context(signature, checked)
         if name is None:
             run_mpi()
-        else:
+            return
+        try:
             run_algorithm(algorithms.get(name), context)
+            context.settle_fingerprint()
+        except BaseException:
+            # Messages of the failed call may still be on their way.  A broken context stays (later calls
+            # are refused); otherwise (ranks that disagreed, an interrupt) it is retired: abandoned, not
+            # freed, and the next call sets up a fresh one.
+            if not context.broken:
+                self.__dict__.pop("_context", None)
+                context.free(abandon=True)
+            raise
 
 
 def _straight_to_mpi(name: str, mpi_call, checked_call, limit: float):

@@ -36,6 +36,12 @@ def _ranks_on_this_node(comm: MPI.Intracomm) -> int:
         local.Free()
 
 
+def _all_done(requests: list) -> bool:
+    """Whether every request has completed.  One request is tested alone: MPICH 5.0.2's Testall raises
+    ERR_IN_STATUS, every status saying success, on a completed persistent collective (the fingerprint's)."""
+    return requests[0].Test() if len(requests) == 1 else MPI.Request.Testall(requests)
+
+
 class Context:
     """A private duplicate of a communicator plus the services algorithms share."""
 
@@ -47,6 +53,10 @@ class Context:
         self.spin_seconds = _SPIN_SECONDS
         self.comm = comm
         self._broken: str | None = None
+        self.fingerprint = None     # a checks.Fingerprint, when the communicator compares its calls
+        # Checks a wait runs once it lasts; one that raises ends the wait with its error (ranks that
+        # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
+        self.alarms: list = []
         # Duplicating is a blocking collective: first make sure every rank is here.
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
@@ -69,25 +79,26 @@ class Context:
                              f"this node has {local} of them (use p2p or auto)")
         self._shared: SharedRegions | None = None
         self._scratch: dict[tuple, object] = {}
-        self.watch: MPI.Intracomm | None = None     # a side channel for cross-rank checks (mpicoll.checks)
 
-    def free(self, keep_channel: bool = False) -> None:
-        """Release the private communicator and the scratch memory.
+    def free(self, abandon: bool = False) -> None:
+        """Release the private communicator, the scratch and the shared memory.
 
-        After a lost peer (or with ``keep_channel``) the communicator is kept, not
-        freed: messages may still be on their way to it, and a freed communicator's
-        identity can be reused by the next one, which would take them for its own.
-        After a lost peer the shared-memory window is abandoned too: freeing a
-        window is collective, and would wait for the lost rank forever.
+        After a lost peer or a call the ranks disagreed on (or with ``abandon``)
+        the communicators and the shared window are abandoned, not freed:
+        messages may still be on their way, a freed communicator's identity can
+        be reused by the next one, which would take them for its own, and
+        freeing is collective, so it would wait forever for a rank that is gone
+        or elsewhere.
         """
         comm, self.comm = self.comm, MPI.COMM_NULL
-        watch, self.watch = self.watch, None
-        if comm != MPI.COMM_NULL and not (keep_channel or self.broken):
+        fingerprint, self.fingerprint = self.fingerprint, None
+        abandon = abandon or self.broken
+        if fingerprint is not None:
+            fingerprint.free(abandon)
+        if comm != MPI.COMM_NULL and not abandon:
             comm.Free()
-            if watch is not None:
-                watch.Free()
         self._scratch.clear()
-        if self._shared is not None and not self.broken:
+        if self._shared is not None and not abandon:
             self._shared.free()
         self._shared = None
 
@@ -128,8 +139,18 @@ class Context:
     def shared_regions(self) -> SharedRegions:
         """Every rank's shared-memory region (only when ``transport == "shared"``)."""
         if self._shared is None:
-            self._shared = SharedRegions(self.comm, before_growing=self.rendezvous)
+            self._shared = SharedRegions(self.comm, before_growing=self._before_growing)
         return self._shared
+
+    def _before_growing(self) -> None:
+        """Growing the shared window is a blocking collective: every rank must be here, with the same size."""
+        self.settle_fingerprint()
+        self.rendezvous()
+
+    def settle_fingerprint(self) -> None:
+        """Wait for the current call's fingerprint comparison, if any; MismatchError if the calls differ."""
+        if self.fingerprint is not None:
+            self.fingerprint.settle()
 
     def others(self) -> list[int]:
         return [q for q in range(self.size) if q != self.rank]
@@ -161,17 +182,18 @@ class Context:
         try:
             if self.timeout == 0:
                 MPI.Request.Waitall(requests)
-            elif not MPI.Request.Testall(requests):
+            elif not _all_done(requests):
                 self._wait_with_deadline(requests, peers, limit)
         except MPI.Exception as error:
             if error.Get_error_class() == MPI.ERR_TRUNCATE:
+                self.settle_fingerprint()       # names what every rank passed, on every rank
                 raise MismatchError(self.collective, {
                     self.rank: "received a larger message than its own count implies; "
                                "the ranks passed different counts (MPICOLL_DEBUG=1 names them)"}) from None
             if isinstance(peers, int):
                 peers = [peers] * len(requests)
             failed = [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
-            raise self._break(PeerFailed(self.collective, self.rank, self._missing(failed)[0],
+            raise self.broken_by(PeerFailed(self.collective, self.rank, self._missing(failed)[0],
                                          error.Get_error_string())) from None
 
     def waitany(self, requests: list, peers: list[int], patience: float | None = None) -> int | None:
@@ -198,12 +220,12 @@ class Context:
         waits that are not requests, such as data landing in a window; past the
         deadline a :class:`CollectiveTimeout` names ``peers``."""
         def give_up():
-            raise self._break(CollectiveTimeout(self.collective, self.rank, self._missing(peers)[0], self.timeout))
+            raise self.broken_by(CollectiveTimeout(self.collective, self.rank, self._missing(peers)[0], self.timeout))
 
         self._poll(lambda: True if ready() else None, give_up)
 
     def _wait_with_deadline(self, requests: list, peers, limit: float | None = None) -> None:
-        self._poll(lambda: True if MPI.Request.Testall(requests) else None,
+        self._poll(lambda: True if _all_done(requests) else None,
                    lambda: self._give_up(requests, peers, limit), limit)
 
     def _poll(self, ready, give_up, limit: float | None = None, default=None):
@@ -222,6 +244,8 @@ class Context:
                 return default
             if waited < self.spin_seconds:
                 continue
+            for alarm in self.alarms:              # a wait that lasts: is there a reason to stop waiting?
+                alarm()
             if waited < 10 * self.spin_seconds + 1e-3:
                 os.sched_yield()
             else:
@@ -240,7 +264,7 @@ class Context:
         collective_request = len(requests) == 1 and len(peers) > 1     # one or more of peers is missing
         stuck = list(peers) if collective_request else [p for r, p in zip(requests, peers) if not r.Test()]
         missing, sure = self._missing(stuck)
-        raise self._break(CollectiveTimeout(self.collective, self.rank, missing, limit or self.timeout,
+        raise self.broken_by(CollectiveTimeout(self.collective, self.rank, missing, limit or self.timeout,
                                             some_of=not sure and collective_request))
 
     def _missing(self, suspects) -> tuple[list[int], bool]:
@@ -279,7 +303,7 @@ class Context:
         self._poll(heard_everyone, lambda: None, limit=min(max(self.timeout, 1.0), 10.0))   # past it: stop looking
         return [peer for peer in self.others() if peer not in heard]
 
-    def _break(self, error: Exception) -> Exception:
+    def broken_by(self, error: Exception) -> Exception:
         """Mark the communicator unusable and arrange for the job to end at exit; returns ``error``."""
         self._broken = str(error)
         failure.end_at_exit(str(error))

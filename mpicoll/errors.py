@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "NonFiniteError", "MPIRefusal",
-           "ReductionError", "RootError", "SetupError"]
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "NonFiniteError",
+           "MPIRefusal", "ReductionError", "RootError", "SetupError"]
 
 
 class MPIRefusal(MPI.Exception):
@@ -79,6 +79,15 @@ class PeerFailed(MpicollError, ConnectionError):
         who = f"rank(s) {_ranks(self.peers)}" if self.peers else "a peer"
         super().__init__(f"{collective}: rank {rank} lost {who}: MPI reports {reason}; this communicator is "
                          "no longer usable")
+
+
+class ServerFailed(MpicollError):
+    """A parameter server raised (a checkpoint of another run, a lost worker under sync, a full disk, ...)
+    and told its workers why; raised on each worker, which cannot go on without that shard."""
+
+    def __init__(self, rank: int, server: int, reason: str):
+        self.rank, self.server, self.reason = rank, server, reason
+        super().__init__(f"worker rank {rank}: parameter server rank {server} failed: {reason}")
 
 
 class NonFiniteError(MpicollError, FloatingPointError):

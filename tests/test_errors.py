@@ -74,29 +74,53 @@ def test_nan_contribution_is_named_in_debug_mode(debug):
         everywhere(isinstance(error, mpicoll.NonFiniteError) and "rank(s) 1 " in str(error), repr(error))
 
 
+OWN_ALGORITHMS = [name for name in mpicoll.algorithms.REGISTRY if name != "mpi"]
+CHANNELS = [("ring", "shared"), *[(name, "p2p") for name in OWN_ALGORITHMS]]
+
+
+def _disagreeing_call(comm, case: str):
+    """One call of at least FINGERPRINT_FROM elements on every rank, that the ranks disagree on by ``case``."""
+    n = mpicoll.communicator.FINGERPRINT_FROM + (RANK if case.endswith("count") else 0)
+    dtype = np.float32 if case == "dtype" and RANK == P - 1 else np.float64
+    op = MPI.MAX if case == "op" and RANK == P - 1 else MPI.SUM
+    data = np.ones(n, dtype)
+    if case == "root":
+        return lambda: comm.Bcast(data, root=RANK % 2)
+    if case == "allgather count":
+        return lambda: comm.Allgather(data, np.empty(n * P, dtype))
+    if case == "reduce_scatter count":
+        return lambda: comm.Reduce_scatter_block(np.ones(n * P, dtype), data)
+    return lambda: comm.Allreduce(MPI.IN_PLACE, data, op)
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("case", ["count", "op", "dtype", "root", "algorithm"])
-def test_mismatches_after_the_first_call_are_caught_on_every_rank(monkeypatch, case):
-    """Without debug mode, a call mpicoll's algorithms carry (>= 1 MiB) still compares a fingerprint:
-    ranks that disagree all get MismatchError, never a wrong answer that differs per rank."""
+@pytest.mark.parametrize("case", ["count", "op", "dtype", "root", "allgather count", "reduce_scatter count"])
+@pytest.mark.parametrize("algorithm,channel", CHANNELS, ids=[f"{a}-{c}" for a, c in CHANNELS])
+def test_mismatches_after_the_first_call_are_caught_on_every_rank(monkeypatch, algorithm, channel, case):
+    """Without debug mode, calls mpicoll's algorithms carry from FINGERPRINT_FROM elements carry a
+    fingerprint: ranks that disagree all get MismatchError naming what each passed, promptly (not a
+    timeout), never a wrong answer that differs per rank; and the communicator works afterwards."""
     monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
-    n = (2 << 20) // 4 + 5              # float64 and float32 alike above the fingerprint's 2 MiB
-    algorithm = "parallel" if case == "algorithm" and RANK == 1 else "ring"
+    monkeypatch.setenv("MPICOLL_CHANNEL", channel)
     with mpicoll.Communicator(WORLD, algorithm=algorithm) as comm:
-        first = raised(lambda: comm.Allreduce(np.ones(4), np.empty(4)))     # the first call's full check
-        if case == "algorithm":           # caught there already: the algorithm is part of the call's signature
-            everywhere(isinstance(first, mpicoll.MismatchError) and "algorithm=parallel" in str(first), repr(first))
-            return
-        count = n + (RANK if case == "count" else 0)
-        dtype = np.float32 if case == "dtype" and RANK == 1 else np.float64
-        op = MPI.MAX if case == "op" and RANK == 1 else MPI.SUM
-        data = np.ones(count, dtype)
-        if case == "root":
-            call = lambda: comm.Bcast(data, root=RANK % 2)  # noqa: E731
-        else:
-            call = lambda: comm.Allreduce(MPI.IN_PLACE, data, op)  # noqa: E731
-        error = raised(call)
-    everywhere(isinstance(error, mpicoll.MismatchError), repr(error))
+        comm.Allreduce(np.ones(4), np.empty(4))              # the first call's full check passes
+        error = raised(_disagreeing_call(comm, case))
+        everywhere(isinstance(error, mpicoll.MismatchError), repr(error))
+        everywhere(len(error.per_rank) == P and len(set(error.per_rank.values())) > 1, str(error))
+        data = np.random.default_rng(RANK).standard_normal(mpicoll.communicator.FINGERPRINT_FROM + 3)
+        expected = np.empty_like(data)
+        MPI.Intracomm.Allreduce(WORLD, data, expected)
+        comm.Allreduce(MPI.IN_PLACE, data)                    # a fresh channel after the disagreement
+        everywhere(np.allclose(data, expected), "wrong sum after a caught mismatch")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_algorithms_fail_on_the_first_call(monkeypatch):
+    """The algorithm is part of every call's signature: caught by the first call's full check."""
+    monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
+    with mpicoll.Communicator(WORLD, algorithm="parallel" if RANK == 1 else "ring") as comm:
+        error = raised(lambda: comm.Allreduce(np.ones(4), np.empty(4)))
+        everywhere(isinstance(error, mpicoll.MismatchError) and "algorithm=parallel" in str(error), repr(error))
 
 
 @pytest.mark.mpi

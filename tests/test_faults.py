@@ -9,13 +9,16 @@ hang cannot pass for a timeout), and that no checkpoint file was touched.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import launch
+from conftest import ROOT, launch, mpiexec
 
 TIMEOUT_ENV = {"MPICOLL_TIMEOUT": "600", "OPENBLAS_NUM_THREADS": "1"}
 PROMPT_S = 60          # a failure must reach every rank well within this
@@ -178,4 +181,53 @@ def test_a_lost_rank_is_named_by_every_survivor_and_the_job_ends(tmp_path, algor
     assert f"rank {victim}:" not in result.stdout
     assert "ends the job" in result.stderr
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+
+
+def _rank_of(pid: str) -> int | None:
+    """The MPI rank Hydra gave a Python process (PMI_RANK in its environment); None for other processes."""
+    try:
+        if not open(f"/proc/{pid}/comm").read().startswith("python"):
+            return None                                 # scripts/launch's shell around each rank
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    ranks = [item.split(b"=", 1)[1] for item in environ if item.startswith(b"PMI_RANK=")]
+    return int(ranks[0]) if ranks else None
+
+
+def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path):
+    """``scripts/launch --keep-going`` allreduce training, one of 3 ranks SIGKILLed once training is under
+    way: each survivor says once which rank it lost, the job ends with MPI_Abort's status (70) instead
+    of hanging in MPI_Finalize, and no process is left behind."""
+    log = tmp_path / "run.jsonl"
+    marker = str(tmp_path / "kill-me.npz")          # names this job's processes
+    data = data_file(tmp_path, "kill-me.npz", rows=3000)
+    job = subprocess.Popen(
+        [str(ROOT / "scripts" / "launch"), "--keep-going", "-n", "3", sys.executable, "-m", "mpicoll", "train",
+         "--quiet", "--method", "allreduce-ring", "--model", "mlp", "--epochs", "100000", "--data", data,
+         "--output", str(log)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec(), "MPICOLL_TIMEOUT": "5",
+                       "MPICOLL_END_BROKEN_JOBS": "1", "OPENBLAS_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.perf_counter() + 60
+        while time.perf_counter() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+            time.sleep(0.1)                          # a few epochs logged: training is under way
+        victims = [pid for pid in subprocess.run(["pgrep", "-f", marker], capture_output=True,
+                                                 text=True).stdout.split() if _rank_of(pid) == 2]
+        assert victims, "rank 2 not found"
+        killed = time.perf_counter()
+        os.kill(int(victims[0]), signal.SIGKILL)
+        stdout, stderr = job.communicate(timeout=60)
+        seconds = time.perf_counter() - killed
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    lines = [line for line in stderr.splitlines() if line.startswith("mpicoll train: rank ")]
+    assert job.returncode == 70 and seconds < 30, (job.returncode, seconds, stderr[-2000:])
+    assert sorted(line.split(":")[1] for line in lines) == [" rank 0", " rank 1"], stderr[-2000:]
+    assert all("for rank(s) 2," in line for line in lines), lines
+    assert "Traceback" not in stderr and "Segmentation" not in stderr, stderr[-2000:]
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"

@@ -173,6 +173,27 @@ def test_a_drained_state_resumes_exactly(mailbox):
     everywhere(same, f"resumed run differs by {np.abs(got - expected).max():.2e}")
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("wrong", ["size", "dtype", "round", "missing"])
+def test_a_state_that_does_not_fit_on_one_rank_is_refused_on_every_rank(wrong):
+    """load_state is collective: one rank's bad state stops every rank at once (SetupError naming it),
+    instead of leaving the others to gossip into a timeout; nothing changes."""
+    x0 = np.arange(8, dtype=np.float32) + RANK
+    pushsum = gossip.PushSum(WORLD, x0, graph="exponential", mailbox="p2p")
+    state = {"x": np.zeros(8, np.float32), "weight": np.array(1.0), "round": np.array(4)}
+    if RANK == P - 1:
+        state = {"size": {**state, "x": np.zeros(9, np.float32)}, "dtype": {**state, "x": np.zeros(8)},
+                 "round": {**state, "round": np.array(5)}, "missing": {"weight": state["weight"]}}[wrong]
+    error = None
+    try:
+        pushsum.load_state(state)
+    except mpicoll.SetupError as caught:
+        error = caught
+    unchanged = np.array_equal(pushsum.x, x0) and pushsum.round == 0
+    pushsum.close()
+    everywhere(error is not None and f"rank {P - 1}" in str(error) and unchanged, f"{error!r}, unchanged {unchanged}")
+
+
 def test_mixing_matrices_are_validated():
     problems = []
     good = random_matrix(1, 4)

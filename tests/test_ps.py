@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,7 +176,8 @@ def test_a_silent_worker_is_dropped_and_training_goes_on(transport):
 
 @pytest.mark.mpi(min_size=3)
 def test_sync_names_the_worker_it_lost(monkeypatch):
-    monkeypatch.setenv("MPICOLL_TIMEOUT", "4")       # the waiting workers give up too
+    """The server raises WorkerLost and tells the waiting workers, who stop with ServerFailed saying why."""
+    monkeypatch.setenv("MPICOLL_TIMEOUT", "30")      # the waiting workers must hear it long before this
     server = ps.ParameterServer(WORLD, np.zeros(4), ps.Sync(lr=0.1), servers=1)
     silent = server.layout.workers[-1]
     outcome = "finished"
@@ -192,7 +194,7 @@ def test_sync_names_the_worker_it_lost(monkeypatch):
             for _ in range(3):
                 server.client.exchange(np.ones(4))
             server.client.close()
-    except (ps.WorkerLost, mpicoll.CollectiveTimeout) as error:
+    except (ps.WorkerLost, mpicoll.MpicollError) as error:
         outcome = f"{type(error).__name__}: {error}"
     server.close()
     if server.is_server:
@@ -200,7 +202,7 @@ def test_sync_names_the_worker_it_lost(monkeypatch):
     elif RANK == silent:
         ok = outcome == "finished"
     else:
-        ok = outcome.startswith("CollectiveTimeout")
+        ok = outcome.startswith(f"ServerFailed: worker rank {RANK}: parameter server rank 0 failed: WorkerLost")
     everywhere(ok, outcome)
 
 
@@ -297,6 +299,44 @@ def test_a_resumed_sync_run_ends_with_the_same_weights(tmp_path_factory, transpo
     resumed, first = run(30, checkpoint=f"{folder}/job", resume=True)
     everywhere(first is None or first == 17, f"resumed at update {first}, the run stopped at 17")
     everywhere(np.array_equal(straight, resumed), f"resumed run differs by {np.abs(straight - resumed).max():.2e}")
+
+
+@TRANSPORTS
+def test_a_server_that_cannot_resume_stops_its_workers_at_once(tmp_path_factory, transport):
+    """Library level: a server refusing a checkpoint of another run tells its workers, who raise
+    ServerFailed with the reason within seconds, not after their timeout; the checkpoint is kept."""
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("checkpoints")) if RANK == 0 else None)
+    servers = 2 if P >= 4 else 1
+    saved = ps.ParameterServer(WORLD, np.zeros(6), ps.Sync(lr=0.1), servers=servers, transport=transport)
+    if saved.is_server:
+        saved.serve(checkpoint=f"{folder}/job")
+    else:
+        saved.client.pull()
+        saved.client.exchange(np.ones(6))
+        saved.client.close()
+    saved.gather_weights()
+    saved.close()
+    kept = {path.name: path.read_bytes() for path in sorted(Path(folder).iterdir())}
+
+    other = ps.ParameterServer(WORLD, np.zeros(6), ps.Async(lr=0.1), servers=servers, transport=transport)
+    start, outcome = time.perf_counter(), "finished"
+    try:
+        if other.is_server:
+            other.serve(checkpoint=f"{folder}/job", resume=True)
+        else:
+            other.client.pull()
+    except Exception as error:  # noqa: BLE001 - the test inspects whatever came out
+        outcome = f"{type(error).__name__}: {error}"
+    seconds = time.perf_counter() - start
+    other.close()
+    if other.is_server:
+        ok = outcome.startswith("CheckpointMismatch") and "sync" in outcome and "async" in outcome
+    else:
+        ok = (outcome.startswith(f"ServerFailed: worker rank {RANK}: parameter server rank ")
+              and "CheckpointMismatch" in outcome and seconds < 10)
+    everywhere(ok, f"{outcome} after {seconds:.1f} s")
+    now = {path.name: path.read_bytes() for path in sorted(Path(folder).iterdir())}
+    everywhere(now == kept, "the refused resume changed the checkpoint files")
 
 
 @pytest.mark.mpi(min_size=3)

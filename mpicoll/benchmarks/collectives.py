@@ -52,8 +52,11 @@ COLLECTIVES = {
 }
 
 
-def _calls(comm: MPI.Intracomm, names: list[str], collective: str):
-    """One function per algorithm: (send, recv) -> None (Bcast uses recv alone, from rank 0)."""
+def _calls(comm: MPI.Intracomm, names: list[str], collective: str, fingerprints: bool = True):
+    """One function per algorithm: (send, recv) -> None (Bcast uses recv alone, from rank 0).
+
+    ``fingerprints=False``: mpicoll's calls without the cross-rank fingerprint (to time what it costs).
+    """
     method = COLLECTIVES[collective][0]
     calls = {}
     for name in names:
@@ -63,6 +66,8 @@ def _calls(comm: MPI.Intracomm, names: list[str], collective: str):
                            else (lambda s, r, c=target, f=raw: f(c, s, r)))
         else:
             wrapped = Communicator(comm, algorithm=name)
+            if not fingerprints:
+                wrapped.fingerprint_from = float("inf")
             # looked up per call, as user code does (auto installs a faster method after its first call)
             calls[name] = ((lambda s, r, c=wrapped, m=method: getattr(c, m)(r, 0)) if collective == "bcast"
                            else (lambda s, r, c=wrapped, m=method: getattr(c, m)(s, r)))
@@ -202,17 +207,45 @@ def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> 
     return best["mpi"], best["auto"]
 
 
-def fingerprint_seconds(comm: MPI.Intracomm, calls: int = 500, rounds: int = 5) -> float:
-    """Seconds per cross-rank fingerprint check (what every call of mpicoll's own algorithms from
-    FINGERPRINT_FROM bytes adds), back to back, fastest of ``rounds`` blocks, slowest rank's."""
-    from ..checks import Signature, check_fingerprint
-    wrapped = Communicator(comm)
-    wrapped.Allreduce(np.ones(2, np.float32), np.empty(2, np.float32))       # sets up the context
-    context = wrapped.__dict__["_context"]
-    signature = Signature("Allreduce", 1 << 18, np.float32, "SUM", algorithm="ring")
-    best = min(_block_seconds(comm, lambda: check_fingerprint(context, signature), calls) for _ in range(rounds))
-    wrapped.close()
-    return best
+def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], dtype, collective: str,
+                      pairs: int = 200, warmup: int = 3) -> list[dict]:
+    """What the cross-rank fingerprint adds to each own algorithm's calls, timed in the same run.
+
+    For every size from ``FINGERPRINT_FROM`` elements, calls with and without
+    the fingerprint alternate (a barrier before each, the order swapped every
+    pair).  The cost is the median of the pairs' differences (slowest rank's
+    times), which drift in the machine's speed cancels out of, as a share of
+    the median call without it.
+    """
+    own = [name for name in names if name not in (PEER, "auto")]
+    dtype = np.dtype(dtype)
+    variants = (_calls(comm, own, collective), _calls(comm, own, collective, fingerprints=False))
+    rng = np.random.default_rng(99 + comm.Get_rank())
+    costs = []
+    for nbytes in sizes:
+        count, send, recv_count = _buffers(collective, nbytes // dtype.itemsize, comm.Get_size(), dtype, rng)
+        per_rank = count // comm.Get_size() if collective in ("reduce_scatter", "allgather") else count
+        if per_rank < FINGERPRINT_FROM:       # what a call's signature counts: one rank's block for these
+            continue
+        out = np.empty(recv_count, dtype)
+        if collective == "bcast":
+            out[...] = send
+        for name in own:
+            calls = [variant[name] for variant in variants]
+            for call in calls * warmup:
+                call(send, out)
+            times = np.empty((2, pairs))
+            for i in range(pairs):
+                for j in (0, 1) if i % 2 == 0 else (1, 0):
+                    comm.Barrier()
+                    start = time.perf_counter()
+                    calls[j](send, out)
+                    times[j, i] = time.perf_counter() - start
+            comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+            added, without = float(np.median(times[0] - times[1])), float(np.median(times[1]))
+            costs.append({"algorithm": name, "bytes": count * dtype.itemsize, "without_s": without,
+                          "added_s": added, "cost": added / without})
+    return costs
 
 
 def run(args) -> int:
@@ -231,14 +264,16 @@ def run(args) -> int:
     records = measure(comm, names, sizes, args.dtype, args.iters, args.min_iters, args.warmup,
                       report=lambda row: print(table_row(row), file=out, flush=True), collective=args.collective)
     raw, wrapped = python_overhead(comm)
-    check = fingerprint_seconds(comm) if comm.Get_size() > 1 else 0.0
+    costs = fingerprint_costs(comm, names, sizes, args.dtype, args.collective) if comm.Get_size() > 1 else []
     if comm.Get_rank() == 0:
         print(f"# per-call overhead of the Python layer at 8 B: {(wrapped - raw) * 1e6:+.2f} us "
               f"(auto {wrapped * 1e6:.2f} us vs mpi {raw * 1e6:.2f} us per call, back to back)", file=out)
-        costs = [f"{format_bytes(r['bytes'])} {r['algorithm']} {100 * check / r['time_s']:.1f}%" for r in records
-                 if r["bytes"] >= FINGERPRINT_FROM and r["algorithm"] not in (PEER, "auto")]
-        print(f"# cross-rank fingerprint per call from {format_bytes(FINGERPRINT_FROM)}: {check * 1e6:.1f} us"
-              + (f" = {', '.join(costs)} of the call" if costs else ""), file=out)
+        if costs:
+            print(f"# cross-rank fingerprint (calls of {FINGERPRINT_FROM} elements and more): time it adds, "
+                  "median of paired differences with - without:", file=out)
+            for c in costs:
+                print(f"#   {format_bytes(c['bytes']):>8} {c['algorithm']:<20} {c['added_s'] * 1e6:+8.1f} us on "
+                      f"{c['without_s'] * 1e6:9.1f} us = {100 * c['cost']:+.1f}%", file=out)
         if args.output:
             write_records(args.output, records, out)
         if args.plot:

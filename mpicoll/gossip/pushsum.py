@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import arrays, compute
+from ..checks import agree
 from ..context import Context
 from ..progress import Progress
 from .mailbox import OneSidedMailbox, PointToPointMailbox
@@ -133,11 +134,33 @@ class PushSum:
         return {"x": self.x.copy(), "weight": np.array(self.weight), "round": np.array(self.round)}
 
     def load_state(self, state) -> None:
-        if state["x"].shape != self.x.shape or state["x"].dtype != self.x.dtype:
-            raise ValueError(f"checkpoint holds {state['x'].shape} {state['x'].dtype} parameters; this push-sum "
-                             f"has {self.x.shape} {self.x.dtype}")
+        """Continue from a :meth:`state`, each rank from its own (collective: every rank calls it).
+
+        A state that does not fit this push-sum on any rank, or states of
+        different rounds, are refused on every rank with one
+        :class:`~mpicoll.errors.SetupError` before anything changes: gossip
+        between ranks at different rounds would wait forever for messages.
+        """
+        def round_of(state) -> int | None:
+            try:
+                return int(state["round"])
+            except (KeyError, TypeError, ValueError):
+                return None
+
+        rounds = self.ctx.comm.allgather(round_of(state))
+
+        def fits() -> None:
+            x = state["x"]
+            if x.shape != self.x.shape or x.dtype != self.x.dtype:
+                raise ValueError(f"the state holds {x.shape} {x.dtype} parameters; this push-sum has "
+                                 f"{self.x.shape} {self.x.dtype}")
+            if rounds[self.rank] != rounds[0]:
+                raise ValueError(f"the state is at round {rounds[self.rank]}, rank 0's at round {rounds[0]}: "
+                                 "resume every rank from states saved at the same point")
+
+        agree(self.ctx.comm, fits)
         self.x[...] = state["x"]
-        self.weight, self.round = float(state["weight"]), int(state["round"])
+        self.weight, self.round = float(state["weight"]), rounds[self.rank]
         self.folded = self.round
         self.mailbox.restart_at(self.round)
 

@@ -28,6 +28,7 @@ from ..context import Context
 from ..tags import Tag
 from .client import Client, Schedule
 from .layout import Layout
+from .protocol import tell_workers
 from .rules import DCASGD, RULES, Async, Downpour, Rule, SoftSync, Sync, make
 from .server import Server, ServerStats, WorkerLost
 from .transports import TRANSPORTS
@@ -85,9 +86,14 @@ class ParameterServer:
         if resume and not checkpoint:
             raise ValueError("resume=True needs the checkpoint prefix to resume from")
         self._unclean = True          # until serve returns: an error leaves messages in flight
-        self.stats = Server(self.context, self.layout, self.rule, self.weights, self.windows,
-                            worker_timeout).run(checkpoint=checkpoint, every=every, resume=resume,
-                                                warm_start=warm_start, identity=identity)
+        try:
+            self.stats = Server(self.context, self.layout, self.rule, self.weights, self.windows,
+                                worker_timeout).run(checkpoint=checkpoint, every=every, resume=resume,
+                                                    warm_start=warm_start, identity=identity)
+        except Exception as error:
+            tell_workers(self.context, self.layout.workers, error)      # they stop now, not at their timeout
+            self.context.broken_by(error)
+            raise
         self._unclean = bool(self.stats.lost)
         return self.stats
 
@@ -141,8 +147,8 @@ class ParameterServer:
         lost = self.stats.lost if self.is_server and self.stats else self.client and self.client.servers_lost
         if self.client is not None:
             self.client.weights = self.client.weights.copy()      # off the window memory
-        if self.windows is not None and not lost and not self._unclean:
+        if self.windows is not None and not lost and not self._unclean and not self.context.broken:
             self.context.rendezvous()
             self.windows.free()
         self.windows = None
-        self.context.free(keep_channel=self._unclean)
+        self.context.free(abandon=self._unclean)

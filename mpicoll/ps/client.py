@@ -7,7 +7,7 @@ import numpy as np
 from .. import arrays
 from ..context import Context
 from .layout import Layout
-from .protocol import Kind
+from .protocol import Kind, listen_for_failures
 from .transports import client_side
 from .windows import Windows
 
@@ -26,6 +26,7 @@ class Client:
     def __init__(self, ctx: Context, layout: Layout, dtype, windows: Windows | None = None,
                  reads_live: bool = True):
         self.layout = layout
+        listen_for_failures(ctx, layout.servers)       # a server that fails says why: stop at once
         self.transport = client_side(ctx, layout, dtype, windows, reads_live)
         self.weights = self.transport.weights
         self.versions = {server: 0 for server in layout.servers}
