@@ -1,13 +1,21 @@
 """The ``mpicoll`` command: ``train``, ``bench``, ``bench-ps``, ``bench-gossip`` and ``info`` (under
-mpiexec), ``compare``, ``plot`` and ``bench-kernels`` (one process)."""
+mpiexec), ``compare``, ``plot`` and ``bench-kernels`` (one process), ``cluster`` (an emulated cluster)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 __all__ = ["main"]
+
+
+def _float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
 
 
 def _bench_parser(commands) -> None:
@@ -24,6 +32,9 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm (default 3)")
     bench.add_argument("--output", metavar="FILE.json", help="write one record per (algorithm, size)")
     bench.add_argument("--plot", metavar="FILE.png", help="draw bus bandwidth against size")
+    bench.add_argument("--link-gbps", type=float, default=_float_or_none(os.environ.get("MPICOLL_LINK_GBPS")),
+                       help="the nodes' link rate in Gbit/s: report each time as a share of the link bound "
+                            "across nodes (default $MPICOLL_LINK_GBPS, which mpicoll cluster run sets)")
 
 
 def _bench_kernels_parser(commands) -> None:
@@ -109,7 +120,7 @@ def info() -> int:
 _RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".benchmarks.kernels", "run"),
             "bench-ps": (".benchmarks.parameter_servers", "run"), "bench-gossip": (".benchmarks.gossip", "run"),
             "train": (".train", "main"),
-            "compare": (".train", "compare_main"), "plot": (".train", "plot_main")}
+            "compare": (".train", "compare_main"), "plot": (".train", "plot_main"), "cluster": (".cluster", "main")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     add_train_parser(commands)
     add_compare_parsers(commands)
     _info_parser(commands)
+    from .cluster import add_parser as add_cluster_parser
+    add_cluster_parser(commands)
     args, passthrough = parser.parse_known_args(argv)
-    if passthrough and args.command != "compare":
+    if passthrough and args.command not in ("compare", "cluster"):
         parser.error(f"unrecognized arguments: {' '.join(passthrough)}")
     args.train_args = passthrough                  # compare hands them to every training run
     if args.command in _RUNNERS:                   # imported on use: each pulls in its own dependencies

@@ -57,6 +57,8 @@ class Context:
         # Checks a wait runs once it lasts; one that raises ends the wait with its error (ranks that
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
+        self.children: list[Context] = []     # contexts over parts of this one (mpicoll.nodes), freed with it
+        self.node_layout = None               # mpicoll.nodes.NodeLayout, once an algorithm asked for it
         # Duplicating is a blocking collective: first make sure every rank is here.
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
@@ -95,6 +97,9 @@ class Context:
         abandon = abandon or self.broken
         if fingerprint is not None:
             fingerprint.free(abandon)
+        for child in self.children:
+            child.free(abandon)
+        self.children, self.node_layout = [], None
         if comm != MPI.COMM_NULL and not abandon:
             comm.Free()
         self._scratch.clear()

@@ -1,8 +1,8 @@
 """Finding the MPI launcher: the one place that knows how to start N ranks from Python.
 
-Used by ``mpicoll compare`` (one ``mpicoll train`` job per method) and by the
-tests that launch real jobs.  Shell scripts use ``scripts/launch``, which also
-validates hostfiles.
+Used by ``mpicoll compare`` (one ``mpicoll train`` job per method), by
+``mpicoll cluster run`` and by the tests that launch real jobs.  Shell scripts
+use ``scripts/launch``, which also validates hostfiles.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["mpiexec_command"]
+__all__ = ["launcher", "mpiexec_command"]
 
 
-def mpiexec_command(ranks: int, flags=()) -> list[str]:
-    """The command that starts ``ranks`` ranks: $MPIEXEC (a command, e.g. "srun --mpi=pmix"), else the
-    launcher next to this Python (the MPICH wheel's) or on PATH, with the flags it needs and ``flags``."""
+def launcher() -> tuple[list[str], str]:
+    """(the launcher command, its flavour: "mpich", "openmpi" or "other").
+
+    $MPIEXEC (a command, e.g. "srun --mpi=pmix"), else the launcher next to this
+    Python (the MPICH wheel's) or on PATH.
+    """
     beside = Path(sys.executable).parent / "mpiexec"
     command = shlex.split(os.environ.get("MPIEXEC", "")) or [str(beside) if beside.exists()
                                                              else shutil.which("mpiexec")]
@@ -27,5 +30,13 @@ def mpiexec_command(ranks: int, flags=()) -> list[str]:
         raise FileNotFoundError("no mpiexec found beside this Python or on PATH: pip install mpich, or load "
                                 "your site's MPI (or set MPIEXEC)")
     version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
-    extra = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
+    flavour = ("openmpi" if "Open MPI" in version or "OpenRTE" in version
+               else "mpich" if "HYDRA" in version or "MPICH" in version else "other")
+    return command, flavour
+
+
+def mpiexec_command(ranks: int, flags=()) -> list[str]:
+    """The command that starts ``ranks`` ranks, with the flags the launcher needs and ``flags``."""
+    command, flavour = launcher()
+    extra = ["--oversubscribe"] if flavour == "openmpi" else []
     return [*command, *extra, *flags, "-n", str(ranks)]

@@ -104,6 +104,12 @@ def ranks_share_one_node(comm: MPI.Intracomm = MPI.COMM_WORLD) -> bool:
         local.Free()
 
 
+def require_one_node(channel: str | None = "shared") -> None:
+    """Skip a test that forces the shared-memory channel when the ranks span several nodes."""
+    if channel == "shared" and not ranks_share_one_node():
+        pytest.skip("the shared-memory channel needs every rank on one node")
+
+
 def shared_seed(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     """Fresh entropy, the same on every rank (so a failure can name one seed to replay)."""
     return comm.bcast(int(np.random.SeedSequence().entropy % (1 << 63)) if comm.Get_rank() == 0 else None)

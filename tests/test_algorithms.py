@@ -12,7 +12,7 @@ from mpicoll.chunks import balanced_bounds, segments
 class TestAuto:
     def test_defaults_pick_mpi_small_and_ring_large(self):
         assert auto.choose("allreduce", 8, 4) == "mpi"
-        assert auto.choose("allreduce", 64 << 20, 4) == "ring"
+        assert auto.choose("allreduce", 64 << 20, 4) == "hierarchical"      # the ring on one node
         assert auto.choose("allreduce", 64 << 20, 1) == "mpi"
         assert auto.choose("allreduce", 64 << 20, 4, commutative=False) == "mpi"
 
@@ -28,7 +28,7 @@ class TestAuto:
             auto.choose("bcast", 8, 4)
 
     def test_registry(self):
-        assert set(names()) == {"ring", "parallel", "recursive_doubling", "direct", "mpi", "auto"}
+        assert set(names()) == {"ring", "parallel", "recursive_doubling", "direct", "hierarchical", "mpi", "auto"}
         assert set(names(device=True)) == {"direct", "mpi", "auto"}
         assert get("ring").name == "ring"
         with pytest.raises(ValueError, match="Unrecognized algorithm: 'rung'"):

@@ -14,19 +14,24 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import DLPackOnly, InterfaceOnly, P, RANK, WORLD, everywhere, ranks_share_one_node, shared_seed
+from mpicoll.algorithms import hierarchical
+from conftest import DLPackOnly, InterfaceOnly, P, RANK, WORLD, everywhere, require_one_node, shared_seed
 
 pytestmark = pytest.mark.mpi
 
 
 # (id, algorithm, environment): the ring is run over both of its channels,
 # with small segments so that small test buffers still take the pipelined path.
+# Under the multi-node tier (scripts/run-tests: 2 emulated nodes x 2 ranks),
+# ``hierarchical`` runs its intra-node and inter-node phases.
 VARIANTS = [
     ("ring-p2p", "ring", {"MPICOLL_CHANNEL": "p2p", "MPICOLL_SEGMENT": "1K"}),
     ("ring-shared", "ring", {"MPICOLL_CHANNEL": "shared", "MPICOLL_SEGMENT": "1K"}),
     ("parallel", "parallel", {}),
     ("recursive_doubling", "recursive_doubling", {}),
     ("direct", "direct", {}),
+    ("hierarchical", "hierarchical", {"MPICOLL_SEGMENT": "1K"}),    # the ring on one node; across nodes its own
+    ("hierarchical-p2p", "hierarchical", {"MPICOLL_CHANNEL": "p2p", "MPICOLL_SEGMENT": "1K"}),
     ("mpi", "mpi", {}),
     ("auto", "auto", {"MPICOLL_AUTO_ALLREDUCE": "mpi:64,ring", "MPICOLL_AUTO_REDUCE_SCATTER_BLOCK": "mpi:64,ring",
                       "MPICOLL_AUTO_ALLGATHER": "mpi:64,ring", "MPICOLL_AUTO_BCAST": "mpi:64,ring"}),
@@ -55,10 +60,11 @@ REDUCTIONS = [  # (dtype, ops)
 @pytest.fixture(params=VARIANTS, ids=[v[0] for v in VARIANTS])
 def comm(request, monkeypatch):
     _, algorithm, environment = request.param
-    if environment.get("MPICOLL_CHANNEL") == "shared" and not ranks_share_one_node():
-        pytest.skip("the shared-memory channel needs every rank on one node")
+    require_one_node(environment.get("MPICOLL_CHANNEL"))
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
+    if algorithm == "hierarchical":          # its own phases at every test size, not MPI's for small ones
+        monkeypatch.setattr(hierarchical, "ACROSS_NODES_FROM", 0)
     communicator = mpicoll.Communicator(WORLD, algorithm=algorithm)
     communicator.Barrier()
     with communicator:

@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import P, RANK, WORLD, everywhere
+from conftest import P, RANK, WORLD, everywhere, require_one_node
 
 pytestmark = pytest.mark.mpi
 
@@ -100,6 +100,7 @@ def test_mismatches_after_the_first_call_are_caught_on_every_rank(monkeypatch, a
     """Without debug mode, calls mpicoll's algorithms carry from FINGERPRINT_FROM elements carry a
     fingerprint: ranks that disagree all get MismatchError naming what each passed, promptly (not a
     timeout), never a wrong answer that differs per rank; and the communicator works afterwards."""
+    require_one_node(channel)
     monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
     monkeypatch.setenv("MPICOLL_CHANNEL", channel)
     with mpicoll.Communicator(WORLD, algorithm=algorithm) as comm:

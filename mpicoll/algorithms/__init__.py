@@ -12,6 +12,9 @@ name                    how                                                     
                         broadcast)                                                  fewest rounds
 ``direct``              reduce-scatter by sending chunk q straight to rank q (all   device arrays: two rounds of
                         at once), fold in rank order, then a direct allgather       messages, the GPU reduces
+``hierarchical``        allreduce: reduce-scatter inside each node, ring allreduce  several nodes of several ranks:
+                        of each slice between nodes, allgather inside nodes; the    each node's link carries
+                        ring for the other collectives and on one node              2(n-1)/n of the buffer
 ``mpi``                 the MPI library's own collective                            tiny messages, where the Python
                                                                                     layer's overhead dominates
 ``auto``                one of the above by collective, message size and rank       always the default
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from .base import Algorithm
 from .direct import Direct
+from .hierarchical import Hierarchical
 from .mpi import Mpi
 from .parallel import Parallel
 from .recursive_doubling import RecursiveDoubling
@@ -35,7 +39,8 @@ from .ring import Ring
 
 __all__ = ["Algorithm", "get", "names", "REGISTRY"]
 
-REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), Parallel(), RecursiveDoubling(), Direct(), Mpi())}
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), Parallel(), RecursiveDoubling(), Direct(), Hierarchical(),
+                                                       Mpi())}
 
 
 def names(device: bool = False) -> list[str]:

@@ -5,7 +5,10 @@ name whose limit is above the message size wins, the last has no limit.  The
 defaults below come from ``mpicoll bench`` on one 2-core node with the MPICH
 wheel (docs/benchmarks.md): the ring overtook MPI's allreduce between 1 and
 2 MiB at both 2 and 4 ranks, so one size threshold serves every rank count
-measured; one rank always gets MPI.  The ring's reduce-scatter is only
+measured; one rank always gets MPI.  Large allreduces go to ``hierarchical``,
+which is the ring on one node (and with one rank per node) and, across nodes
+of several ranks, splits the work between shared memory and the links
+(keeping MPI's own below its ``ACROSS_NODES_FROM``; docs/multi-node.md).  The ring's reduce-scatter is only
 reliably ahead from 16 MiB (2 ranks, 4 MiB: 0.88x), and MPI's allgather and
 broadcast were never beaten by enough to matter, except the parallel broadcast
 with more ranks than cores, which does not scale with p (docs/benchmarks.md).  Override a rule with the environment
@@ -31,7 +34,7 @@ from ..config import parse_bytes
 __all__ = ["choose", "rule", "DEFAULT_RULES", "DEVICE_RULES"]
 
 DEFAULT_RULES = {
-    "allreduce": "mpi:2M,ring",
+    "allreduce": "mpi:2M,hierarchical",
     "reduce_scatter_block": "mpi:16M,ring",
     "allgather": "mpi",
     "bcast": "mpi",

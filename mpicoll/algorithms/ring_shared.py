@@ -38,7 +38,8 @@ _NOTHING = np.empty(0, np.uint8)
 
 
 def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], reduction: Reduction, *,
-                          gather_into: np.ndarray | None = None, keep_into: np.ndarray | None = None) -> None:
+                          gather_into: np.ndarray | None = None, keep_into: np.ndarray | None = None,
+                          then=None) -> None:
     """The ring's reduce-scatter through shared memory, then this rank's chunk or all chunks out.
 
     Same steps as :func:`reduce_scatter`, but each rank keeps its partials in
@@ -47,6 +48,8 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
     either ``keep_into`` receives this rank's chunk, or ``gather_into``
     receives every chunk, each read from its owner's region as soon as the
     owner says it is final (shared memory needs no forwarding around the ring).
+    ``then(chunk)``, before the gather, works on this rank's reduced chunk in
+    place in its region (the hierarchical allreduce's phase between nodes).
     """
     p, r = ctx.size, ctx.rank
     left, right = (r - 1) % p, (r + 1) % p
@@ -97,6 +100,8 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
             await_from(p - 1, Tag.SHARED_HIGH)
             reduction.combine(mine[s], regions[p - 1][s], out=mine[s])
 
+    if then is not None:
+        then(mine[own])
     if keep_into is not None:
         keep_into[...] = mine[own]
     else:

@@ -207,13 +207,42 @@ def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> 
     return best["mpi"], best["auto"]
 
 
+# the least each node must send over its link, as a share of the message, given n nodes (nccl-tests' factors
+# with nodes for ranks: the ranks of a node share its link)
+LINK_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                "allgather": lambda n: (n - 1) / n, "bcast": lambda n: 1.0}
+
+
+def node_count(comm: MPI.Intracomm) -> int:
+    """How many nodes the ranks span (ranks that share memory make one node)."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    first = int(local.Get_rank() == 0)
+    local.Free()
+    return comm.allreduce(first)
+
+
+def link_bound_report(records: list[dict], nodes: int, gbps: float) -> list[str]:
+    """Each time against the link bound (adds ``link_bound_s`` and ``of_link_bound`` to the records)."""
+    if nodes < 2:
+        return [f"# link bound: all ranks on one node, no link crossed (--link-gbps {gbps:g} unused)"]
+    lines = [f"# link bound: {nodes} nodes at {gbps:g} Gbit/s; each time as a share of it (1.0 = at the bound):"]
+    for size in dict.fromkeys(r["bytes"] for r in records):
+        row = [r for r in records if r["bytes"] == size]
+        bound = row[0]["bytes"] * LINK_FACTORS[row[0]["collective"]](nodes) * 8 / (gbps * 1e9)
+        for r in row:
+            r["link_bound_s"], r["of_link_bound"] = bound, bound / r["time_s"]
+        lines.append(f"#   {format_bytes(size):>8}: {bound * 1e3:9.2f} ms; "
+                     + ", ".join(f"{r['algorithm']} {r['of_link_bound']:.2f}" for r in row))
+    return lines
+
+
 def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], dtype, collective: str,
                       pairs: int = 200, warmup: int = 3) -> list[dict]:
     """What the cross-rank fingerprint adds to each own algorithm's calls, timed in the same run.
 
     For every size from ``FINGERPRINT_FROM`` elements, calls with and without
     the fingerprint alternate (a barrier before each, the order swapped every
-    pair).  The cost is the median of the pairs' differences (slowest rank's
+    pair; ``pairs`` up to 1 MiB, fewer above).  The cost is the median of the pairs' differences (slowest rank's
     times), which drift in the machine's speed cancels out of, as a share of
     the median call without it.
     """
@@ -230,12 +259,13 @@ def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], d
         out = np.empty(recv_count, dtype)
         if collective == "bcast":
             out[...] = send
+        n = _iterations(count * dtype.itemsize, pairs, 10)      # fewer pairs for large messages
         for name in own:
             calls = [variant[name] for variant in variants]
             for call in calls * warmup:
                 call(send, out)
-            times = np.empty((2, pairs))
-            for i in range(pairs):
+            times = np.empty((2, n))
+            for i in range(n):
                 for j in (0, 1) if i % 2 == 0 else (1, 0):
                     comm.Barrier()
                     start = time.perf_counter()
@@ -263,6 +293,7 @@ def run(args) -> int:
         print(table_header(names), file=out, flush=True)
     records = measure(comm, names, sizes, args.dtype, args.iters, args.min_iters, args.warmup,
                       report=lambda row: print(table_row(row), file=out, flush=True), collective=args.collective)
+    nodes = node_count(comm)
     raw, wrapped = python_overhead(comm)
     costs = fingerprint_costs(comm, names, sizes, args.dtype, args.collective) if comm.Get_size() > 1 else []
     if comm.Get_rank() == 0:
@@ -274,6 +305,9 @@ def run(args) -> int:
             for c in costs:
                 print(f"#   {format_bytes(c['bytes']):>8} {c['algorithm']:<20} {c['added_s'] * 1e6:+8.1f} us on "
                       f"{c['without_s'] * 1e6:9.1f} us = {100 * c['cost']:+.1f}%", file=out)
+        if args.link_gbps:
+            for line in link_bound_report(records, nodes, args.link_gbps):
+                print(line, file=out)
         if args.output:
             write_records(args.output, records, out)
         if args.plot:

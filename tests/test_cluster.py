@@ -1,0 +1,183 @@
+"""``mpicoll cluster``: real network namespaces on this machine (root only), built, used and removed.
+
+Each test builds its own cluster and removes it; they skip where namespaces
+cannot be made (not root, no iproute2) or where a cluster someone else made is
+up (the names are machine-wide).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mpicoll import cluster
+from mpicoll.cluster import network
+from conftest import ROOT
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                reason="mpicoll cluster needs root and iproute2")
+
+
+def mpicoll_cluster(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpicoll", "cluster", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture
+def fresh():
+    """No cluster before; whatever the test built is removed after."""
+    if cluster.state() is not None or network.existing():
+        pytest.skip("an emulated cluster is already up on this machine")
+    yield
+    mpicoll_cluster("down")
+
+
+HELLO = textwrap.dedent("""
+    import os, socket, sys
+    import numpy as np
+    from mpi4py import MPI
+    import mpicoll
+    world = MPI.COMM_WORLD
+    x = np.arange(1 << 16, dtype=np.float64) * (world.rank + 1)
+    expected = x / (world.rank + 1) * sum(range(1, world.size + 1))
+    mpicoll.allreduce(x, out=x)
+    local = world.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    print(f"rank {world.rank} host {socket.gethostname()} local {local} cores "
+          f"{sorted(os.sched_getaffinity(0))} exact {np.array_equal(x, expected)}", flush=True)
+""")
+
+
+def test_a_cluster_is_built_used_and_removed_without_a_trace(fresh, tmp_path):
+    before = set(os.listdir("/etc/netns")) if os.path.isdir("/etc/netns") else set()
+    result = mpicoll_cluster("up", "--nodes", "2", "--link", "1gbit")
+    assert result.returncode == 0 and "node1  10.203.0.2" in result.stdout, result.stderr
+    again = mpicoll_cluster("up", "--nodes", "2", "--link", "1gbit")          # idempotent
+    assert again.returncode == 0, again.stderr
+    other = mpicoll_cluster("up", "--nodes", "3")
+    assert other.returncode == 2 and "a different cluster is up" in other.stderr, other.stderr
+
+    script = tmp_path / "hello.py"
+    script.write_text(HELLO)
+    ran = mpicoll_cluster("run", "-n", "4", "--", sys.executable, str(script))
+    # ranks' lines may arrive interleaved through the launcher: pick the reports out of the stream
+    reports = sorted(re.findall(r"rank (\d) host (\S+) local (\d) cores (\[[^]]*\]) exact (True|False)", ran.stdout))
+    assert ran.returncode == 0 and len(reports) == 4, ran.stdout + ran.stderr
+    assert [(rank, host) for rank, host, *_ in reports] == [("0", "node0"), ("1", "node0"), ("2", "node1"),
+                                                           ("3", "node1")], reports
+    assert all(local == "2" and exact == "True" for _, _, local, _, exact in reports), reports
+    cores = [report[3] for report in reports]
+    if len(os.sched_getaffinity(0)) > 1:
+        assert cores[0] == cores[1] != cores[2] == cores[3], cores      # each node its own share
+    too_many = mpicoll_cluster("run", "-n", "5", "--ranks-per-node", "2", "--", "true")
+    assert too_many.returncode == 2 and "need 3 nodes" in too_many.stderr, too_many.stderr
+
+    result = mpicoll_cluster("down")
+    assert result.returncode == 0 and "removed 3 namespaces" in result.stdout, result.stdout
+    assert not network.existing() and cluster.state() is None
+    after = set(os.listdir("/etc/netns")) if os.path.isdir("/etc/netns") else set()
+    assert after == before, after ^ before
+    assert "no cluster was up" in mpicoll_cluster("down").stdout
+
+
+def test_links_are_shaped_cut_and_healed(fresh, tmp_path):
+    assert mpicoll_cluster("up", "--nodes", "2", "--link", "100mbit").returncode == 0
+    qdiscs = subprocess.run(["tc", "-n", network.namespace("node0"), "qdisc", "show", "dev", "eth0"],
+                            capture_output=True, text=True).stdout
+    assert "tbf" in qdiscs and "100Mbit" in qdiscs, qdiscs
+    assert mpicoll_cluster("slow", "node1", "10mbit").returncode == 0
+    switch_side = subprocess.run(["tc", "-n", network.SWITCH, "qdisc", "show", "dev", "node1"],
+                                 capture_output=True, text=True).stdout
+    assert "10Mbit" in switch_side, switch_side
+    assert "link CUT" in mpicoll_cluster("cut", "node1").stdout
+    probe = ("import socket; s = socket.socket(); s.settimeout(1); "
+             "print(s.connect_ex(('10.203.0.2', 9)))")
+    cut = subprocess.run(["ip", "netns", "exec", network.namespace("node0"), sys.executable, "-c", probe],
+                         capture_output=True, text=True, timeout=30).stdout.strip()
+    assert cut not in ("0", "111"), f"node1 still reachable while cut: {cut}"   # 111: refused, i.e. reached
+    assert "link CUT" not in mpicoll_cluster("heal", "node1").stdout
+    healed = subprocess.run(["ip", "netns", "exec", network.namespace("node0"), sys.executable, "-c", probe],
+                            capture_output=True, text=True, timeout=30).stdout.strip()
+    assert healed == "111", f"node1 not reachable after heal: {healed}"     # port 9 closed: refused
+    bad = mpicoll_cluster("slow", "node1", "fast")
+    assert bad.returncode == 2 and "tc's units" in bad.stderr, bad.stderr
+    assert mpicoll_cluster("cut", "node7").stderr.count("no node 'node7'") == 1
+
+
+def test_refusals_say_what_to_do(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(cluster.ClusterError, match="needs root"):
+        network.check_tools()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else real(tool))
+    with pytest.raises(cluster.ClusterError, match="needs tc .*iproute2"):
+        network.check_tools()
+    if cluster.state() is None:
+        result = mpicoll_cluster("run", "-n", "2", "--", "true")
+        assert result.returncode == 2 and "no cluster is up" in result.stderr
+
+
+def test_the_subnet_must_be_private(fresh):
+    with pytest.raises(cluster.ClusterError, match="private subnet"):
+        cluster.up(2, subnet="8.8.8.0/24")
+    assert not network.existing()
+
+
+def test_state_records_the_cores_each_node_gets():
+    cores = sorted(os.sched_getaffinity(0))
+    shares = cluster._cores_per_node(len(cores) + 1)
+    assert [c for share in shares for c in share][:len(cores)] == cores
+    assert all(len(share) == 1 for share in shares)
+    assert cluster._cores_per_node(1) == [cores]
+    assert Path(cluster.STATE_DIR).name == "mpicoll-cluster" or "MPICOLL_CLUSTER_DIR" in os.environ
+
+
+CUT_DURING_ALLREDUCE = textwrap.dedent("""
+    import time, numpy as np
+    from mpi4py import MPI
+    import mpicoll
+    world = MPI.COMM_WORLD
+    x = np.ones(1 << 18, np.float32)
+    with mpicoll.Communicator(world, algorithm="ring") as comm:
+        try:
+            while True:
+                comm.Allreduce(MPI.IN_PLACE, x)
+                x[:] = 1
+        except mpicoll.MpicollError as error:
+            print(f"rank {world.rank}: {type(error).__name__}: {error}", flush=True)
+""")
+
+
+def test_a_node_cut_during_an_allreduce_is_named_and_the_job_ends(fresh, tmp_path):
+    """The link of node2 (rank 2) goes down mid-run: ranks 0 and 1 raise CollectiveTimeout naming rank 2,
+    the job ends with MPI_Abort's status (70) instead of hanging; once healed, nothing is left running."""
+    assert mpicoll_cluster("up", "--nodes", "3").returncode == 0
+    script = tmp_path / "cut.py"
+    script.write_text(CUT_DURING_ALLREDUCE)
+    job = subprocess.Popen([sys.executable, "-m", "mpicoll", "cluster", "run", "-n", "3", "--", sys.executable,
+                            str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "MPICOLL_TIMEOUT": "3",
+                                "MPICOLL_END_BROKEN_JOBS": "1"})
+    time.sleep(4)                                    # start-up, then some allreduces
+    assert job.poll() is None, job.communicate()
+    assert mpicoll_cluster("cut", "node2").returncode == 0
+    cut = time.perf_counter()
+    stdout, stderr = job.communicate(timeout=60)
+    seconds = time.perf_counter() - cut
+    reports = sorted(re.findall(r"rank (\d): (\w+): Allreduce: rank \d waited \S+ s for rank\(s\) ([\d, ]+),", stdout))
+    assert job.returncode == 70 and seconds < 30, (job.returncode, seconds, stdout, stderr[-2000:])
+    # rank 2's own report is lost with its link
+    assert reports == [("0", "CollectiveTimeout", "2"), ("1", "CollectiveTimeout", "2")], stdout
+    assert mpicoll_cluster("heal", "node2").returncode == 0
+    deadline = time.perf_counter() + 30
+    while time.perf_counter() < deadline and any(network.processes(node) for node in ("node0", "node1", "node2")):
+        time.sleep(0.5)
+    assert not any(network.processes(node) for node in ("node0", "node1", "node2")), "processes left behind"
