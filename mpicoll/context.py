@@ -45,7 +45,7 @@ def _all_done(requests: list) -> bool:
 class Context:
     """A private duplicate of a communicator plus the services algorithms share."""
 
-    def __init__(self, comm: MPI.Intracomm, collective: str = "collective"):
+    def __init__(self, comm: MPI.Intracomm, collective: str = "collective", names: list[int] | None = None):
         self.timeout = config.timeout()
         self.debug = config.debug()
         self.collective = collective
@@ -53,6 +53,10 @@ class Context:
         self.spin_seconds = _SPIN_SECONDS
         self.comm = comm
         self._broken: str | None = None
+        # how errors name this communicator's ranks: their ranks in the communicator the user
+        # passed, for contexts over a part of it (mpicoll.nodes)
+        self.names = names if names is not None else list(range(self.size))
+        self.parent: Context | None = None    # the context this one is a part of (mpicoll.nodes)
         self.fingerprint = None     # a checks.Fingerprint, when the communicator compares its calls
         # Checks a wait runs once it lasts; one that raises ends the wait with its error (ranks that
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
@@ -198,7 +202,7 @@ class Context:
             if isinstance(peers, int):
                 peers = [peers] * len(requests)
             failed = [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
-            raise self.broken_by(PeerFailed(self.collective, self.rank, self._missing(failed)[0],
+            raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self._missing(failed)[0],
                                          error.Get_error_string())) from None
 
     def waitany(self, requests: list, peers: list[int], patience: float | None = None) -> int | None:
@@ -225,7 +229,8 @@ class Context:
         waits that are not requests, such as data landing in a window; past the
         deadline a :class:`CollectiveTimeout` names ``peers``."""
         def give_up():
-            raise self.broken_by(CollectiveTimeout(self.collective, self.rank, self._missing(peers)[0], self.timeout))
+            raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self._missing(peers)[0],
+                                                   self.timeout))
 
         self._poll(lambda: True if ready() else None, give_up)
 
@@ -269,19 +274,27 @@ class Context:
         collective_request = len(requests) == 1 and len(peers) > 1     # one or more of peers is missing
         stuck = list(peers) if collective_request else [p for r, p in zip(requests, peers) if not r.Test()]
         missing, sure = self._missing(stuck)
-        raise self.broken_by(CollectiveTimeout(self.collective, self.rank, missing, limit or self.timeout,
+        raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], missing, limit or self.timeout,
                                             some_of=not sure and collective_request))
 
     def _missing(self, suspects) -> tuple[list[int], bool]:
-        """(the ranks to name as missing, whether the roll call confirmed them).
+        """(the ranks to name as missing, by :attr:`names`; whether the roll call confirmed them).
 
         Silent suspects first (a rank that finished its part and left is silent
         too, but was not waited for), else every silent rank (the suspect was a
         live neighbour waiting like us), else the suspects.
         """
-        silent = self._silent_ranks()
+        suspects = [self.names[peer] for peer in suspects]
+        silent = self._silent()
         confirmed = [peer for peer in silent if peer in suspects] or silent
-        return (confirmed, True) if confirmed else (list(suspects), False)
+        return confirmed or suspects, bool(confirmed)
+
+    def _silent(self) -> list[int]:
+        """The silent ranks, by :attr:`names`.  A context over part of another holds its roll call
+        there: the survivors are all waiting somewhere in it, not all in this part."""
+        if self.parent is not None:
+            return self.parent._silent()
+        return [self.names[peer] for peer in self._silent_ranks()]
 
     def _silent_ranks(self) -> list[int]:
         """The ranks that are really gone, found by a roll call among the survivors.

@@ -40,7 +40,9 @@ class NodeLayout:
         self.local = self.cross = None
         if self.layered:               # where an algorithm will use them: same answer on every rank
             cross = comm.Split(self.local_rank, ctx.rank)
-            self.local, self.cross = Context(local, "node"), Context(cross, "between nodes")
+            self.local, self.cross = (Context(part, ctx.collective, names=_names(part, ctx))
+                                      for part in (local, cross))
+            self.local.parent = self.cross.parent = ctx        # roll calls after a timeout are held there
             cross.Free()
             ctx.children += [self.local, self.cross]
         local.Free()
@@ -49,6 +51,16 @@ class NodeLayout:
     def layered(self) -> bool:
         """Several nodes with several ranks each, all alike: where an intra/inter split pays."""
         return self.nodes > 1 and self.per_node > 1 and self.uniform
+
+
+def _names(part: MPI.Intracomm, ctx: Context) -> list[int]:
+    """How errors name the ranks of ``part``: by their ranks in ``ctx``'s communicator."""
+    mine, theirs = part.Get_group(), ctx.comm.Get_group()
+    try:
+        return [ctx.names[rank] for rank in MPI.Group.Translate_ranks(mine, list(range(part.Get_size())), theirs)]
+    finally:
+        mine.Free()
+        theirs.Free()
 
 
 def node_layout(ctx: Context) -> NodeLayout:
