@@ -229,5 +229,8 @@ def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path):
     assert sorted(line.split(":")[1] for line in lines) == [" rank 0", " rank 1"], stderr[-2000:]
     assert all("for rank(s) 2," in line for line in lines), lines
     assert "Traceback" not in stderr and "Segmentation" not in stderr, stderr[-2000:]
-    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    deadline = time.perf_counter() + 10        # the launcher may still be reaping its children
+    while (left := subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()) \
+            and time.perf_counter() < deadline:
+        time.sleep(0.2)
     assert not left, f"processes left behind: {left}"
