@@ -12,6 +12,7 @@ mounts that file over ``/etc/hosts``).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -46,7 +47,6 @@ def gbit_per_s(rate: str) -> float:
 
 def check_tools() -> None:
     """Refuse clearly where namespaces cannot be made: not root, or iproute2/util-linux missing."""
-    import os
     if os.geteuid() != 0:
         raise ClusterError("mpicoll cluster needs root (it creates network namespaces); run it with sudo")
     missing = [tool for tool in ("ip", "tc", "unshare", "taskset") if shutil.which(tool) is None]
@@ -92,7 +92,7 @@ def destroy() -> list[str]:
     """Kill what runs inside the cluster's namespaces and remove them (and their hosts files)."""
     gone = existing()
     for ns in gone:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        pids = _pids(ns)
         if pids:
             subprocess.run(["kill", "-9", *pids], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -127,4 +127,9 @@ def set_link(node: str, up: bool) -> None:
 
 
 def processes(node: str) -> list[str]:
-    return subprocess.run(["ip", "netns", "pids", namespace(node)], capture_output=True, text=True).stdout.split()
+    return _pids(namespace(node))
+
+
+def _pids(ns: str) -> list[str]:
+    """The processes running inside namespace ``ns``."""
+    return subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()

@@ -59,7 +59,7 @@ def tell_workers(ctx, workers, error: BaseException) -> None:
     text = f"{type(error).__name__}: {error}".encode()[:_REASON_BYTES]
     note = np.frombuffer(text, np.uint8).copy()
     for worker in workers:
-        ctx.comm.Isend([note, MPI.BYTE], worker, Tag.PS_FAILED)
+        ctx.isend(note, worker, Tag.PS_FAILED)
 
 
 def listen_for_failures(ctx, servers) -> None:
