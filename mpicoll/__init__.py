@@ -9,6 +9,10 @@
     mean = mpicoll.allreduce(grad) / comm.size         # or the array API
 """
 
+from .ucx import apply_defaults as _apply_ucx_defaults
+
+_apply_ucx_defaults()           # before anything imports mpi4py.MPI, which starts MPI (see mpicoll/ucx.py)
+
 from .api import allgather, allreduce, broadcast, reduce_scatter
 from .communicator import Communicator
 from .errors import (CollectiveTimeout, MismatchError, MpicollError, NonFiniteError, PeerFailed, ReductionError,

@@ -77,7 +77,7 @@ def _bench_gossip_parser(commands) -> None:
         description="Run under mpiexec, e.g.: mpiexec -n 8 mpicoll bench-gossip --straggler 3=3")
     bench.add_argument("--graphs", default="time-varying-exponential,exponential",
                        help="comma-separated: time-varying-exponential, exponential, ring, complete")
-    bench.add_argument("--mailboxes", default="onesided,p2p", help="comma-separated: onesided, p2p")
+    bench.add_argument("--mailboxes", default="p2p,onesided", help="comma-separated: p2p, onesided")
     bench.add_argument("--taus", default="0,1", help="comma-separated overlap bounds (default 0,1)")
     bench.add_argument("--iters", type=int, default=20, help="iterations per method (default 20)")
     _simulated_training_options(bench, "write the averaging and iteration records")

@@ -17,6 +17,9 @@
                            hanging in MPI_Finalize; 0: leave it to the program
 ``MPICOLL_AUTO_<COLL>``    the ``auto`` choice for one collective, e.g.
                            ``MPICOLL_AUTO_ALLREDUCE=mpi:512K,ring`` (see auto.py)
+``MPICOLL_UCX_DEFAULTS``   1 (default): importing mpicoll before MPI starts
+                           sets UCX's TCP segments to 512k unless you set them
+                           (see ucx.py); 0: leave UCX alone
 =========================  =======================================================
 
 Every rank must see the same values (mpiexec forwards the environment).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -285,12 +286,16 @@ def test_compare_writes_a_report_and_plot_redraws_it(tmp_path):
     pytest.importorskip("matplotlib")
     folder = tmp_path / "report"
     result = subprocess.run([sys.executable, "-m", "mpicoll", "compare", "-n", "3", "--algorithms",
-                             "allreduce-ring,ps-async,sgp", "--output", str(folder), "--epochs", "2", "--quiet"],
+                             "allreduce-ring,ps-async,sgp", "--repeats", "2", "--output", str(folder), "--epochs", "1",
+                             "--quiet"],
                             cwd=ROOT, capture_output=True, text=True, timeout=240, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec()})
     assert result.returncode == 0, result.stderr
     table = (folder / "report.md").read_text()
-    assert all(f"| {name} | 3 |" in table for name in ("allreduce-ring", "ps-async", "sgp")), table
+    assert all(f"| {name} | 3 | 2 |" in table for name in ("allreduce-ring", "ps-async", "sgp")), table
+    # the second round runs the methods in reverse order, so drift favours none
+    launched = re.findall(r"--method (\S+)", result.stderr)
+    assert launched == ["allreduce-ring", "ps-async", "sgp", "sgp", "ps-async", "allreduce-ring"], launched
     redrawn = subprocess.run([sys.executable, "-m", "mpicoll", "plot", *map(str, sorted(folder.glob("*.jsonl"))),
                               "--output", str(tmp_path / "again")], cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})

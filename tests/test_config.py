@@ -23,3 +23,27 @@ def test_settings_that_do_not_parse_name_their_variable(monkeypatch):
         with pytest.raises(ValueError, match=words):
             config.timeout(), config.channel(), config.end_broken_jobs()
         monkeypatch.delenv(variable)
+
+
+def _ucx_settings_after(code: str, **environment) -> dict:
+    """UCX's TCP segment settings as a fresh interpreter sees them after ``code``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_TCP_", "MPICOLL_UCX"))}
+    probe = f"{code}\nimport json, os\nprint(json.dumps({{k: os.environ.get(k) for k in mpicoll.ucx.DEFAULTS}}))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env={**env, **environment})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_ucx_tcp_segments_are_raised_only_before_mpi_starts_and_only_when_unset():
+    from mpicoll.ucx import DEFAULTS
+    assert _ucx_settings_after("import mpicoll") == DEFAULTS
+    unset = dict.fromkeys(DEFAULTS)
+    assert _ucx_settings_after("from mpi4py import MPI\nimport mpicoll") == unset      # MPI started first
+    assert _ucx_settings_after("import mpicoll", MPICOLL_UCX_DEFAULTS="0") == unset
+    # one of the pair set by the user: neither is touched (UCX refuses a receive segment below the send one)
+    assert _ucx_settings_after("import mpicoll", UCX_TCP_RX_SEG_SIZE="1m") == {**unset, "UCX_TCP_RX_SEG_SIZE": "1m"}

@@ -82,6 +82,23 @@ def test_push_sum_matches_the_mixing_matrices_round_by_round(graph_name, tau, ma
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("piece", [8, 40, 1 << 19])
+@pytest.mark.parametrize("graph_name", ["time-varying-exponential", "complete"])
+def test_p2p_packets_cut_into_pieces_arrive_whole(graph_name, piece, monkeypatch):
+    """Packets (32-byte header + 37 float64 = 328 bytes) cut into pieces that do or do not divide them."""
+    monkeypatch.setattr(gossip.mailbox, "PIECE_BYTES", piece)
+    seed = shared_seed()
+    everyone = np.random.default_rng(seed).standard_normal((P, 37))
+    graph, mixing = graph_and_mixing(graph_name, seed)
+    history, _, _ = simulate(graph, mixing, everyone, 6, tau=1)
+    pushsum = gossip.PushSum(WORLD, everyone[RANK], graph=graph, tau=1, mailbox="p2p")
+    worst = max(np.abs(pushsum.mix() - history[k][RANK]).max() for k in range(6))
+    pushsum.drain()
+    pushsum.close()
+    everywhere(worst < 1e-12, f"seed {seed}, {piece}-byte pieces: rank {RANK} differs by {worst:.2e}")
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("mailbox", MAILBOXES)
 @pytest.mark.parametrize("graph_name", ["time-varying-exponential", "exponential", "ring", "complete"])
 def test_averaging_reaches_the_exact_mean_at_the_rate_the_graph_implies(graph_name, mailbox):

@@ -232,3 +232,19 @@ def test_sources_carry_their_header_inline():
     for name in sources.SOURCES:
         text = sources.source(name)
         assert '#include "common.cuh"' not in text and "MPICOLL_FOR_EACH" in text
+
+
+def test_warm_up_loads_the_backend_the_updates_will_use(monkeypatch):
+    """Training calls warm_up during set-up so no method's first timed step pays for loading Numba."""
+    monkeypatch.setenv("MPICOLL_KERNELS", "numpy")
+    monkeypatch.setattr(compute, "_loaded", {})
+    compute.warm_up(np.float32)
+    assert "numba" not in compute._loaded                  # forced numpy: nothing to load
+    monkeypatch.delenv("MPICOLL_KERNELS")
+    compute.warm_up(np.float16)                            # float16 runs on numpy on the host
+    assert "numba" not in compute._loaded
+    if compute._backend("numba") is None:
+        pytest.skip(f"Numba is not available: {compute._missing.get('numba')}")
+    monkeypatch.setattr(compute, "_loaded", {})
+    compute.warm_up(np.float64)
+    assert "numba" in compute._loaded

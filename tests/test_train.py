@@ -123,7 +123,19 @@ def test_the_report_comes_from_recorded_logs(tmp_path):
               SoftmaxRegression(data.features, data.classes), data)
     markdown = report(logs, tmp_path / "report", target=0.5).read_text()
     for method in ("allreduce-ring", "sgp"):
-        assert f"| {method} | 1 |" in markdown
+        assert f"| {method} | 1 | 1 |" in markdown
+    # runs of one method make one row: means ± spread, and wall time as a ratio to the first row
+    again = tmp_path / "allreduce-ring.2.jsonl"
+    train(WORLD, Options(method="allreduce-ring", epochs=2, output=str(again), progress=False),
+          SoftmaxRegression(data.features, data.classes), data)
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")
+            for line in report([logs[0], again, logs[1]], tmp_path / "grouped", target=0.5).read_text().splitlines()
+            if line.startswith("| allreduce-ring") or line.startswith("| sgp")}
+    ring, sgp = rows["allreduce-ring"], rows["sgp"]
+    walls = [read_log(log)[1]["wall_s"] for log in (logs[0], again)]
+    assert ring[2] == "2" and sgp[2] == "1" and "±" in ring[6] and "±" not in sgp[6], rows
+    assert float(ring[6].split(" ± ")[0]) == pytest.approx(np.mean(walls), abs=0.01) and ring[7] == "1.00", ring
+    assert float(sgp[7]) == pytest.approx(read_log(logs[1])[1]["wall_s"] / np.mean(walls), abs=0.01), sgp
     for png in ("loss_vs_time.png", "accuracy_vs_epoch.png"):
         assert (tmp_path / "report" / png).stat().st_size > 5000
     broken = tmp_path / "broken.jsonl"

@@ -15,8 +15,13 @@ while it computes.  The receiver takes a slot under an exclusive lock on its
 own window, so it never sees half a packet, then tells the ranks that will next
 write into that slot that it is free (a ``Put`` into their window).
 
-``PointToPointMailbox``: nonblocking sends, and receives posted when a round
-starts; messages between two ranks arrive in order, so packets pair with rounds.
+``PointToPointMailbox`` (the default): nonblocking sends, and receives posted
+when a round starts; messages between two ranks arrive in order, so packets
+pair with rounds.  A packet travels as pieces of at most ``PIECE_BYTES``: with
+one large message, MPI's rendezvous handshake for the packet coming the other
+way queues behind it on the same connection, and the two directions take turns
+(measured across emulated nodes over UCX's TCP transport: a 4 MiB round took
+57-67 ms as one message, 39 ms in 512 KiB pieces, against 35 ms on the link).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__ = ["OneSidedMailbox", "PointToPointMailbox", "HEADER"]
 
 HEADER = 4                      # float64 values before the parameters: weight, count, round sum, padding
 _HEADER_BYTES = HEADER * 8
+PIECE_BYTES = 1 << 19         # largest point-to-point message: handshakes the other way slip between pieces
 
 
 class _Packets:
@@ -59,6 +65,11 @@ class _Packets:
 
     def packet(self, index: int) -> np.ndarray:
         return self.memory[index * self.stride:(index + 1) * self.stride]
+
+    def pieces(self, index: int) -> list[np.ndarray]:
+        """Packet ``index`` cut into messages of at most ``PIECE_BYTES`` (the first holds the header)."""
+        packet = self.packet(index)
+        return [packet[start:start + PIECE_BYTES] for start in range(0, packet.size, PIECE_BYTES)]
 
 
 def _by_share(shares: dict[int, float]) -> list[tuple[float, list[int]]]:
@@ -181,8 +192,7 @@ class OneSidedMailbox:
 
 
 class PointToPointMailbox:
-    """Nonblocking sends of packets, receives posted a round ahead of need."""
-
+    """Nonblocking sends of packets in pieces, receives posted when a round starts."""
 
     def __init__(self, ctx: Context, graph: Graph, count: int, dtype, slots: int):
         self.ctx, self.graph, self.slots = ctx, graph, slots
@@ -190,7 +200,7 @@ class PointToPointMailbox:
         self.sending = [_Packets.allocate(count, dtype, 1) for _ in range(slots)]
         self.sends: list[tuple[list, list]] = [([], []) for _ in range(slots)]
         self.incoming = [_Packets.allocate(count, dtype, 1) for _ in range(slots)]
-        self.receiving: dict[int, list] = {}        # round -> its posted receives
+        self.receiving: dict[int, tuple] = {}       # round -> its posted receives, and the peer behind each
 
     def expect(self, round: int) -> None:
         """Post the receives of ``round`` (before our own sends, so packets land in place)."""
@@ -199,8 +209,9 @@ class PointToPointMailbox:
         if len(self.incoming[slot].headers) < len(peers):
             self.incoming[slot] = _Packets.allocate(self.count, self.dtype, len(peers))
         packets = self.incoming[slot]
-        self.receiving[round] = [self.ctx.comm.Irecv([packets.packet(i), MPI.BYTE], peer, Tag.GOSSIP)
-                                 for i, peer in enumerate(peers)]
+        pieces = [(piece, peer) for i, peer in enumerate(peers) for piece in packets.pieces(i)]
+        self.receiving[round] = ([self.ctx.comm.Irecv([piece, MPI.BYTE], peer, Tag.GOSSIP) for piece, peer in pieces],
+                                 [peer for _, peer in pieces])
 
     def send(self, round: int, shares: dict[int, float], x: np.ndarray, weight: float) -> None:
         """Start sending each out-peer its share of (x, weight); the buffer is reused ``slots`` rounds later."""
@@ -214,14 +225,15 @@ class PointToPointMailbox:
         for index, (share, group) in enumerate(groups):
             packets.fill(index, share, x, weight, round)
             for peer in group:
-                requests.append(self.ctx.comm.Isend([packets.packet(index), MPI.BYTE], peer, Tag.GOSSIP))
-                peers.append(peer)
+                for piece in packets.pieces(index):
+                    requests.append(self.ctx.comm.Isend([piece, MPI.BYTE], peer, Tag.GOSSIP))
+                    peers.append(peer)
         self.sends[slot] = (requests, peers)
 
     def take(self, round: int) -> list:
         peers = self.graph.in_peers(self.rank, round)
         packets = self.incoming[round % self.slots]
-        self.ctx.waitall(self.receiving.pop(round), list(peers))
+        self.ctx.waitall(*self.receiving.pop(round))
         total = np.zeros(HEADER)
         for i in range(len(peers)):
             total += packets.headers[i]

@@ -29,7 +29,7 @@ from .topology import Graph, make
 
 __all__ = ["PushSum", "SGP", "MAILBOXES"]
 
-MAILBOXES = {"onesided": OneSidedMailbox, "p2p": PointToPointMailbox}
+MAILBOXES = {"p2p": PointToPointMailbox, "onesided": OneSidedMailbox}    # the first is the default
 
 
 class PushSum:
@@ -39,12 +39,12 @@ class PushSum:
     copied to the host, where the mixing happens).  ``graph``: a name from
     :mod:`mpicoll.gossip.topology` or a :class:`Graph`; ``mixing``: shares per
     round (default: uniform over out-peers and self); a :class:`MatrixMixing`
-    brings its own graph.  ``mailbox``: how gossip arrives, ``"onesided"`` (default) or ``"p2p"``.
+    brings its own graph.  ``mailbox``: how gossip arrives, ``"p2p"`` (default) or ``"onesided"``.
     Every rank must call :meth:`mix` the same number of times.
     """
 
     def __init__(self, comm: MPI.Intracomm, x0, *, graph: str | Graph = "time-varying-exponential",
-                 mixing: Mixing | None = None, tau: int = 0, mailbox: str = "onesided"):
+                 mixing: Mixing | None = None, tau: int = 0, mailbox: str = "p2p"):
         if tau < 0:
             raise ValueError(f"tau (rounds a message may stay in flight) must be >= 0, got {tau}")
         if mailbox not in MAILBOXES:
@@ -62,8 +62,9 @@ class PushSum:
         self.folded = 0             # rounds whose messages have been folded in
         self._z = np.empty_like(self.x)
         self.mailbox = MAILBOXES[mailbox](self.ctx, self.graph, self.x.size, self.x.dtype, slots=tau + 2)
-        # peers write into our window while we compute: keep MPI progressing meanwhile
-        self._progress = Progress(self.ctx.comm).start() if mailbox == "onesided" else None
+        # messages travel while we compute only if MPI is called meanwhile: peers write into our
+        # window (one-sided), or rounds stay in flight across a gradient (tau > 0)
+        self._progress = Progress(self.ctx.comm).start() if mailbox == "onesided" or tau > 0 else None
         self.bytes_sent = 0
         self.wait_s = 0.0
 

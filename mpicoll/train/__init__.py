@@ -102,8 +102,8 @@ def add_parser(commands) -> None:
     group.add_argument("--transport", default="p2p", choices=ps.TRANSPORTS,
                        help="how workers reach the servers: p2p messages (default) or onesided windows")
     group = train_.add_argument_group("stochastic gradient push (sgp)")
-    group.add_argument("--mailbox", default="onesided", choices=gossip.MAILBOXES,
-                       help="how gossip arrives: onesided windows (default) or p2p messages")
+    group.add_argument("--mailbox", default="p2p", choices=gossip.MAILBOXES,
+                       help="how gossip arrives: p2p messages (default) or onesided windows")
     group.add_argument("--graph", default="time-varying-exponential",
                        choices=("time-varying-exponential", "exponential", "ring", "complete"))
     group.add_argument("--tau", type=int, default=0, help="rounds a gossip message may stay in flight (default 0)")
@@ -119,6 +119,10 @@ def add_compare_parsers(commands) -> None:
     compare.add_argument("--output", default="compare-report", help="report folder (default compare-report)")
     compare.add_argument("--target", type=float, default=0.9, help="accuracy to time (default 0.9)")
     compare.add_argument("--timeout", type=float, default=600, help="seconds per run before giving up")
+    compare.add_argument("--repeats", type=int, default=1,
+                         help="runs per method, in alternating order; the report gives means and spreads")
+    compare.add_argument("--cluster", action="store_true",
+                         help="launch through 'mpicoll cluster run' (an emulated cluster that is up)")
     plot = commands.add_parser("plot", help="the compare report (table and plots) from train logs")
     plot.add_argument("logs", nargs="+", help="mpicoll train --output files (JSON lines)")
     plot.add_argument("--output", default="compare-report", help="report folder (default compare-report)")
@@ -127,7 +131,8 @@ def add_compare_parsers(commands) -> None:
 
 def compare_main(args) -> int:
     from .compare import compare
-    compare(args.methods.split(","), args.ranks, args.output, args.train_args, args.target, args.timeout)
+    compare(args.methods.split(","), args.ranks, args.output, args.train_args, args.target, args.timeout,
+            repeats=args.repeats, cluster=args.cluster)
     return 0
 
 

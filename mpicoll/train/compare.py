@@ -1,16 +1,21 @@
 """``mpicoll compare`` and ``mpicoll plot``: several training runs side by side.
 
-``compare`` launches ``mpicoll train`` once per training method under mpiexec, on
-the same data, model, seed and budget (training options are passed through),
-then writes a report folder; ``plot`` writes the same report from existing
-JSON-lines logs.  The report: ``report.md`` (final accuracy, time to the target
-accuracy, samples per second, wall time) and two plots, loss against wall time
-and accuracy against epochs, one line per method.
+``compare`` launches ``mpicoll train`` once per training method under mpiexec
+(or ``mpicoll cluster run``, across emulated nodes), on the same data, model,
+seed and budget (training options are passed through), then writes a report
+folder; ``plot`` writes the same report from existing JSON-lines logs.  With
+``--repeats R`` every method runs R times, in alternating order, so a drift of
+the machine does not favour one method.  The report: ``report.md`` (final
+accuracy, time to the target accuracy, samples per second, wall time: means,
+and standard deviations over the repeats, and each method's wall time as a
+ratio to the first method's) and two plots, loss against wall time and
+accuracy against epochs, one line per run.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -54,18 +59,39 @@ def _time_to(records: list[dict], target: float) -> float | None:
     return next((r["time_s"] for r in records if r["accuracy"] >= target), None)
 
 
+def _spread(values: list[float], form: str) -> str:
+    """The mean, and ± the sample standard deviation when there are several values."""
+    if not values:
+        return "-"
+    mean = format(statistics.fmean(values), form)
+    return mean if len(values) < 2 else f"{mean} ± {format(statistics.stdev(values), form)}"
+
+
 def report(logs: list[str | Path], folder: str | Path, target: float = 0.9) -> Path:
-    """Write ``report.md`` and the plots for ``logs`` into ``folder``; returns the markdown's path."""
+    """Write ``report.md`` and the plots for ``logs`` into ``folder``; returns the markdown's path.
+
+    Runs of the same method (and SGP tau) make one row: means, ± the standard
+    deviation over runs, and the mean wall time as a ratio to the first row's.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     runs = [(Path(path), *read_log(path)) for path in logs]
-    lines = [f"| method | ranks | final accuracy | time to {target:.0%} (s) | samples/s | wall (s) | log |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    for path, records, summary in runs:
-        reached = _time_to(records, target)
-        lines.append(f"| {label(summary)} | {summary['ranks']} | {summary['final_accuracy']:.1%} | "
-                     f"{'-' if reached is None else f'{reached:.2f}'} | {summary['samples_per_s']:,.0f} | "
-                     f"{summary['wall_s']:.2f} | {path.name} |")
+    groups: dict[str, list] = {}
+    for run in runs:
+        groups.setdefault(label(run[2]), []).append(run)
+    lines = [f"| method | ranks | runs | final accuracy (%) | time to {target:.0%} (s) | samples/s | wall (s) | "
+             "wall / first | logs |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    first_wall = None
+    for name, members in groups.items():
+        summaries = [summary for _, _, summary in members]
+        walls = [summary["wall_s"] for summary in summaries]
+        reached = [t for t in (_time_to(records, target) for _, records, _ in members) if t is not None]
+        first_wall = first_wall or statistics.fmean(walls)
+        lines.append(f"| {name} | {summaries[0]['ranks']} | {len(members)} | "
+                     f"{_spread([100 * s['final_accuracy'] for s in summaries], '.1f')} | "
+                     f"{_spread(reached, '.2f') if len(reached) == len(members) else '-'} | "
+                     f"{_spread([s['samples_per_s'] for s in summaries], ',.0f')} | {_spread(walls, '.2f')} | "
+                     f"{statistics.fmean(walls) / first_wall:.2f} | {', '.join(path.name for path, _, _ in members)} |")
     options = runs[0][2].get("options", {}) if runs else {}
     text = "\n".join([f"# mpicoll compare: {runs[0][2].get('data', '?') if runs else ''}", "",
                       f"Options of the first run: `{json.dumps(options)}`", "", *lines, "",
@@ -86,13 +112,16 @@ def _plots(runs, folder: Path) -> None:
         print("mpicoll: matplotlib is not installed (pip install -e '.[plot]'); wrote the table only",
               file=sys.stderr)
         return
-    for name, x_key, y_key, x_label, y_label in [
+    for file, x_key, y_key, x_label, y_label in [
             ("loss_vs_time.png", "time_s", "loss", "wall time (s)", "test loss"),
             ("accuracy_vs_epoch.png", "epoch", "accuracy", "epoch", "test accuracy")]:
         figure, axes = plt.subplots(figsize=(7, 4.5))
-        for _, records, summary in runs:
-            axes.plot([r[x_key] for r in records], [r[y_key] for r in records], marker="o", markersize=3,
-                      label=label(summary))
+        colours: dict[str, str] = {}
+        for _, records, summary in runs:          # repeats of a method share a colour and a legend entry
+            method = label(summary)
+            line, = axes.plot([r[x_key] for r in records], [r[y_key] for r in records], marker="o", markersize=3,
+                              color=colours.get(method), label=None if method in colours else method)
+            colours.setdefault(method, line.get_color())
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         if y_key == "loss":
@@ -100,33 +129,43 @@ def _plots(runs, folder: Path) -> None:
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
         figure.tight_layout()
-        figure.savefig(folder / name, dpi=110)
+        figure.savefig(folder / file, dpi=110)
         plt.close(figure)
 
 
 def compare(methods: list[str], ranks: int, folder: str | Path, train_args: list[str], target: float = 0.9,
-            timeout: float = 600) -> Path:
-    """Run ``mpicoll train`` for each method (one job each) and write the report."""
+            timeout: float = 600, repeats: int = 1, cluster: bool = False) -> Path:
+    """Run ``mpicoll train`` for each method ``repeats`` times (one job each) and write the report.
+
+    ``cluster``: launch through ``mpicoll cluster run`` (an emulated cluster must be up).
+    """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"mpicoll compare: unknown method(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(METHODS)}")
+    if repeats < 1:
+        raise SystemExit(f"mpicoll compare: --repeats must be at least 1, got {repeats}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     logs = []
-    try:
-        launch = mpiexec_command(ranks)
-    except FileNotFoundError as error:
-        raise SystemExit(f"mpicoll compare: {error}") from None
-    for method in methods:
-        log = folder / f"{method}.jsonl"
-        command = [*launch, sys.executable, "-m", "mpicoll", "train", "--method", method,
-                   "--output", str(log), *train_args]
-        print(f"+ {' '.join(command)}", file=sys.stderr, flush=True)
-        result = subprocess.run(command, timeout=timeout)
-        if result.returncode != 0:
-            raise SystemExit(f"mpicoll compare: {method} failed (exit {result.returncode}); see its output above")
-        logs.append(log)
+    if cluster:
+        launch = [sys.executable, "-m", "mpicoll", "cluster", "run", "-n", str(ranks), "--"]
+    else:
+        try:
+            launch = mpiexec_command(ranks)
+        except FileNotFoundError as error:
+            raise SystemExit(f"mpicoll compare: {error}") from None
+    for repeat in range(repeats):
+        for method in methods if repeat % 2 == 0 else methods[::-1]:
+            log = folder / (f"{method}.jsonl" if repeats == 1 else f"{method}.{repeat + 1}.jsonl")
+            command = [*launch, sys.executable, "-m", "mpicoll", "train", "--method", method,
+                       "--output", str(log), *train_args]
+            print(f"+ {' '.join(command)}", file=sys.stderr, flush=True)
+            result = subprocess.run(command, timeout=timeout)
+            if result.returncode != 0:
+                raise SystemExit(f"mpicoll compare: {method} failed (exit {result.returncode}); see its output above")
+            logs.append(log)
+    logs.sort(key=lambda log: methods.index(log.name.split(".")[0]))
     markdown = report(logs, folder, target)
     print(f"mpicoll compare: wrote {markdown} and the plots beside it", file=sys.stderr)
     return markdown

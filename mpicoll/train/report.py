@@ -5,6 +5,10 @@ One record per evaluation (``time_s``, ``epoch``, ``samples``, ``loss``,
 ``final_loss``, ``wall_s``, ``samples_per_s``, ``method``, ``ranks`` and
 the options).  The bar redraws in place on a terminal and prints one line per
 evaluation elsewhere (a Slurm log, a pipe).
+
+Times count from the reporter's creation, which every method does once its
+set-up is over (communicators, windows, kernels loaded): ``wall_s`` compares
+the methods' training, not their start-up.
 """
 
 from __future__ import annotations

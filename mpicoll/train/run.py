@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from .. import arrays, checkpoint, config, failure, gossip, ps
+from .. import arrays, checkpoint, compute, config, failure, gossip, ps
 from ..communicator import Communicator
 from ..checks import agree
 from ..straggler import Straggler, parse as parse_straggler
@@ -51,7 +51,7 @@ class Options:
     n_push: int = 1
     warm_start: int = 0
     transport: str = "p2p"            # ps: how workers reach servers, p2p or onesided
-    mailbox: str = "onesided"         # sgp: how gossip arrives, onesided or p2p
+    mailbox: str = "p2p"              # sgp: how gossip arrives, p2p or onesided
     graph: str = "time-varying-exponential"
     tau: int = 0                      # sgp overlap
     output: str | None = None         # JSON lines log
@@ -91,6 +91,8 @@ def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp
     method = METHODS[options.method]
     run = _identity(comm, options, model, data) if options.checkpoint else {}
     agree(comm, lambda: _preflight(comm, options, model, data, method, run))
+    if xp is np:
+        compute.warm_up(model.dtype)         # kernels ready before any method's clock starts
     return method.runner(comm, options, model, data, xp, method, run)
 
 
@@ -157,13 +159,13 @@ def _setup(comm, options, data, xp, workers: tuple[int, ...]):
 def _allreduce(comm, options, model, data, xp, method, run):
     rank, size = comm.Get_rank(), comm.Get_size()
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
-    reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     params, start = model.init(options.seed), 0
     if options.resume:                       # every rank holds the same parameters: one file
         state = checkpoint.load(_checkpoint_file(options, method, rank), run)
         params, start = xp.asarray(state["params"]), int(state["epoch"])
     average = xp.empty_like(params)
     with Communicator(comm, algorithm=method.algorithm) as channel:
+        reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
         for epoch in range(start, options.epochs):
             for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
                 with slow:
@@ -181,7 +183,6 @@ def _allreduce(comm, options, model, data, xp, method, run):
 def _sgp(comm, options, model, data, xp, method, run):
     rank, size = comm.Get_rank(), comm.Get_size()
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
-    reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     pushsum = gossip.PushSum(comm, model.init(options.seed), graph=options.graph, tau=options.tau,
                              mailbox=options.mailbox)
     sgp = gossip.SGP(pushsum, options.lr)
@@ -190,6 +191,7 @@ def _sgp(comm, options, model, data, xp, method, run):
         state = checkpoint.load(mine, run)
         pushsum.load_state(state)
         start = int(state["epoch"])
+    reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     z = xp.asarray(sgp.parameters)
     for epoch in range(start, options.epochs):
         for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
@@ -202,9 +204,12 @@ def _sgp(comm, options, model, data, xp, method, run):
         if reporter:
             reporter.evaluate(z, epoch + 1, (epoch + 1) * steps * options.batch * size)
     pushsum.drain()
-    consensus = comm.allreduce(pushsum.debiased().copy()) / size    # the model one would deploy
+    consensus = np.empty_like(pushsum.x)                             # the model one would deploy: the average
+    with Communicator(comm, algorithm="auto") as channel:
+        channel.Allreduce(pushsum.debiased(), consensus)
+    consensus /= size
     pushsum.close()
-    return reporter.finish(xp.asarray(consensus.astype(pushsum.x.dtype))) if reporter else None
+    return reporter.finish(xp.asarray(consensus)) if reporter else None
 
 
 def _parameter_server(comm, options, model, data, xp, method, run):
