@@ -7,6 +7,7 @@ up (the names are machine-wide).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -176,6 +177,36 @@ def test_a_node_cut_during_an_allreduce_is_named_and_the_job_ends(fresh, tmp_pat
     assert job.returncode == 70 and seconds < 30, (job.returncode, seconds, stdout, stderr[-2000:])
     # rank 2's own report is lost with its link
     assert reports == [("0", "CollectiveTimeout", "2"), ("1", "CollectiveTimeout", "2")], stdout
+    assert mpicoll_cluster("heal", "node2").returncode == 0
+    deadline = time.perf_counter() + 30
+    while time.perf_counter() < deadline and any(network.processes(node) for node in ("node0", "node1", "node2")):
+        time.sleep(0.5)
+    assert not any(network.processes(node) for node in ("node0", "node1", "node2")), "processes left behind"
+
+
+def test_a_worker_node_cut_during_async_training_is_dropped_and_the_others_finish(fresh, tmp_path):
+    """Asynchronous parameter-server training (server rank 0, workers 1 and 2, a node each); node2's link goes
+    down mid-run: the server drops worker 2 after the timeout and says so, worker 1 finishes the budget, the
+    result is written, and the job ends (rank 2 can never reach MPI_Finalize) with a line naming rank 2."""
+    assert mpicoll_cluster("up", "--nodes", "3").returncode == 0
+    log, output = tmp_path / "run.jsonl", tmp_path / "output.txt"
+    with open(output, "w") as sink:      # a file, not a pipe: rank 2, cut off, holds its end until the heal
+        job = subprocess.Popen([sys.executable, "-m", "mpicoll", "cluster", "run", "-n", "3", "--", sys.executable,
+                                "-m", "mpicoll", "train", "--method", "ps-async", "--epochs", "300", "--quiet",
+                                "--output", str(log)], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT), "MPICOLL_TIMEOUT": "3",
+                                    "MPICOLL_END_BROKEN_JOBS": "1"})
+    deadline = time.perf_counter() + 60
+    while time.perf_counter() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        assert job.poll() is None, output.read_text()
+        time.sleep(0.2)                              # until a few epochs are in
+    assert mpicoll_cluster("cut", "node2").returncode == 0
+    job.wait(timeout=90)
+    stderr = output.read_text()
+    assert "[server rank 0] worker rank 2 sent nothing for 3 s: dropped" in stderr, stderr[-3000:]
+    assert "worker rank(s) [2] were lost during training; the others finished" in stderr, stderr[-3000:]
+    summary = json.loads(log.read_text().splitlines()[-1])
+    assert job.returncode == 70 and summary["summary"] and summary["final_accuracy"] > 0.8, (job.returncode, summary)
     assert mpicoll_cluster("heal", "node2").returncode == 0
     deadline = time.perf_counter() + 30
     while time.perf_counter() < deadline and any(network.processes(node) for node in ("node0", "node1", "node2")):

@@ -208,8 +208,9 @@ class Server:
                 if not self.rule.tolerates_lost_workers:
                     raise WorkerLost(f"{message}; {self.rule.name} training cannot go on without it "
                                      "(softsync, async, dcasgd and downpour drop lost workers)")
-                print(f"{message}: dropped; training goes on with {len(self.active) - 1} worker(s)",
-                      file=sys.stderr, flush=True)
+                others = len(self.active) - 1
+                print(f"{message}: dropped; " + (f"training goes on with {others} worker(s)" if others
+                                                 else "every other worker has finished"), file=sys.stderr, flush=True)
                 index = self.workers.index(worker)
                 self.requests[index].Cancel()
                 self.requests[index].Wait()

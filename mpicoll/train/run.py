@@ -249,9 +249,9 @@ def _parameter_server(comm, options, model, data, xp, method, run):
         client.close()
     final = server.gather_weights()
     server.close()
-    survivors = [worker for worker in workers if worker not in server.lost]
-    if server.lost and survivors and rank == survivors[0]:
-        # MPI_Finalize would wait for the lost ranks forever: once the result is out, end the job
+    if server.lost and rank not in server.lost:
+        # MPI_Finalize would wait for the lost ranks forever: once the result is out, every survivor
+        # ends the job (one alone may not reach the others when a node is cut off)
         failure.end_at_exit(f"worker rank(s) {server.lost} were lost during training; the others finished")
     if reporter:
         reporter.evaluate(xp.asarray(final), options.epochs, budget * options.batch)
