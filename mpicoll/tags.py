@@ -29,5 +29,6 @@ class Tag(IntEnum):
     PS_WEIGHTS = 74
     PS_FINAL = 75             # the final weights, and the workers each server lost
     PS_FAILED = 76            # a server's last word when it fails: why, to every worker
+    PS_GO = 77                # a server's answer to a gradient's header: send it (1), or it is too late (0)
     GOSSIP = 91               # push-sum over point-to-point messages
     ROLL_CALL = 99            # after a timeout: "I am alive", from every survivor to every rank

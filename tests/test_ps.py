@@ -249,6 +249,36 @@ def test_softsync_outpaces_sync_when_one_worker_straggles():
     everywhere(rates["softsync"] > 1.5 * rates["sync"], f"rounds per second: {rates}")
 
 
+@pytest.mark.mpi(min_size=3)
+@TRANSPORTS
+def test_softsync_refuses_late_gradients_before_they_move(transport):
+    """K = 1: a round closes with the first gradient; the last worker, slowed down, is always late.
+    Over p2p its gradients are refused on their header and never cross; one-sided puts them first."""
+    dims = 50_000
+    server = ps.ParameterServer(WORLD, np.zeros(dims), ps.SoftSync(lr=0.01, k=1), servers=1, transport=transport)
+    if server.is_server:
+        stats = server.serve()
+    else:
+        server.client.pull()
+        for _ in range(20):
+            if RANK == P - 1:
+                time.sleep(0.005)
+            server.client.exchange(np.ones(dims))
+        server.client.close()
+    server.gather_weights()
+    server.close()
+    checks = [(True, "")] * 3
+    if server.is_server:
+        arrived = sum(stats.gradients.values())
+        checks = [(stats.dropped > 0, f"no gradient was late: {stats}"),
+                  (stats.bytes_in == arrived * dims * 8 and arrived == stats.updates + stats.dropped - stats.refused,
+                   f"what arrived is not what was applied or dropped after arriving: {stats}"),
+                  ((stats.refused == stats.dropped) if transport == "p2p" else (stats.refused == 0),
+                   f"{transport}: refused {stats.refused} of {stats.dropped} late gradients")]
+    for ok, message in checks:
+        everywhere(ok, message)
+
+
 def test_straggler_specifications():
     problems = []
     if parse("3=3, 1=2.5") != {3: 3.0, 1: 2.5} or parse(None) != {}:

@@ -38,7 +38,8 @@ def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers, t
     if server.is_server:
         copy = _copy_gbps(server.weights.size, dtype)
         stats = server.serve()
-        applied = sum(stats.gradients.values()) - stats.dropped - stats.nonfinite   # stale ones move nothing
+        # gradients counts those that arrived: the refused never did, the other stale ones are not applied
+        applied = sum(stats.gradients.values()) - (stats.dropped - stats.refused) - stats.nonfinite
         update_gbps = (rule.arrays_per_gradient * server.weights.nbytes * applied
                        / max(stats.update_s, 1e-12) / 1e9)
         record = {"rule": rule_name, "transport": transport, "params": count, "dtype": np.dtype(dtype).name, "servers": len(server.layout.servers),
@@ -46,7 +47,7 @@ def _one(comm, rule_name, count, dtype, seconds, compute_s, straggle, servers, t
                   "updates_per_s": stats.updates / stats.wall_s, "gradients_per_s": sum(stats.gradients.values())
                   / stats.wall_s, "gbps": (stats.bytes_in + stats.bytes_out) / stats.wall_s / 1e9,
                   "update_gbps": update_gbps, "copy_gbps": copy, "update_fraction_of_copy": update_gbps / copy,
-                  "dropped": stats.dropped, "idle_fraction": stats.idle_s / stats.wall_s}
+                  "dropped": stats.dropped, "refused": stats.refused, "idle_fraction": stats.idle_s / stats.wall_s}
     else:
         slow = Straggler.for_rank(comm.Get_rank(), straggle)
         rng = np.random.default_rng(comm.Get_rank())
@@ -74,7 +75,7 @@ def run(args) -> int:
         print(f"# mpicoll bench-ps: {comm.Get_size()} ranks, {args.servers} server(s), {args.dtype}, "
               f"{args.seconds:g} s per run, {args.compute_ms:g} ms per gradient")
         print(f"{'rule':>9} {'transport':>9} {'params':>10} {'straggler':>9} {'updates/s':>10} {'grads/s':>8} {'GB/s':>7} "
-              f"{'update GB/s':>11} {'x copy':>7} {'dropped':>7}")
+              f"{'update GB/s':>11} {'x copy':>7} {'dropped':>7} {'unsent':>6}")
     records = []
     for count in sizes:
         for straggle in stragglers:
@@ -90,7 +91,7 @@ def run(args) -> int:
                     print(f"{name:>9} {transport:>9} {format_bytes(count * np.dtype(args.dtype).itemsize):>10} "
                           f"{straggle or '-':>9} {ups:>10.1f} {gps:>8.1f} {gbps:>7.2f} "
                           f"{first['update_gbps']:>11.1f} {first['update_fraction_of_copy']:>7.2f} "
-                          f"{sum(r['dropped'] for r in found):>7}", flush=True)
+                          f"{sum(r['dropped'] for r in found):>7} {sum(r['refused'] for r in found):>6}", flush=True)
     if rank == 0 and args.output:
         write_records(args.output, records)
     return 0

@@ -64,7 +64,7 @@ class ParameterServer:
         self.is_server = self.layout.is_server
         self.weights = init[self.layout.shard(self.layout.rank)].copy() if self.is_server else None
         self.client = None if self.is_server else Client(self.context, self.layout, init.dtype, self.windows,
-                                                         reads_live=rule.reads_live)
+                                                         reads_live=rule.reads_live, asks_first=rule.refuses_late)
         self.stats: ServerStats | None = None
         self.lost: list[int] = []        # workers lost during training (known after gather_weights)
         self._unclean = False

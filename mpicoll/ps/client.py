@@ -21,13 +21,15 @@ class Client:
     ``pull`` and ``exchange``; treat it as read-only (copy it to modify it).
     Gradients may be numpy or CUDA arrays (copied to the host on the way);
     ``out=`` (any array, a CUDA one included) also receives the weights.
+    ``asks_first``: send a gradient's header and the gradient only if the
+    server still wants it (the rule's ``refuses_late``; point to point).
     """
 
     def __init__(self, ctx: Context, layout: Layout, dtype, windows: Windows | None = None,
-                 reads_live: bool = True):
+                 reads_live: bool = True, asks_first: bool = False):
         self.layout = layout
         listen_for_failures(ctx, layout.servers)       # a server that fails says why: stop at once
-        self.transport = client_side(ctx, layout, dtype, windows, reads_live)
+        self.transport = client_side(ctx, layout, dtype, windows, reads_live, asks_first)
         self.weights = self.transport.weights
         self.versions = {server: 0 for server in layout.servers}
         self._staging = arrays.Staging(layout.size, dtype, "the servers hold {size} {dtype} parameters")

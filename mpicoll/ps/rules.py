@@ -39,6 +39,7 @@ class Rule:
     arrays_per_gradient = 3           # shard-sized arrays one gradient's update reads or writes
     waits_for_rounds = False          # does an update need gradients from several workers?
     reads_live = True                 # may workers read the weights without telling the server?
+    refuses_late = False              # may a gradient be dropped for its version alone? (then workers ask first)
 
     def setup(self, weights: np.ndarray, workers: tuple[int, ...]) -> None:
         """Take the shard's initial weights and the workers that will train."""
@@ -49,6 +50,16 @@ class Rule:
 
     def on_gradient(self, worker: int, version: int, gradient: np.ndarray) -> list[int]:
         raise NotImplementedError
+
+    def too_late(self, version: int) -> bool:
+        """Would a gradient computed on weights of ``version`` be dropped unread?  (Only rules that
+        set ``refuses_late`` say yes; their workers send the header first and the gradient if asked.)"""
+        return False
+
+    def refuse(self, worker: int) -> list[int]:
+        """A gradient was refused for being late, before it moved; returns who may get weights."""
+        self.dropped += 1
+        return [worker]
 
     def state(self) -> dict[str, np.ndarray]:
         """Everything needed to continue exactly: weights, counters and optimizer state."""
@@ -114,10 +125,12 @@ class _Rounds(Rule):
             self.kept[worker] = np.empty_like(self.w)
         self.kept[worker][...] = gradient
 
+    def too_late(self, version: int) -> bool:
+        return version != self.version                 # computed on weights of a closed round
+
     def on_gradient(self, worker, version, gradient):
-        if version != self.version:                    # computed on weights of a closed round
-            self.dropped += 1
-            return [worker]
+        if self.too_late(version):
+            return self.refuse(worker)
         if worker in self.contributors:
             raise ValueError(f"worker {worker} sent two gradients in round {self.version}")
         self._keep(worker, gradient)
@@ -150,9 +163,15 @@ class Sync(_Rounds):
 
 
 class SoftSync(_Rounds):
-    """``k``: a count of workers, or a fraction of them (0.9: 90%, rounded up)."""
+    """``k``: a count of workers, or a fraction of them (0.9: 90%, rounded up).
+
+    Rounds close without the slowest workers, whose gradients then arrive late:
+    their workers send the header first and the payload only if the round is
+    still open, so a refused gradient never crosses the network.
+    """
 
     name = "softsync"
+    refuses_late = True
 
     def __init__(self, lr: float, k: float = 0.9):
         super().__init__(lr)

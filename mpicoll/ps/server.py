@@ -37,6 +37,7 @@ class ServerStats:
 
     updates: int = 0                       # updates applied to the weights (rounds, for sync and softsync)
     dropped: int = 0                       # stale gradients discarded
+    refused: int = 0                       # of those, refused before their payload moved (workers asked first)
     gradients: dict = field(default_factory=dict)     # per worker
     staleness: dict = field(default_factory=dict)     # updates between a worker's weights and its gradient -> count
     lost: list = field(default_factory=list)          # workers dropped after going silent
@@ -113,7 +114,7 @@ class Server:
         if warm_start and rule.waits_for_rounds:
             raise ValueError(f"a warm start lets one worker train alone; {rule.name} rounds need every worker: "
                              "use async, dcasgd or downpour")
-        self.transport = transport = server_side(ctx, self.layout, self.weights, self.windows)
+        self.transport = transport = server_side(ctx, self.layout, self.weights, self.windows, rule.refuses_late)
         rule.setup(transport.weights, tuple(workers))
         if resume:
             load_checkpoint(checkpoint, self.layout, rule, identity)
@@ -171,8 +172,17 @@ class Server:
         return stats
 
     def _take_gradient(self, worker: int, kind: Kind, version: int) -> list[int]:
-        """Read a worker's gradient and apply it (unless it is not finite); returns who may be answered."""
+        """Read a worker's gradient and apply it (unless it is not finite, or refused unread for being
+        late when the worker asked first); returns who may be answered."""
         rule, stats = self.rule, self.stats
+        if self.transport.asks_first and rule.too_late(version):
+            self.transport.refuse(worker)
+            stats.refused += 1
+            if kind.wants_weights:
+                self.waiting[worker] = kind
+            else:
+                self.transport.pushed(worker, rule.version)
+            return rule.refuse(worker)
         gradient = self.transport.gradient(worker)
         stats.bytes_in += gradient.nbytes
         stats.gradients[worker] = stats.gradients.get(worker, 0) + 1

@@ -7,8 +7,11 @@ Each transport has two sides with mirrored duties, so the server loop
 ==========================  =============================================  =============================================
 duty                        ``p2p``                                        ``onesided`` (:mod:`mpicoll.ps.windows`)
 ==========================  =============================================  =============================================
-worker: send a gradient     header, then the slice, to each server         ``Put`` into its inbox slot, then the header
-server: read a gradient     receive the slice after the header             read the inbox slot in place
+worker: send a gradient     header, then the slice, to each server (or,    ``Put`` into its inbox slot, then the header
+                            when the rule refuses late gradients, the
+                            header, and the slice once the server says go)
+server: read a gradient     receive the slice after the header (saying     read the inbox slot in place
+                            go first when asked, or refusing a late one)
 server: answer with         header, then a snapshot of the shard           ``Put`` shard and version into the worker's
 weights                     (nonblocking: a slow worker holds up nobody)   window, then the header
 worker: plain pull          request and answer, like an exchange           ``Get`` of the live shards, no server involved
@@ -56,15 +59,25 @@ class _ServerSide:
 
 
 class PointToPointServer(_ServerSide):
-    def __init__(self, ctx: Context, layout: Layout, weights: np.ndarray):
+    def __init__(self, ctx: Context, layout: Layout, weights: np.ndarray, asks_first: bool = False):
         super().__init__(ctx, layout.workers)
         self.weights = weights                               # the rule updates them in place
+        self.asks_first = asks_first                         # workers wait for go before sending a gradient
         self._gradient = np.empty_like(weights)
         self._snapshots = {w: np.empty_like(weights) for w in layout.workers}
 
     def gradient(self, worker: int) -> np.ndarray:
+        if self.asks_first:
+            self._go(worker, True)
         self.ctx.wait(self.ctx.irecv(self._gradient, worker, Tag.PS_GRADIENT), worker)
         return self._gradient
+
+    def refuse(self, worker: int) -> None:
+        """Tell a worker that asked first that its gradient is too late: it never sends it."""
+        self._go(worker, False)
+
+    def _go(self, worker: int, go: bool) -> None:
+        self.answers[worker].append(self.ctx.isend(np.array([int(go)], np.int64), worker, Tag.PS_GO))
 
     def answer(self, worker: int, version: int) -> None:
         self.note(worker, version)
@@ -82,6 +95,8 @@ class PointToPointServer(_ServerSide):
 
 
 class OneSidedServer(_ServerSide):
+    asks_first = False               # the gradient is in the window before its header arrives
+
     def __init__(self, ctx: Context, layout: Layout, weights: np.ndarray, windows: Windows):
         super().__init__(ctx, layout.workers)
         self.windows = windows
@@ -115,10 +130,14 @@ class OneSidedServer(_ServerSide):
         self.settle(finished)
 
 
-def server_side(ctx: Context, layout: Layout, weights: np.ndarray, windows: Windows | None):
-    """The server's side of the transport the job uses (``windows``: one-sided)."""
-    return PointToPointServer(ctx, layout, weights) if windows is None else OneSidedServer(ctx, layout, weights,
-                                                                                            windows)
+def server_side(ctx: Context, layout: Layout, weights: np.ndarray, windows: Windows | None,
+                asks_first: bool = False):
+    """The server's side of the transport the job uses (``windows``: one-sided).
+
+    ``asks_first`` (point to point only): workers send a gradient's header and wait for go.
+    """
+    return (PointToPointServer(ctx, layout, weights, asks_first) if windows is None
+            else OneSidedServer(ctx, layout, weights, windows))
 
 
 # -- the worker's side ----------------------------------------------------------------------
@@ -141,9 +160,11 @@ class _ClientSide:
 
 
 class PointToPointClient(_ClientSide):
-    def __init__(self, ctx: Context, layout: Layout, dtype):
+    def __init__(self, ctx: Context, layout: Layout, dtype, asks_first: bool = False):
         super().__init__(ctx, layout)
         self.weights = np.zeros(layout.size, dtype)
+        self.asks_first = asks_first         # send a gradient only once its server says it is not too late
+        self._go = {server: np.zeros(1, np.int64) for server in layout.servers}
 
     def request(self, kind: Kind, gradient, versions: dict) -> dict | None:
         """Send one request; returns the servers' versions when weights came back."""
@@ -154,7 +175,14 @@ class PointToPointClient(_ClientSide):
                 requests += [self.ctx.irecv(self.answers[server], server, Tag.PS_ANSWER),
                              self.ctx.irecv(self.weights[self.layout.shard(server)], server, Tag.PS_WEIGHTS)]
                 peers += [server, server]
-        self.headers(kind, versions, gradient, requests, peers)
+        ask = self.asks_first and gradient is not None
+        self.headers(kind, versions, None if ask else gradient, requests, peers)
+        if ask:
+            self.ctx.waitall([self.ctx.irecv(self._go[server], server, Tag.PS_GO) for server in servers], servers)
+            for server in servers:
+                if self._go[server][0]:
+                    requests.append(self.ctx.isend(gradient[self.layout.shard(server)], server, Tag.PS_GRADIENT))
+                    peers.append(server)
         self.ctx.waitall(requests, peers)
         return {server: int(self.answers[server][0]) for server in servers} if kind.wants_weights else None
 
@@ -197,7 +225,8 @@ class OneSidedClient(_ClientSide):
         return dict(zip(servers, map(int, self.windows.versions)))
 
 
-def client_side(ctx: Context, layout: Layout, dtype, windows: Windows | None, reads_live: bool):
-    """The worker's side of the transport the job uses (``windows``: one-sided)."""
-    return PointToPointClient(ctx, layout, dtype) if windows is None else OneSidedClient(ctx, layout, windows,
-                                                                                          reads_live)
+def client_side(ctx: Context, layout: Layout, dtype, windows: Windows | None, reads_live: bool,
+                asks_first: bool = False):
+    """The worker's side of the transport the job uses (``windows``: one-sided; ``asks_first``: see server_side)."""
+    return (PointToPointClient(ctx, layout, dtype, asks_first) if windows is None
+            else OneSidedClient(ctx, layout, windows, reads_live))
