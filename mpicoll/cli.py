@@ -32,9 +32,13 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm (default 3)")
     bench.add_argument("--output", metavar="FILE.json", help="write one record per (algorithm, size)")
     bench.add_argument("--plot", metavar="FILE.png", help="draw bus bandwidth against size")
+    _link_option(bench, "report each time as a share of the link bound across nodes")
+
+
+def _link_option(bench, what: str) -> None:
     bench.add_argument("--link-gbps", type=float, default=_float_or_none(os.environ.get("MPICOLL_LINK_GBPS")),
-                       help="the nodes' link rate in Gbit/s: report each time as a share of the link bound "
-                            "across nodes (default $MPICOLL_LINK_GBPS, which mpicoll cluster run sets)")
+                       help=f"the nodes' link rate in Gbit/s: {what} (default $MPICOLL_LINK_GBPS, which "
+                            "mpicoll cluster run sets)")
 
 
 def _bench_kernels_parser(commands) -> None:
@@ -80,6 +84,7 @@ def _bench_gossip_parser(commands) -> None:
     bench.add_argument("--mailboxes", default="p2p,onesided", help="comma-separated: p2p, onesided")
     bench.add_argument("--taus", default="0,1", help="comma-separated overlap bounds (default 0,1)")
     bench.add_argument("--iters", type=int, default=20, help="iterations per method (default 20)")
+    _link_option(bench, "report each method's iterations against what the links allow across nodes")
     _simulated_training_options(bench, "write the averaging and iteration records")
 
 

@@ -332,3 +332,18 @@ def test_bench_times_every_collective(tmp_path, collective):
     factor = {"reduce_scatter": 0.5, "allgather": 0.5, "bcast": 1.0}[collective]
     for record in records:
         assert record["busbw_gbps"] == pytest.approx(record["algbw_gbps"] * factor)
+
+
+def test_bench_gossip_sets_iterations_against_what_the_links_allow():
+    from mpicoll.benchmarks.gossip import link_report
+    records = [{"method": "allreduce", "mailbox": "-", "tau": 0, "params": 1 << 20, "dtype": "float32",
+                "straggler": "", "iterations_per_s": 10.0, "bytes_per_iteration": 6 << 20},
+               {"method": "sgp", "mailbox": "p2p", "tau": 1, "params": 1 << 20, "dtype": "float32",
+                "straggler": "", "iterations_per_s": 20.0, "bytes_per_iteration": 4 << 20}]
+    lines = link_report(records, nodes=4, ranks=4, gbps=1.0, compute_ms=30.0)
+    ring, sgp = records
+    assert ring["link_ms"] == pytest.approx((6 << 20) * 8 / 1e6) and sgp["link_ms"] == pytest.approx((4 << 20) * 8 / 1e6)
+    assert ring["of_link_bound"] == pytest.approx((30 + ring["link_ms"]) / 100)    # no overlap: computation + link
+    assert sgp["of_link_bound"] == pytest.approx(max(30, sgp["link_ms"]) / 50)    # tau > 0: the larger of the two
+    assert len(lines) == 3 and "4 nodes at 1 Gbit/s" in lines[0]
+    assert "no link crossed" in link_report(records, nodes=1, ranks=4, gbps=1.0, compute_ms=30.0)[0]

@@ -9,7 +9,14 @@ same buffer.  Reported per method: iterations per second (of the slowest rank,
 which sets the pace), its ratio to the allreduce, bytes each rank sends per
 iteration, and the time per iteration spent communicating and, of that, blocked
 waiting for peers.  A first section measures how many rounds each graph needs
-to average to 1e-6 against what its spectrum predicts.
+to average to 1e-6 against what its spectrum predicts.  Across nodes, with the
+link rate known (``--link-gbps``, set by ``mpicoll cluster run``), a last
+section sets each method's iteration time against the least the links and the
+computation allow: computation plus link time for the methods that cannot
+overlap them (the allreduce, tau = 0), the larger of the two for those that
+can (tau > 0); link time is the bytes a rank sends per iteration at the link
+rate, counted as leaving its node (exact with one rank per node, an upper bound
+otherwise).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from mpi4py import MPI
 from .. import Communicator, compute
 from ..gossip import GRAPHS, MAILBOXES, PushSum, UniformMixing, make, rounds_to_average
 from ..straggler import Straggler, parse
+from .collectives import node_count
 from .common import format_bytes, parse_choices, parse_sizes, write_records
 
 __all__ = ["run"]
@@ -138,6 +146,28 @@ def run(args) -> int:
                       f"{summary['iterations_per_s']:>7.1f} {summary['ratio_to_allreduce']:>11.2f} "
                       f"{format_bytes(summary['bytes_per_iteration']):>9} {summary['comm_ms']:>8.1f} "
                       f"{summary['wait_ms']:>8.1f}", flush=True)
+    nodes = node_count(comm)
+    if rank == 0 and args.link_gbps:
+        for line in link_report([r for r in records if r["kind"] == "iterations"], nodes, comm.Get_size(),
+                                args.link_gbps, args.compute_ms):
+            print(line)
     if rank == 0 and args.output:
         write_records(args.output, records)
     return 0
+
+
+def link_report(records: list[dict], nodes: int, ranks: int, gbps: float, compute_ms: float) -> list[str]:
+    """Each iteration time against its floor (see the module's docstring); adds ``link_ms`` and ``of_link_bound``."""
+    if nodes < 2:
+        return [f"# link bound: all ranks on one node, no link crossed (--link-gbps {gbps:g} unused)"]
+    per_node = ranks // nodes
+    lines = [f"# link bound: {nodes} nodes at {gbps:g} Gbit/s, {per_node} rank(s) each; the floor of an iteration "
+             "is computation + link time, or the larger of the two with tau > 0 (1.0 = at the floor):"]
+    for r in records:
+        r["link_ms"] = r["bytes_per_iteration"] * per_node * 8 / (gbps * 1e9) * 1e3
+        floor_ms = max(compute_ms, r["link_ms"]) if r["tau"] > 0 else compute_ms + r["link_ms"]
+        r["of_link_bound"] = floor_ms * r["iterations_per_s"] / 1e3
+        lines.append(f"#   {r['method']:>9} {r['mailbox']:>9} tau {r['tau']} {format_bytes(r['params'] * np.dtype(r['dtype']).itemsize):>8}"
+                     f" {r['straggler'] or '-':>5}: link {r['link_ms']:6.1f} ms, floor {floor_ms:6.1f} ms, "
+                     f"iteration {1e3 / r['iterations_per_s']:6.1f} ms: {r['of_link_bound']:.2f}")
+    return lines
