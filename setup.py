@@ -34,8 +34,12 @@ setup(
         "gpu": ["cupy-cuda12x", "numba>=0.59", "numba-cuda[cu12]"],
         "gpu-cuda12": ["cupy-cuda12x", "numba>=0.59", "numba-cuda[cu12]"],
         "gpu-cuda13": ["cupy-cuda13x", "numba>=0.59", "numba-cuda[cu13]"],
-        # The tests also run the Numba CUDA kernels under Numba's CUDA simulator.
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "matplotlib", "numba>=0.59", "numba-cuda", "scikit-learn"],
+        # mpicoll.torch: PyTorch tensors, models and optimizers (any torch build; pick yours from pytorch.org).
+        "torch": ["torch"],
+        # The tests also run the Numba CUDA kernels under Numba's CUDA simulator, and mpicoll.torch on
+        # torch's CPU build (pinned: an unpinned torch pulls a CUDA build of several GB).
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "matplotlib", "numba>=0.59", "numba-cuda", "scikit-learn",
+                 "torch==2.13.0"],
     },
     entry_points={"console_scripts": ["mpicoll = mpicoll.cli:main"]},
     classifiers=[

@@ -49,7 +49,7 @@ def _output(out, shape, like):
         raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected {shape} and {like.dtype}")
     if arrays.library(out) != arrays.library(like):
         raise TypeError("out must be in the same kind of memory as x (both host, or both one device library)")
-    if arrays.is_contiguous(out) and (not isinstance(out, np.ndarray) or out.flags.writeable):
+    if arrays.is_c_contiguous(out) and (not isinstance(out, np.ndarray) or out.flags.writeable):
         return out, None
     return arrays.empty_like(like, shape), out
 

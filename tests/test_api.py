@@ -54,6 +54,20 @@ def test_array_functions_match_numpy_over_gathered_inputs(algorithm):
     mpicoll.allreduce(rng.standard_normal(9), out=strided_out, comm=WORLD, algorithm=algorithm)
     if not np.isfinite(strided_out).all() or not np.any(strided_out):
         problems.append("allreduce into a strided out")
+
+    # Fortran-ordered arrays (transposed views) are contiguous, but their memory is not in element order
+    fortran = rng.standard_normal((4, 6)).T
+    expected = everyone(fortran).sum(0)
+    mpicoll.allreduce(fortran, out=fortran, comm=WORLD, algorithm=algorithm)
+    if not np.allclose(fortran, expected):
+        problems.append("allreduce in place of a Fortran-ordered array")
+    fortran_out = np.empty((4, 6)).T
+    mpicoll.allreduce(np.ascontiguousarray(fortran), out=fortran_out, comm=WORLD, algorithm=algorithm)
+    if not np.allclose(fortran_out, everyone(fortran).sum(0)):
+        problems.append("allreduce into a Fortran-ordered out")
+    tall = rng.standard_normal((2, 3)).T
+    if not np.array_equal(mpicoll.allgather(tall, comm=WORLD, algorithm=algorithm), np.concatenate(WORLD.allgather(tall))):
+        problems.append("allgather of a Fortran-ordered array")
     everywhere(not problems, f"seed {seed}: {problems}")
 
 

@@ -37,10 +37,10 @@ Three modules: :mod:`.kinds` (which memory, views), :mod:`.transfers`
 """
 
 from .gpus import cuda_aware, device_name, gpu_count
-from .kinds import HOST, device_view, flat, host_view, is_contiguous, is_device, library, view
+from .kinds import HOST, device_view, flat, host_view, is_c_contiguous, is_contiguous, is_device, library, view
 from .transfers import (Staging, as_host, contiguous, copy, copy_into, empty, empty_like, from_host, pinned,
                         synchronize, to_host)
 
-__all__ = ["HOST", "library", "is_device", "host_view", "device_view", "view", "is_contiguous", "flat", "empty",
+__all__ = ["HOST", "library", "is_device", "host_view", "device_view", "view", "is_contiguous", "is_c_contiguous", "flat", "empty",
            "empty_like", "pinned", "to_host", "from_host", "copy", "contiguous", "synchronize", "as_host",
            "copy_into", "Staging", "gpu_count", "device_name", "cuda_aware"]

@@ -9,7 +9,8 @@ import importlib
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["HOST", "library", "is_device", "host_view", "device_view", "view", "is_contiguous", "flat"]
+__all__ = ["HOST", "library", "is_device", "host_view", "device_view", "view", "is_contiguous", "is_c_contiguous",
+           "flat"]
 
 HOST = None     # library() of host memory
 
@@ -209,6 +210,11 @@ def _flag(array, name: str) -> bool:
 def is_contiguous(array) -> bool:
     """C- or Fortran-contiguous, for numpy, CuPy and Numba arrays."""
     return _flag(array, "C_CONTIGUOUS") or _flag(array, "F_CONTIGUOUS")
+
+
+def is_c_contiguous(array) -> bool:
+    """C-contiguous: memory order is element order (what a result laid out like a packed input needs)."""
+    return _flag(array, "C_CONTIGUOUS")
 
 
 def flat(array, role: str = "array"):

@@ -10,7 +10,7 @@ import importlib
 
 import numpy as np
 
-from .kinds import HOST, _module, _shaped_host, device_view, flat, is_contiguous, is_device, library
+from .kinds import HOST, _module, _shaped_host, device_view, flat, is_c_contiguous, is_contiguous, is_device, library
 
 __all__ = ["empty", "empty_like", "pinned", "to_host", "from_host", "copy", "contiguous", "synchronize", "as_host",
            "copy_into", "Staging"]
@@ -72,10 +72,15 @@ def copy(source, target) -> None:
 
 
 def contiguous(array):
-    """``array`` itself when contiguous, else a contiguous copy of it on the same device (or host)."""
+    """``array`` itself when C-contiguous, else a C-contiguous copy of it on the same device (or host).
+
+    C order, not any contiguity: a Fortran-ordered array's memory holds its
+    elements in another order than a packed result's (measured: an in-place
+    allreduce of a transposed array came back transposed).
+    """
     if isinstance(array, np.ndarray):
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)
-    if is_contiguous(array):
+    if is_c_contiguous(array):
         return array
     if library(array) == "cupy":
         return _module("cupy").ascontiguousarray(array)

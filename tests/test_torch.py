@@ -1,0 +1,176 @@
+"""mpicoll.torch: tensors through mpicoll's collectives, against numpy on the same data, at 1 to 4 ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+
+import mpicoll  # noqa: E402
+import mpicoll.torch as mt  # noqa: E402
+from conftest import P, RANK, WORLD, everywhere, shared_seed  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+REFERENCE = {"average": lambda a: a.sum(axis=0) / P, "sum": lambda a: a.sum(axis=0), "min": lambda a: a.min(axis=0),
+             "max": lambda a: a.max(axis=0), "product": lambda a: a.prod(axis=0)}
+
+
+def everyone(seed: int, shape, dtype) -> np.ndarray:
+    """Every rank's data, the same on all ranks (each rank uses its own row)."""
+    rng = np.random.default_rng(seed)
+    data = rng.standard_normal((P, *shape)) + 1.5
+    return data.astype(dtype) if np.dtype(dtype).kind == "f" else rng.integers(-3, 4, (P, *shape)).astype(dtype)
+
+
+@pytest.mark.parametrize("op", list(mt.OPS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (P - 1,), (1000, 3), (70001,)])
+@pytest.mark.parametrize("where", ["new", "out", "in place"])
+def test_allreduce_matches_numpy(op, dtype, shape, where):
+    if op == "average" and np.dtype(dtype).kind != "f":
+        pytest.skip("averaging integers is refused (tested below)")
+    seed = shared_seed()
+    data = everyone(seed, shape, dtype)
+    tensor = torch.from_numpy(np.array(data[RANK]))
+    out = torch.empty_like(tensor) if where == "out" else tensor if where == "in place" else None
+    result = mt.allreduce(tensor, op, out=out)
+    expected = REFERENCE[op](data.astype(np.float64)).astype(dtype)
+    assert isinstance(result, torch.Tensor) and result.dtype == tensor.dtype and tuple(result.shape) == shape
+    if out is not None:
+        assert result is out
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+    everywhere(np.allclose(result.numpy(), expected, **tolerance), f"seed {seed}: {op} {dtype} {shape} {where}")
+    same = WORLD.allgather(result.numpy().tobytes())
+    everywhere(all(s == same[0] for s in same), "ranks got different bits")
+
+
+def test_allreduce_takes_parameters_and_non_contiguous_tensors():
+    weight = torch.nn.Parameter(torch.full((4, 6), float(RANK + 1), dtype=torch.float64))
+    everywhere(torch.equal(mt.allreduce(weight, "sum"), torch.full((4, 6), float(P * (P + 1) / 2), dtype=torch.float64)))
+    columns = torch.arange(24, dtype=torch.float32).reshape(4, 6).t() * (RANK + 1)     # a transposed view
+    summed = mt.allreduce(columns, "sum")
+    everywhere(torch.equal(summed, torch.arange(24, dtype=torch.float32).reshape(4, 6).t() * (P * (P + 1) / 2)))
+    mt.allreduce(columns, "average", out=columns)                # in place into a non-contiguous tensor
+    everywhere(torch.allclose(columns, torch.arange(24, dtype=torch.float32).reshape(4, 6).t() * ((P + 1) / 2)))
+
+
+def test_allgather_and_broadcast_match_numpy():
+    seed = shared_seed()
+    data = everyone(seed, (3, 5), np.float32)
+    gathered = mt.allgather(torch.from_numpy(np.array(data[RANK])))
+    everywhere(np.array_equal(gathered.numpy(), data.reshape(P * 3, 5)), f"seed {seed}: allgather")
+    scalars = mt.allgather(torch.tensor(float(RANK)))
+    everywhere(torch.equal(scalars, torch.arange(P, dtype=torch.float32)), f"{scalars}")
+    root = P - 1
+    mine = torch.from_numpy(np.array(data[RANK]))
+    copy = mt.broadcast(mine, root)
+    everywhere(np.array_equal(copy.numpy(), data[root]) and np.array_equal(mine.numpy(), data[RANK]), "broadcast")
+    mt.broadcast(mine, root, out=mine)
+    everywhere(np.array_equal(mine.numpy(), data[root]), "broadcast in place")
+
+
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def test_broadcast_parameters_makes_every_replica_the_roots():
+    net = model(seed=100 + RANK)                    # each rank starts different
+    net.register_buffer("steps", torch.tensor([RANK], dtype=torch.int64))       # buffers travel too
+    root = P // 2
+    mt.broadcast_parameters(net.state_dict(), root=root)
+    flat = torch.cat([t.reshape(-1).double() for t in net.state_dict().values()]).numpy()
+    everyone_flat = WORLD.allgather(flat)
+    everywhere(all(np.array_equal(f, everyone_flat[root]) for f in everyone_flat), "replicas differ")
+    everywhere(int(net.steps[0]) == root, f"the buffer holds {int(net.steps[0])}")
+    reference = model(seed=100 + root)
+    everywhere(torch.equal(net[0].weight, reference[0].weight), "not the root's initial weights")
+    other = model(seed=7)
+    mt.broadcast_parameters(other.named_parameters())          # named_parameters() works too
+    everywhere(torch.equal(other[2].bias, model(seed=7)[2].bias), "named_parameters")
+
+
+def test_bad_input_is_refused_on_every_rank():
+    with pytest.raises(ValueError, match="Unrecognized op: 'mean'"):
+        mt.allreduce(torch.ones(3), "mean")
+    with pytest.raises(TypeError, match="averaging needs a floating-point tensor"):
+        mt.allreduce(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="bfloat16"):
+        mt.allreduce(torch.ones(3, dtype=torch.bfloat16), "sum")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        mt.allreduce(np.ones(3), "sum")
+    wider = torch.nn.Linear(4, 2 + (RANK == P - 1 and P > 1))       # the last rank built another model
+    if P > 1:
+        with pytest.raises(mpicoll.SetupError, match=f"rank {P - 1}: the parameters differ from rank 0's"):
+            mt.broadcast_parameters(wider.state_dict())
+
+
+def batches(seed: int, rank: int, steps: int, rows: int = 8):
+    rng = np.random.default_rng([seed, rank])
+    return [(torch.from_numpy(rng.standard_normal((rows, 7))), torch.from_numpy(rng.integers(0, 3, rows)))
+            for _ in range(steps)]
+
+
+def gradient_of(net, X, y) -> None:
+    torch.nn.functional.cross_entropy(net(X), y).backward()
+
+
+@pytest.mark.parametrize("bucket_bytes", [25 << 20, 100])       # one bucket, or one per tensor or so
+def test_distributed_optimizer_is_sgd_with_momentum_on_the_averaged_gradient(bucket_bytes):
+    """Each rank trains on its own batches; a single process applying the ranks' averaged gradient
+    with the same SGD+momentum must end at the same weights (float64, 1e-9), every replica alike."""
+    seed, steps = shared_seed(), 4
+    net = model(seed=100 + RANK).double()
+    mt.broadcast_parameters(net.state_dict(), root=0)
+    optimizer = mt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                                        named_parameters=net.named_parameters(), bucket_bytes=bucket_bytes)
+    mine = batches(seed, RANK, steps)
+    for X, y in mine:
+        optimizer.zero_grad()
+        gradient_of(net, X, y)
+        optimizer.step()
+
+    single = model(seed=100).double()                   # rank 0's initial weights, as broadcast
+    reference = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9)
+    everyone = [batches(seed, rank, steps) for rank in range(P)]
+    for step in range(steps):
+        total = [torch.zeros_like(p) for p in single.parameters()]
+        for rank in range(P):
+            single.zero_grad()
+            gradient_of(single, *everyone[rank][step])
+            total = [t + p.grad for t, p in zip(total, single.parameters())]
+        for p, t in zip(single.parameters(), total):
+            p.grad = t / P
+        reference.step()
+    worst = max(float((a - b).detach().abs().max()) for a, b in zip(net.parameters(), single.parameters()))
+    everywhere(worst < 1e-9, f"seed {seed}: {worst:.2e} from single-process SGD on the averaged gradient")
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy().tobytes()
+    everywhere(len(set(WORLD.allgather(flat))) == 1, "replicas are not bitwise identical")
+
+
+def test_distributed_optimizer_handles_unused_parameters_mixed_dtypes_and_fp16():
+    torch.manual_seed(3)
+    a = torch.nn.Parameter(torch.ones(5, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.ones(3, dtype=torch.float32))
+    unused = torch.nn.Parameter(torch.ones(2, dtype=torch.float32))
+    optimizer = mt.DistributedOptimizer(torch.optim.SGD([a, b, unused], lr=1.0))
+    (a * (RANK + 1)).sum().backward()
+    if RANK == 0:                                      # b has a gradient on rank 0 only
+        (b * 2).sum().backward()
+    optimizer.step()
+    everywhere(torch.allclose(a, torch.ones(5, dtype=torch.float64) - (P + 1) / 2), f"a: {a}")
+    everywhere(torch.allclose(b, torch.ones(3) - 2 / P), f"b: {b}")
+    everywhere(unused.grad is None and torch.equal(unused, torch.ones(2)), "a parameter no rank used was touched")
+    half = mt.DistributedOptimizer(torch.optim.SGD([b], lr=0.0), compression="fp16")
+    b.grad = torch.full((3,), 1 / 3 + RANK, dtype=torch.float32)
+    half.synchronize()
+    exact = 1 / 3 + (P - 1) / 2
+    everywhere(abs(float(b.grad[0]) - exact) < 2e-3 * max(1.0, exact), f"fp16: {float(b.grad[0])} vs {exact}")
+    with pytest.raises(ValueError, match="compression must be None or 'fp16'"):
+        mt.DistributedOptimizer(torch.optim.SGD([a], lr=1.0), compression="int8")
+    with pytest.raises(ValueError, match="a closure would recompute"):
+        optimizer.step(lambda: 0.0)
+    with pytest.raises(ValueError, match="named_parameters lacks 1"):
+        mt.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), named_parameters=[("a", a)])
