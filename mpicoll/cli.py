@@ -1,4 +1,4 @@
-"""The ``mpicoll`` command: ``train``, ``bench``, ``bench-ps``, ``bench-gossip`` and ``info`` (under
+"""The ``mpicoll`` command: ``train``, ``bench``, ``bench-ps``, ``bench-gossip``, ``bench-torch`` and ``info`` (under
 mpiexec), ``compare``, ``plot`` and ``bench-kernels`` (one process), ``cluster`` (an emulated cluster)."""
 
 from __future__ import annotations
@@ -88,6 +88,18 @@ def _bench_gossip_parser(commands) -> None:
     _simulated_training_options(bench, "write the averaging and iteration records")
 
 
+def _bench_torch_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-torch", help="mpicoll.torch.allreduce against torch's gloo and MPI's own, in place",
+        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench-torch --sizes 1M,16M")
+    bench.add_argument("--sizes", default="64K,1M,16M", help="bytes: '1M,16M' or LOW:HIGH[:FACTOR]")
+    bench.add_argument("--algorithms", default="auto", help="mpicoll algorithms to time (default auto)")
+    bench.add_argument("--iters", type=int, default=10, help="timed calls per size and peer (default 10)")
+    bench.add_argument("--master", help="host for gloo's rendezvous (default: rank 0's; 127.0.0.1 on one node)")
+    bench.add_argument("--timeout", type=float, default=60, help="seconds for gloo's set-up and calls")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per size")
+
+
 def _info_parser(commands) -> None:
     commands.add_parser("info", help="versions, MPI library, auto rules, kernel backends, GPU and CUDA-awareness")
 
@@ -124,6 +136,7 @@ def info() -> int:
 
 _RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".benchmarks.kernels", "run"),
             "bench-ps": (".benchmarks.parameter_servers", "run"), "bench-gossip": (".benchmarks.gossip", "run"),
+            "bench-torch": (".benchmarks.torch_collectives", "run"),
             "train": (".train", "main"),
             "compare": (".train", "compare_main"), "plot": (".train", "plot_main"), "cluster": (".cluster", "main")}
 
@@ -135,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     _bench_kernels_parser(commands)
     _bench_ps_parser(commands)
     _bench_gossip_parser(commands)
+    _bench_torch_parser(commands)
     from .train import add_compare_parsers, add_parser as add_train_parser
     add_train_parser(commands)
     add_compare_parsers(commands)

@@ -347,3 +347,15 @@ def test_bench_gossip_sets_iterations_against_what_the_links_allow():
     assert sgp["of_link_bound"] == pytest.approx(max(30, sgp["link_ms"]) / 50)    # tau > 0: the larger of the two
     assert len(lines) == 3 and "4 nodes at 1 Gbit/s" in lines[0]
     assert "no link crossed" in link_report(records, nodes=1, ranks=4, gbps=1.0, compute_ms=30.0)[0]
+
+
+def test_bench_torch_times_mpicoll_against_gloo_and_mpi(tmp_path):
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    out = tmp_path / "torch.json"
+    result = launch(2, "-m", "mpicoll", "bench-torch", "--sizes", "4K,64K", "--algorithms", "auto,ring",
+                    "--iters", "2", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    records = json.loads(out.read_text())
+    assert [r["bytes"] for r in records] == [4096, 65536] and all(r["ranks"] == 2 for r in records)
+    assert all(r[f"{peer}_s"] > 0 for r in records for peer in ("gloo", "mpi", "auto", "ring")), records
+    assert "x gloo" in result.stdout and "x MPI" in result.stdout

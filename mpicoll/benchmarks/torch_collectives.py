@@ -1,0 +1,92 @@
+"""``mpicoll bench-torch``: ``mpicoll.torch.allreduce`` against torch's gloo and MPI's own, in one run.
+
+Run under mpiexec.  Every rank joins a gloo process group (``torch.distributed``,
+rendezvous on rank 0's host through a TCP port chosen by rank 0) next to MPI.
+For each size, one float32 tensor is reduced in place, sum, by each peer in
+turn: gloo's ``all_reduce``, MPI's own ``Allreduce`` on the tensor's memory
+(mpi4py, ``MPI.IN_PLACE``), and ``mpicoll.torch.allreduce(t, "sum", out=t)``
+for each ``--algorithms``.  A call's time is the slowest rank's (a barrier
+before each); the median over ``--iters`` calls is reported, with each
+column's speed against gloo's and MPI's.  Multi-node runs need gloo's
+rendezvous host reachable (``--master`` to name it).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import numpy as np
+from mpi4py import MPI
+
+from .common import format_bytes, parse_sizes, write_records
+
+__all__ = ["run"]
+
+
+def _slowest_median(comm, call, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        call()
+    times = np.empty(iters)
+    for i in range(iters):
+        comm.Barrier()
+        start = time.perf_counter()
+        call()
+        times[i] = time.perf_counter() - start
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)
+    return float(np.median(slowest))
+
+
+def _join_gloo(comm, master: str | None, timeout_s: float):
+    import torch.distributed as dist
+    if comm.Get_rank() == 0:
+        with socket.socket() as probe:             # a free port on rank 0's host
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        host = master or ("127.0.0.1" if comm.Get_size() == 1 else socket.gethostname())
+    else:
+        host = port = None
+    host, port = comm.bcast((host, port))
+    single_node = len(set(comm.allgather(socket.gethostname()))) == 1
+    address = "127.0.0.1" if single_node and not master else host
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), timeout=timedelta(seconds=timeout_s))
+    return dist
+
+
+def run(args) -> int:
+    try:
+        import torch
+        import mpicoll.torch as mt
+    except ImportError as error:
+        raise SystemExit(f"mpicoll bench-torch needs PyTorch (pip install -e '.[torch]'): {error}") from None
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
+    dist = _join_gloo(comm, args.master, args.timeout)
+    records = []
+    if rank == 0:
+        print(f"# mpicoll bench-torch: {size} ranks, float32, in place, sum; median of {args.iters} calls, "
+              "slowest rank; torch " + torch.__version__)
+        print(f"{'size':>10} {'gloo ms':>9} {'MPI ms':>9} " + " ".join(f"{name + ' ms':>12} {'x gloo':>7} {'x MPI':>6}"
+                                                                 for name in algorithms))
+    for nbytes in parse_sizes(args.sizes):
+        tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        memory = tensor.numpy()
+        times = {"gloo": _slowest_median(comm, lambda: dist.all_reduce(tensor), args.iters),
+                 "mpi": _slowest_median(comm, lambda: comm.Allreduce(MPI.IN_PLACE, memory), args.iters)}
+        for name in algorithms:
+            times[name] = _slowest_median(comm, lambda: mt.allreduce(tensor, "sum", algorithm=name, out=tensor),
+                                          args.iters)
+        record = {"bytes": tensor.numel() * 4, "ranks": size, **{f"{k}_s": v for k, v in times.items()}}
+        records.append(record)
+        if rank == 0:
+            print(f"{format_bytes(record['bytes']):>10} {times['gloo'] * 1e3:>9.2f} {times['mpi'] * 1e3:>9.2f} "
+                  + " ".join(f"{times[name] * 1e3:>12.2f} {times['gloo'] / times[name]:>7.2f} "
+                             f"{times['mpi'] / times[name]:>6.2f}" for name in algorithms), flush=True)
+    dist.destroy_process_group()
+    if rank == 0 and args.output:
+        write_records(args.output, records)
+    return 0
