@@ -157,6 +157,16 @@ with mpicoll.Communicator(world, algorithm=algorithm) as comm:   # closing after
 """
 
 
+def left_behind(pattern: str, grace: float = 10) -> list[str]:
+    """Processes whose command line matches ``pattern``, once the launcher has had ``grace`` seconds to
+    reap its children (seen: a killed rank still exiting when the job had already returned)."""
+    deadline = time.perf_counter() + grace
+    while (left := subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()) \
+            and time.perf_counter() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 @pytest.mark.parametrize("algorithm, collective, victim, how, channel", [
     ("ring", "allreduce", 2, "exit", "p2p"), ("ring", "allreduce", 1, "hang", "p2p"), ("ring", "bcast", 2, "hang", "p2p"),
     ("ring", "allreduce", 2, "exit", "shared"), ("parallel", "allreduce", 2, "exit", "p2p"),
@@ -180,7 +190,7 @@ def test_a_lost_rank_is_named_by_every_survivor_and_the_job_ends(tmp_path, algor
     assert all(f"for rank(s) {victim}," in line for line in waited), reports
     assert f"rank {victim}:" not in result.stdout
     assert "ends the job" in result.stderr
-    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    left = left_behind(str(script))
     assert not left, f"processes left behind: {left}"
 
 
@@ -229,8 +239,5 @@ def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path):
     assert sorted(line.split(":")[1] for line in lines) == [" rank 0", " rank 1"], stderr[-2000:]
     assert all("for rank(s) 2," in line for line in lines), lines
     assert "Traceback" not in stderr and "Segmentation" not in stderr, stderr[-2000:]
-    deadline = time.perf_counter() + 10        # the launcher may still be reaping its children
-    while (left := subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()) \
-            and time.perf_counter() < deadline:
-        time.sleep(0.2)
+    left = left_behind(marker)
     assert not left, f"processes left behind: {left}"
