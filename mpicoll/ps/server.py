@@ -172,36 +172,36 @@ class Server:
         return stats
 
     def _take_gradient(self, worker: int, kind: Kind, version: int) -> list[int]:
-        """Read a worker's gradient and apply it (unless it is not finite, or refused unread for being
-        late when the worker asked first); returns who may be answered."""
+        """Take a worker's gradient (see :meth:`_apply`); returns who may be answered."""
+        if kind.wants_weights:
+            self.waiting[worker] = kind
+        ready = self._apply(worker, version)
+        if not kind.wants_weights:
+            self.transport.pushed(worker, self.rule.version)
+        return ready
+
+    def _apply(self, worker: int, version: int) -> list[int]:
+        """Read a worker's gradient and apply it, unless it is not finite, or is refused unread for
+        being late when the worker asked first; returns who may be answered."""
         rule, stats = self.rule, self.stats
         if self.transport.asks_first and rule.too_late(version):
             self.transport.refuse(worker)
             stats.refused += 1
-            if kind.wants_weights:
-                self.waiting[worker] = kind
-            else:
-                self.transport.pushed(worker, rule.version)
             return rule.refuse(worker)
         gradient = self.transport.gradient(worker)
         stats.bytes_in += gradient.nbytes
         stats.gradients[worker] = stats.gradients.get(worker, 0) + 1
         lag = rule.version - version
         stats.staleness[lag] = stats.staleness.get(lag, 0) + 1
-        if kind.wants_weights:
-            self.waiting[worker] = kind
-        if _finite(gradient):
-            before = time.perf_counter()
-            with self.transport.publish(lambda: rule.version):
-                ready = rule.on_gradient(worker, version, gradient)
-            stats.update_s += time.perf_counter() - before
-        else:                                                  # never let NaN or Inf into the model
+        if not _finite(gradient):                               # never let NaN or Inf into the model
             stats.nonfinite += 1
             print(f"[server rank {self.layout.rank}] worker rank {worker} sent a gradient with NaN or Inf "
                   f"(update {rule.version}): skipped", file=sys.stderr, flush=True)
-            ready = [worker]
-        if not kind.wants_weights:
-            self.transport.pushed(worker, rule.version)
+            return [worker]
+        before = time.perf_counter()
+        with self.transport.publish(lambda: rule.version):
+            ready = rule.on_gradient(worker, version, gradient)
+        stats.update_s += time.perf_counter() - before
         return ready
 
     def _answer(self, worker: int) -> None:
