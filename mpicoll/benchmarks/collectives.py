@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from .. import algorithms
 from ..communicator import FINGERPRINT_FROM, Communicator
-from .common import format_bytes, parse_sizes, write_records
+from .common import format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run", "default_sizes", "measure", "COLLECTIVES"]
 
@@ -112,16 +112,7 @@ def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None, co
             if not np.allclose(outputs[name], reference, rtol=1e-3, atol=1e-3 * p):
                 raise AssertionError(f"bench: {name} gave a wrong {collective} at {nbytes} bytes")
         n = _iterations(count * dtype.itemsize, iters, min_iters)
-        times = np.empty((len(names), n))
-        for i in range(n):
-            for shift in range(len(names)):   # rotate the order: no algorithm always follows the same one
-                j = (i + shift) % len(names)
-                name = names[j]
-                comm.Barrier()
-                start = time.perf_counter()
-                calls[name](send, outputs[name])
-                times[j, i] = time.perf_counter() - start
-        comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+        times = interleaved_times(comm, [lambda name=name: calls[name](send, outputs[name]) for name in names], n)
         row = []
         for j, name in enumerate(names):
             seconds = float(np.median(times[j]))

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..config import parse_bytes
 
-__all__ = ["parse_choices", "parse_sizes", "format_bytes", "write_records", "median_seconds"]
+__all__ = ["parse_choices", "parse_sizes", "format_bytes", "write_records", "median_seconds", "interleaved_times"]
 
 
 def parse_choices(command: str, what: str, text: str, allowed) -> list[str]:
@@ -63,3 +63,22 @@ def median_seconds(call, iters: int, sync) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def interleaved_times(comm, calls: list, n: int) -> np.ndarray:
+    """Seconds of ``n`` rounds of every call, shape (len(calls), n), the slowest rank's.
+
+    Each round runs the calls in a rotated order (no call always follows the
+    same one, so a drift of the machine favours none), a barrier before each.
+    """
+    from mpi4py import MPI
+    times = np.empty((len(calls), n))
+    for i in range(n):
+        for shift in range(len(calls)):
+            j = (i + shift) % len(calls)
+            comm.Barrier()
+            start = time.perf_counter()
+            calls[j]()
+            times[j, i] = time.perf_counter() - start
+    comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return times

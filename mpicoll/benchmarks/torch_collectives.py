@@ -2,41 +2,28 @@
 
 Run under mpiexec.  Every rank joins a gloo process group (``torch.distributed``,
 rendezvous on rank 0's host through a TCP port chosen by rank 0) next to MPI.
-For each size, one float32 tensor is reduced in place, sum, by each peer in
-turn: gloo's ``all_reduce``, MPI's own ``Allreduce`` on the tensor's memory
+For each size, one float32 tensor is reduced in place, sum, by each peer:
+gloo's ``all_reduce``, MPI's own ``Allreduce`` on the tensor's memory
 (mpi4py, ``MPI.IN_PLACE``), and ``mpicoll.torch.allreduce(t, "sum", out=t)``
-for each ``--algorithms``.  A call's time is the slowest rank's (a barrier
-before each); the median over ``--iters`` calls is reported, with each
-column's speed against gloo's and MPI's.  Multi-node runs need gloo's
+for each ``--algorithms``; every peer's result is first checked against the
+exact sum.  The peers then take turns in a rotating order, a barrier before
+each call; a call's time is the slowest rank's, and the median over
+``--iters`` rounds is reported, with each column's speed against gloo's and
+MPI's.  Multi-node runs need gloo's
 rendezvous host reachable (``--master`` to name it).
 """
 
 from __future__ import annotations
 
 import socket
-import time
 from datetime import timedelta
 
 import numpy as np
 from mpi4py import MPI
 
-from .common import format_bytes, parse_sizes, write_records
+from .common import format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run"]
-
-
-def _slowest_median(comm, call, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        call()
-    times = np.empty(iters)
-    for i in range(iters):
-        comm.Barrier()
-        start = time.perf_counter()
-        call()
-        times[i] = time.perf_counter() - start
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)
-    return float(np.median(slowest))
 
 
 def _join_gloo(comm, master: str | None, timeout_s: float):
@@ -73,13 +60,19 @@ def run(args) -> int:
         print(f"{'size':>10} {'gloo ms':>9} {'MPI ms':>9} " + " ".join(f"{name + ' ms':>12} {'x gloo':>7} {'x MPI':>6}"
                                                                  for name in algorithms))
     for nbytes in parse_sizes(args.sizes):
-        tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        tensor = torch.empty(max(1, nbytes // 4), dtype=torch.float32)
         memory = tensor.numpy()
-        times = {"gloo": _slowest_median(comm, lambda: dist.all_reduce(tensor), args.iters),
-                 "mpi": _slowest_median(comm, lambda: comm.Allreduce(MPI.IN_PLACE, memory), args.iters)}
-        for name in algorithms:
-            times[name] = _slowest_median(comm, lambda: mt.allreduce(tensor, "sum", algorithm=name, out=tensor),
-                                          args.iters)
+        calls = {"gloo": lambda: dist.all_reduce(tensor), "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, memory),
+                 **{name: lambda name=name: mt.allreduce(tensor, "sum", algorithm=name, out=tensor)
+                    for name in algorithms}}
+        for peer, call in calls.items():            # right first (and warm), then timed on zeros: no overflow
+            tensor.fill_(rank + 1)
+            call()
+            if not bool((tensor == size * (size + 1) / 2).all()):
+                raise SystemExit(f"mpicoll bench-torch: {peer} gave a wrong sum at {nbytes} bytes on rank {rank}")
+        tensor.zero_()
+        seconds = np.median(interleaved_times(comm, list(calls.values()), args.iters), axis=1)
+        times = dict(zip(calls, seconds))
         record = {"bytes": tensor.numel() * 4, "ranks": size, **{f"{k}_s": v for k, v in times.items()}}
         records.append(record)
         if rank == 0:
