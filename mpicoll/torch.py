@@ -20,6 +20,7 @@ refused with a message saying what to pass.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import zip_longest
 
 import numpy as np
 import torch
@@ -101,6 +102,19 @@ def broadcast(tensor: torch.Tensor, root: int = 0, *, comm=None, algorithm: str 
     return out
 
 
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One new flat tensor holding ``tensors`` one after the other (one message for many)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``flat`` back into ``tensors``, in place, in :func:`_flatten`'s order."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def broadcast_parameters(params, root: int = 0, *, comm=None, algorithm: str = "auto") -> None:
     """Overwrite every rank's parameters with the root's, in place.
 
@@ -118,9 +132,8 @@ def broadcast_parameters(params, root: int = 0, *, comm=None, algorithm: str = "
     roots = comm.bcast(layout, root)
 
     def same_as_root() -> None:
-        if layout != roots:
-            differ = next((mine, theirs) for mine, theirs in zip(layout + [None] * len(roots),
-                                                                  roots + [None] * len(layout)) if mine != theirs)
+        differ = next(((mine, theirs) for mine, theirs in zip_longest(layout, roots) if mine != theirs), None)
+        if differ:
             raise ValueError(f"the parameters differ from rank {root}'s: this rank has {differ[0]}, "
                              f"rank {root} has {differ[1]} (build the same model on every rank)")
 
@@ -130,12 +143,9 @@ def broadcast_parameters(params, root: int = 0, *, comm=None, algorithm: str = "
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     with torch.no_grad():
         for tensors in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            flat = _flatten(tensors)
             broadcast(flat, root, comm=comm, algorithm=algorithm, out=flat)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            _unflatten(flat, tensors)
 
 
 class DistributedOptimizer:
@@ -184,16 +194,14 @@ class DistributedOptimizer:
                 if anywhere and p.grad is None:
                     p.grad = torch.zeros_like(p)
             for bucket in self._buckets([p for p, anywhere in zip(self.parameters, has.tolist()) if anywhere]):
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                grads = [p.grad for p in bucket]
+                flat = _flatten(grads)
                 wire = flat.half() if self.compression == "fp16" and flat.is_floating_point() else flat
                 allreduce(wire, "sum", comm=self.comm, algorithm=self.algorithm, out=wire)
                 if wire is not flat:
                     flat.copy_(wire)
                 flat.div_(size)
-                offset = 0
-                for p in bucket:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                    offset += p.numel()
+                _unflatten(flat, grads)
 
     def _buckets(self, parameters: list) -> list[list]:
         """Parameters in the optimizer's order, cut into runs of one dtype and device up to bucket_bytes."""
