@@ -41,6 +41,14 @@ def fresh():
     mpicoll_cluster("down")
 
 
+def still_running(nodes, grace: float = 30) -> list[str]:
+    """The processes still inside ``nodes`` after up to ``grace`` seconds (a healed node's stragglers exit)."""
+    deadline = time.perf_counter() + grace
+    while (left := [pid for node in nodes for pid in network.processes(node)]) and time.perf_counter() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 HELLO = textwrap.dedent("""
     import os, socket, sys
     import numpy as np
@@ -178,10 +186,7 @@ def test_a_node_cut_during_an_allreduce_is_named_and_the_job_ends(fresh, tmp_pat
     # rank 2's own report is lost with its link
     assert reports == [("0", "CollectiveTimeout", "2"), ("1", "CollectiveTimeout", "2")], stdout
     assert mpicoll_cluster("heal", "node2").returncode == 0
-    deadline = time.perf_counter() + 30
-    while time.perf_counter() < deadline and any(network.processes(node) for node in ("node0", "node1", "node2")):
-        time.sleep(0.5)
-    assert not any(network.processes(node) for node in ("node0", "node1", "node2")), "processes left behind"
+    assert not still_running(("node0", "node1", "node2")), "processes left behind"
 
 
 def test_a_worker_node_cut_during_async_training_is_dropped_and_the_others_finish(fresh, tmp_path):
@@ -208,7 +213,4 @@ def test_a_worker_node_cut_during_async_training_is_dropped_and_the_others_finis
     summary = json.loads(log.read_text().splitlines()[-1])
     assert job.returncode == 70 and summary["summary"] and summary["final_accuracy"] > 0.8, (job.returncode, summary)
     assert mpicoll_cluster("heal", "node2").returncode == 0
-    deadline = time.perf_counter() + 30
-    while time.perf_counter() < deadline and any(network.processes(node) for node in ("node0", "node1", "node2")):
-        time.sleep(0.5)
-    assert not any(network.processes(node) for node in ("node0", "node1", "node2")), "processes left behind"
+    assert not still_running(("node0", "node1", "node2")), "processes left behind"
