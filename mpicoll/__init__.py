@@ -13,17 +13,20 @@ from .ucx import apply_defaults as _apply_ucx_defaults
 
 _apply_ucx_defaults()           # before anything imports mpi4py.MPI, which starts MPI (see mpicoll/ucx.py)
 
-from .api import allgather, allreduce, broadcast, reduce_scatter
+from .api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce_scatter,
+                  reduce_scatter)
 from .communicator import Communicator
 from .errors import (CollectiveTimeout, MismatchError, MpicollError, NonFiniteError, PeerFailed, ReductionError,
                      RootError, ServerFailed, SetupError)
 from .failure import end_job
+from .nonblocking import Request
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator",
     "allreduce", "reduce_scatter", "allgather", "broadcast",
+    "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
     "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "NonFiniteError",
     "ReductionError", "RootError", "SetupError", "end_job",
     "__version__",

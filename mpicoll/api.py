@@ -3,7 +3,9 @@
 Any array of :mod:`mpicoll.arrays` works, on the host or a GPU, in any shape
 and memory layout: a non-contiguous input is packed once, a non-contiguous
 ``out`` is filled from a packed result, and the result is of the input's kind
-(numpy for host memory, CuPy or Numba for device memory).  ``comm`` defaults
+(numpy for host memory, CuPy or Numba for device memory).  Each has a
+nonblocking form (``iallreduce``, ...) that returns a
+:class:`~mpicoll.nonblocking.Request`.  ``comm`` defaults
 to ``MPI.COMM_WORLD``; a plain mpi4py communicator is wrapped in a
 :class:`~mpicoll.Communicator` once and the wrapper reused, so pass the same
 communicator object from every rank, in the same order.
@@ -16,9 +18,11 @@ from mpi4py import MPI
 
 from . import arrays
 from .communicator import Communicator
+from .nonblocking import Request
 from .reduction import resolve_op
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "resolve_op"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast",
+           "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "resolve_op"]
 
 _WRAPPED: dict[tuple[int, str], Communicator] = {}
 
@@ -54,11 +58,70 @@ def _output(out, shape, like):
     return arrays.empty_like(like, shape), out
 
 
-def _finish(result, copy_into):
-    if copy_into is None:
-        return result
-    arrays.copy(result, copy_into)
-    return copy_into
+class _Call:
+    """One prepared collective call: the communicator method, its arguments, and where the result ends up.
+
+    ``run()`` makes it blocking; ``start()`` nonblocking, returning a Request
+    whose ``wait()`` gives the result.
+    """
+
+    def __init__(self, communicator: Communicator, method: str, args: tuple, result, copy_into=None):
+        self.communicator, self.method, self.args = communicator, method, args
+        self.result, self.copy_into = result, copy_into
+
+    def run(self):
+        getattr(self.communicator, self.method)(*self.args)
+        return self._finish()
+
+    def start(self) -> Request:
+        method, args = self.method, self.args
+        request = Request(f"I{method[0].lower()}{method[1:]}", lambda comm: getattr(comm, method)(*args), self.result)
+        return self.communicator.start(request.then(lambda _: self._finish()))
+
+    def _finish(self):
+        if self.copy_into is None:
+            return self.result
+        arrays.copy(self.result, self.copy_into)
+        return self.copy_into
+
+
+def _allreduce(x, op, comm, algorithm, out) -> _Call:
+    communicator, op = _communicator(comm, algorithm), resolve_op(op)
+    in_place = out is x
+    x = _as_array(x)
+    source = arrays.contiguous(x)
+    if in_place and source is x and (not isinstance(x, np.ndarray) or x.flags.writeable):
+        return _Call(communicator, "Allreduce", (MPI.IN_PLACE, x, op), x)
+    result, copy_into = _output(x if in_place else out, x.shape, x)
+    return _Call(communicator, "Allreduce", (source, result, op), result, copy_into)
+
+
+def _reduce_scatter(x, op, comm, algorithm, out) -> _Call:
+    communicator = _communicator(comm, algorithm)
+    x = arrays.contiguous(_as_array(x))
+    size = communicator.Get_size()
+    if x.ndim == 0 or x.shape[0] % size:
+        raise ValueError(f"reduce_scatter: x has shape {x.shape}; its first axis must be a multiple of {size} ranks")
+    result, copy_into = _output(out, (x.shape[0] // size, *x.shape[1:]), x)
+    return _Call(communicator, "Reduce_scatter_block", (x, result, resolve_op(op)), result, copy_into)
+
+
+def _allgather(x, comm, algorithm, out) -> _Call:
+    communicator = _communicator(comm, algorithm)
+    x = arrays.contiguous(_as_array(x))
+    size = communicator.Get_size()
+    shape = (size,) if x.ndim == 0 else (size * x.shape[0], *x.shape[1:])
+    result, copy_into = _output(out, shape, x)
+    return _Call(communicator, "Allgather", (x, result), result, copy_into)
+
+
+def _broadcast(x, root, comm, algorithm, out) -> _Call:
+    communicator = _communicator(comm, algorithm)
+    x = _as_array(x)
+    result, copy_into = _output(out, x.shape, x)
+    if communicator.Get_rank() == root and result is not x:
+        arrays.copy(x, result)
+    return _Call(communicator, "Bcast", (result, root), result, copy_into)
 
 
 def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
@@ -67,16 +130,7 @@ def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
     ``out`` may be ``x`` itself to reduce in place.  Device arrays are reduced
     on their GPU and give device arrays.
     """
-    communicator, op = _communicator(comm, algorithm), resolve_op(op)
-    in_place = out is x
-    x = _as_array(x)
-    source = arrays.contiguous(x)
-    if in_place and source is x and (not isinstance(x, np.ndarray) or x.flags.writeable):
-        communicator.Allreduce(MPI.IN_PLACE, x, op)
-        return x
-    result, copy_into = _output(x if in_place else out, x.shape, x)
-    communicator.Allreduce(source, result, op)
-    return _finish(result, copy_into)
+    return _allreduce(x, op, comm, algorithm, out).run()
 
 
 def reduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
@@ -85,25 +139,12 @@ def reduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None)
     ``x.shape[0]`` must be a multiple of the rank count p; the result has
     shape ``(x.shape[0] // p, *x.shape[1:])``: rows ``rank * k`` to ``(rank+1) * k``.
     """
-    communicator = _communicator(comm, algorithm)
-    x = arrays.contiguous(_as_array(x))
-    size = communicator.Get_size()
-    if x.ndim == 0 or x.shape[0] % size:
-        raise ValueError(f"reduce_scatter: x has shape {x.shape}; its first axis must be a multiple of {size} ranks")
-    result, copy_into = _output(out, (x.shape[0] // size, *x.shape[1:]), x)
-    communicator.Reduce_scatter_block(x, result, resolve_op(op))
-    return _finish(result, copy_into)
+    return _reduce_scatter(x, op, comm, algorithm, out).run()
 
 
 def allgather(x, *, comm=None, algorithm: str = "auto", out=None):
     """Every rank's ``x`` concatenated along axis 0, in rank order (a scalar gives shape (p,))."""
-    communicator = _communicator(comm, algorithm)
-    x = arrays.contiguous(_as_array(x))
-    size = communicator.Get_size()
-    shape = (size,) if x.ndim == 0 else (size * x.shape[0], *x.shape[1:])
-    result, copy_into = _output(out, shape, x)
-    communicator.Allgather(x, result)
-    return _finish(result, copy_into)
+    return _allgather(x, comm, algorithm, out).run()
 
 
 def broadcast(x, root: int = 0, *, comm=None, algorithm: str = "auto", out=None):
@@ -111,10 +152,27 @@ def broadcast(x, root: int = 0, *, comm=None, algorithm: str = "auto", out=None)
 
     Returns a new array unless ``out`` is given (``out=x`` overwrites ``x`` in place).
     """
-    communicator = _communicator(comm, algorithm)
-    x = _as_array(x)
-    result, copy_into = _output(out, x.shape, x)
-    if communicator.Get_rank() == root and result is not x:
-        arrays.copy(x, result)
-    communicator.Bcast(result, root)
-    return _finish(result, copy_into)
+    return _broadcast(x, root, comm, algorithm, out).run()
+
+
+def iallreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None) -> Request:
+    """:func:`allreduce`, started: returns a Request whose ``wait()`` gives the result.
+
+    Leave ``x`` and ``out`` alone until then (:mod:`mpicoll.nonblocking`).
+    """
+    return _allreduce(x, op, comm, algorithm, out).start()
+
+
+def ireduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None) -> Request:
+    """:func:`reduce_scatter`, started: returns a Request whose ``wait()`` gives the result."""
+    return _reduce_scatter(x, op, comm, algorithm, out).start()
+
+
+def iallgather(x, *, comm=None, algorithm: str = "auto", out=None) -> Request:
+    """:func:`allgather`, started: returns a Request whose ``wait()`` gives the result."""
+    return _allgather(x, comm, algorithm, out).start()
+
+
+def ibroadcast(x, root: int = 0, *, comm=None, algorithm: str = "auto", out=None) -> Request:
+    """:func:`broadcast`, started: returns a Request whose ``wait()`` gives the result."""
+    return _broadcast(x, root, comm, algorithm, out).start()

@@ -6,7 +6,10 @@ below is mpi4py's own.  ``Allreduce``, ``Reduce_scatter_block``,
 ``Allgather`` and ``Bcast`` take exactly the arguments mpi4py takes, check
 them (locally on every call; across ranks on the first call and, with
 ``MPICOLL_DEBUG=1``, on every call), and run the chosen algorithm over a
-private duplicate of the communicator.
+private duplicate of the communicator.  Their nonblocking forms
+(``Iallreduce``, ``Ireduce_scatter_block``, ``Iallgather``, ``Ibcast``) return
+a :class:`~mpicoll.nonblocking.Request` and run on a background thread
+(:mod:`mpicoll.nonblocking`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from .buffers import Message, is_in_place, read_message
 from .checks import Fingerprint, Signature, check_call
 from .context import Context
 from .errors import RootError
+from .nonblocking import Request, Worker
 from .reduction import Reduction, op_name
 
 __all__ = ["Communicator", "FINGERPRINT_FROM"]
@@ -74,6 +78,9 @@ class Communicator(MPI.Intracomm):
         Called by ``Free()`` and on leaving a ``with`` block; a later
         collective call sets them up again.
         """
+        worker = self.__dict__.pop("_worker", None)
+        if worker is not None:
+            worker.close()
         context = self.__dict__.pop("_context", None)
         if context is not None:
             context.free()
@@ -166,6 +173,32 @@ class Communicator(MPI.Intracomm):
                   message if self.Get_rank() == root else None,
                   lambda a, ctx: a.bcast(ctx, message.array, root),
                   lambda: MPI.Intracomm.Bcast(self, buf, root))
+
+    # -- the nonblocking collectives ----------------------------------------
+
+    def Iallreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:
+        """``Allreduce``, started: returns a Request to ``Wait`` for (see :mod:`mpicoll.nonblocking`)."""
+        return self.start(Request("Iallreduce", lambda comm: comm.Allreduce(sendbuf, recvbuf, op)))
+
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:
+        """``Reduce_scatter_block``, started: returns a Request to ``Wait`` for."""
+        return self.start(Request("Ireduce_scatter_block",
+                                  lambda comm: comm.Reduce_scatter_block(sendbuf, recvbuf, op)))
+
+    def Iallgather(self, sendbuf, recvbuf) -> Request:
+        """``Allgather``, started: returns a Request to ``Wait`` for."""
+        return self.start(Request("Iallgather", lambda comm: comm.Allgather(sendbuf, recvbuf)))
+
+    def Ibcast(self, buf, root: int = 0) -> Request:
+        """``Bcast``, started: returns a Request to ``Wait`` for."""
+        return self.start(Request("Ibcast", lambda comm: comm.Bcast(buf, root)))
+
+    def start(self, request: Request) -> Request:
+        """Hand ``request`` to this communicator's worker, made by the first nonblocking call (collective)."""
+        worker = self.__dict__.get("_worker")
+        if worker is None:
+            worker = self.__dict__["_worker"] = Worker(self)
+        return worker.start(request)
 
     def _hand_small_calls_to_mpi(self) -> None:
         """Shadow the collectives with closures that send small numpy calls straight to MPI.
