@@ -28,6 +28,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 import warnings
 from typing import TYPE_CHECKING, Callable
 
@@ -57,6 +58,7 @@ class Request:
         self._run = run                     # takes the worker's private Communicator
         self._result = result
         self._then: list[Callable] = []
+        self._callbacks: list[Callable] = []
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -75,6 +77,20 @@ class Request:
         if self._error is None:
             self._result = transform(self._result)
         return self
+
+    def add_done_callback(self, callback: Callable) -> None:
+        """Call ``callback(request)`` once the call has completed or failed (at once if it has), in the
+        thread that completes it, like ``concurrent.futures``; ``request.error`` says which."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The call's error, once it has failed; None while it runs or after it succeeded."""
+        return self._error
 
     def Test(self, status: MPI.Status | None = None) -> bool:
         """Whether the call has completed (raising its error if it failed)."""
@@ -131,6 +147,12 @@ class Request:
                 self._error = failure
             self._run = None                       # let go of the buffers
             self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:           # the caller's bug, not the call's: report it, keep the worker going
+                traceback.print_exc()
 
     def _raise(self) -> None:
         if self._error is not None:

@@ -19,7 +19,11 @@ refused with a message saying what to pass.
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Mapping
+from contextlib import contextmanager
+from datetime import timedelta
 from itertools import zip_longest
 
 import numpy as np
@@ -28,8 +32,10 @@ from mpi4py import MPI
 
 from . import api
 from .checks import agree
+from .nonblocking import Request
 
-__all__ = ["allreduce", "allgather", "broadcast", "broadcast_parameters", "DistributedOptimizer", "OPS"]
+__all__ = ["allreduce", "allreduce_async", "allgather", "broadcast", "broadcast_parameters",
+           "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "init_process_group", "OPS"]
 
 # torch/Horovod names -> the array API's; "average" is a sum divided by the rank count
 OPS = {"average": "sum", "sum": "sum", "min": "min", "max": "max", "product": "prod"}
@@ -61,21 +67,39 @@ def allreduce(tensor: torch.Tensor, op: str = "average", *, comm=None, algorithm
 
     ``out=tensor`` reduces in place.  Averaging needs a floating-point tensor.
     """
+    call, finish = _allreduce(tensor, op, comm, algorithm, out)
+    return finish(call.run())
+
+
+def allreduce_async(tensor: torch.Tensor, op: str = "average", *, comm=None, algorithm: str = "auto",
+                    out: torch.Tensor | None = None) -> Request:
+    """:func:`allreduce`, started: returns a :class:`~mpicoll.Request` whose ``wait()`` gives the result.
+
+    The reduction runs while the caller goes on (:mod:`mpicoll.nonblocking`);
+    leave ``tensor`` and ``out`` alone until it has completed.
+    """
+    call, finish = _allreduce(tensor, op, comm, algorithm, out)
+    return call.start().then(finish)
+
+
+def _allreduce(tensor, op, comm, algorithm, out):
+    """(the prepared array call, what turns its result into the tensor to return)."""
     if op not in OPS:
         raise ValueError(f"Unrecognized op: {op!r}; use one of {', '.join(OPS)}")
     if op == "average" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"averaging needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide")
     source = _array(tensor)
-    if out is None:
-        result = _tensor(api.allreduce(source, OPS[op], comm=comm, algorithm=algorithm), tensor)
-    else:
-        target = source if out is tensor else _array(out)
-        api.allreduce(source, OPS[op], comm=comm, algorithm=algorithm, out=target)
-        result = out
-    if op == "average":
-        with torch.no_grad():
-            result.div_(_size(comm))
-    return result
+    target = None if out is None else source if out is tensor else _array(out)
+    size = _size(comm)
+
+    def finish(array) -> torch.Tensor:
+        result = _tensor(array, tensor) if out is None else out
+        if op == "average":
+            with torch.no_grad():
+                result.div_(size)
+        return result
+
+    return api._allreduce(source, OPS[op], comm, algorithm, target), finish
 
 
 def allgather(tensor: torch.Tensor, *, comm=None, algorithm: str = "auto",
@@ -102,6 +126,32 @@ def broadcast(tensor: torch.Tensor, root: int = 0, *, comm=None, algorithm: str 
     return out
 
 
+def init_process_group(backend: str = "gloo", *, comm=None, master: str | None = None,
+                       timeout: float = 300.0) -> None:
+    """Start ``torch.distributed`` on the ranks mpiexec launched, for code that needs a process group
+    (DDP, gloo's collectives): no MASTER_ADDR or port to set by hand.
+
+    Rank 0 picks a free TCP port on its host and tells the others through
+    MPI; ``master`` overrides the host name the others dial (all ranks on one
+    host use 127.0.0.1).  Torch's rank and world size are the communicator's.
+    """
+    import torch.distributed as dist
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm.Get_rank() == 0:
+        with socket.socket() as probe:             # a free port on rank 0's host
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        host = master or socket.gethostname()
+    else:
+        host = port = None
+    host, port = comm.bcast((host, port))
+    single_host = len(set(comm.allgather(socket.gethostname()))) == 1
+    address = "127.0.0.1" if single_host and not master else host
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), timeout=timedelta(seconds=timeout))
+
+
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One new flat tensor holding ``tensors`` one after the other (one message for many)."""
     return torch.cat([t.detach().reshape(-1) for t in tensors])
@@ -113,6 +163,18 @@ def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], root: int, comm, algorithm: str) -> None:
+    """Overwrite ``tensors`` with the root's, in place: those of one dtype and device in one broadcast."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for group in groups.values():
+            flat = _flatten(group)
+            broadcast(flat, root, comm=comm, algorithm=algorithm, out=flat)
+            _unflatten(flat, group)
 
 
 def broadcast_parameters(params, root: int = 0, *, comm=None, algorithm: str = "auto") -> None:
@@ -138,88 +200,282 @@ def broadcast_parameters(params, root: int = 0, *, comm=None, algorithm: str = "
                              f"rank {root} has {differ[1]} (build the same model on every rank)")
 
     agree(comm, same_as_root)
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for _, tensor in named:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    with torch.no_grad():
-        for tensors in groups.values():
-            flat = _flatten(tensors)
-            broadcast(flat, root, comm=comm, algorithm=algorithm, out=flat)
-            _unflatten(flat, tensors)
+    _broadcast_tensors([tensor for _, tensor in named], root, comm, algorithm)
 
 
-class DistributedOptimizer:
-    """Wraps a torch optimizer: ``step()`` averages the gradients over the ranks, then steps.
+class _Slot:
+    """Where a tensor stood in an optimizer's state_dict, as broadcast without its data."""
 
-    Gradients are packed into fused buckets (one per dtype and device, at most
-    ``bucket_bytes`` each) and each bucket is summed with one allreduce, so
-    every replica gets the same bits and stays identical to the others.  A
-    parameter that has a gradient on some ranks only (unused on the others in
-    this step) is averaged with zeros from those, and gets that gradient
-    everywhere.  ``compression="fp16"`` sends float32/float64 buckets as
-    float16 (half the bytes; the sum is rounded to float16).  Everything else
-    (``zero_grad``, ``state_dict``, ``param_groups``, ...) is the wrapped optimizer's.
+    def __init__(self, tensor: torch.Tensor):
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
 
-    This version communicates when ``step()`` is called, after the whole
-    backward pass: nothing overlaps the computation yet.
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0, *, comm=None,
+                              algorithm: str = "auto") -> None:
+    """Give every rank's optimizer the root's state: momentum buffers, step counts and hyperparameters.
+
+    For runs resumed from a checkpoint that only the root loaded.  The
+    state's structure travels pickled, its tensors in fused broadcasts; every
+    rank then loads it with ``load_state_dict``, so ranks whose optimizer had
+    no state yet (never stepped) get it too.  Optimizers whose parameter
+    groups differ from the root's get one SetupError on every rank.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    sent: list[torch.Tensor] = []
+
+    def strip(tensor: torch.Tensor) -> _Slot:
+        sent.append(tensor.detach().to("cpu"))
+        return _Slot(tensor)
+
+    is_root = comm.Get_rank() == root
+    skeleton = comm.bcast(_map_leaves(optimizer.state_dict(), torch.Tensor, strip) if is_root else None, root)
+    groups = [len(group["params"]) for group in optimizer.param_groups]
+
+    def same_as_root() -> None:
+        theirs = [len(group["params"]) for group in skeleton["param_groups"]]
+        if theirs != groups:
+            raise ValueError(f"the optimizer's parameter groups differ from rank {root}'s: this rank has "
+                             f"{groups} parameters per group, rank {root} has {theirs} (build the same "
+                             "model and optimizer on every rank)")
+
+    agree(comm, same_as_root)
+    received: list[torch.Tensor] = []
+
+    def allocate(slot: _Slot) -> torch.Tensor:
+        received.append(torch.empty(slot.shape, dtype=slot.dtype))
+        return received[-1]
+
+    state = None if is_root else _map_leaves(skeleton, _Slot, allocate)
+    _broadcast_tensors(sent if is_root else received, root, comm, algorithm)
+    if not is_root:
+        optimizer.load_state_dict(state)
+
+
+def _map_leaves(value, leaf: type, convert):
+    """``value`` (nested dicts, lists and tuples) with every ``leaf`` instance replaced by ``convert(it)``,
+    visited in order."""
+    if isinstance(value, leaf):
+        return convert(value)
+    if isinstance(value, Mapping):
+        return {key: _map_leaves(item, leaf, convert) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_leaves(item, leaf, convert) for item in value)
+    return value
+
+
+def allreduce_hook(state, bucket):
+    """A communication hook for ``DistributedDataParallel``: DDP's buckets averaged by mpicoll.
+
+        model = DistributedDataParallel(model)
+        model.register_comm_hook(None, mpicoll.torch.allreduce_hook)
+
+    ``state``: None for ``MPI.COMM_WORLD``, or the mpi4py communicator to use.
+    DDP still needs ``torch.distributed`` initialised (it broadcasts the
+    parameters and checks the model with it); the gradients go through
+    mpicoll's nonblocking allreduce, started as DDP hands over each bucket.
+    """
+    tensor = bucket.buffer()
+    future: torch.futures.Future = torch.futures.Future()
+
+    def settle(request: Request) -> None:
+        if request.error is not None:
+            future.set_exception(request.error)
+        else:
+            future.set_result(request.wait())
+
+    allreduce_async(tensor, "average", comm=state, out=tensor).add_done_callback(settle)
+    return future
+
+
+# DDP checks the hook's return annotation as an object (this module's annotations are strings)
+allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+class _Bucket:
+    """Parameters whose gradients travel together in one allreduce, through one flat buffer reused every step.
+
+    The buffer holds the gradients one after the other in the wire dtype,
+    then one element per parameter: 1 where this rank contributed a gradient
+    for it.  Summed over the ranks, that says which parameters got a gradient
+    anywhere, in the same message.
     """
 
+    def __init__(self, params: list, wire: torch.dtype):
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.elements = sum(self.sizes)
+        self.flat = torch.zeros(self.elements + len(params), dtype=wire, device=params[0].device)
+        self.waiting = len(params)          # parameters whose gradient is not ready yet this step
+        self.request: Request | None = None
+
+    def start(self, comm, algorithm: str) -> None:
+        """Pack the gradients and start summing them over the ranks."""
+        offset = 0
+        with torch.no_grad():
+            for index, (p, size) in enumerate(zip(self.params, self.sizes)):
+                part = self.flat[offset:offset + size]
+                if p.grad is None:
+                    part.zero_()
+                elif p.grad.is_sparse:
+                    raise TypeError("sparse gradients are not supported by DistributedOptimizer: use a dense "
+                                    "embedding (sparse=False)")
+                else:
+                    part.copy_(p.grad.reshape(-1))
+                self.flat[self.elements + index] = p.grad is not None
+                offset += size
+        array = _array(self.flat)
+        self.request = api.iallreduce(array, "sum", comm=comm, algorithm=algorithm, out=array)
+
+    def finish(self, ranks: int) -> None:
+        """Wait for the sum, and give each parameter that had a gradient anywhere the average."""
+        self.request.Wait()
+        self.request, self.waiting = None, len(self.params)
+        with torch.no_grad():
+            had = (self.flat[self.elements:] > 0).tolist()
+            offset = 0
+            for p, size, anywhere in zip(self.params, self.sizes, had):
+                if anywhere:
+                    average = self.flat[offset:offset + size].to(p.dtype).div_(ranks)
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.copy_(average.view_as(p.grad))
+                offset += size
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer: gradients are averaged over the ranks during the backward pass, then it steps.
+
+    Like Horovod's: ``DistributedOptimizer(optimizer)`` returns an optimizer of
+    the wrapped one's class (so LR schedulers and ``isinstance`` accept it)
+    sharing its parameter groups and state.  As backward produces gradients,
+    hooks pack them into fused buckets (one dtype and device each, at most
+    ``bucket_bytes``, in reverse parameter order, which is roughly the order
+    backward produces them) and start a nonblocking allreduce per full bucket
+    (:mod:`mpicoll.nonblocking`), so communication overlaps the rest of the
+    backward pass.  ``step()`` starts the buckets still waiting, waits for
+    all, averages, and steps.  Buckets are started in the same order on
+    every rank, and every rank gets the same bits, so replicas stay identical.
+
+    - A parameter that has a gradient on some ranks only (unused there in this
+      step) is averaged with zeros from those, and gets that gradient
+      everywhere; one with no gradient anywhere keeps ``grad`` None.
+    - ``backward_passes_per_step=N``: gradients accumulate locally over N
+      backward passes (torch sums them into ``.grad``); the sum is averaged
+      over the ranks after the N-th.  More passes than N before ``step()`` is
+      an error, as in Horovod.
+    - ``compression="fp16"`` sends float32/float64 buckets as float16 (half the
+      bytes; the sum is rounded to float16).
+    - ``synchronize()`` averages without stepping (e.g. to clip the averaged
+      gradients), then ``with optimizer.skip_synchronize(): optimizer.step()``.
+
+    Parameters that do not require gradients are left alone.  Sparse
+    gradients are refused.
+    """
+
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("this optimizer is a DistributedOptimizer already: wrap the plain one once")
+        kind = type(f"Distributed{type(optimizer).__name__}", (cls, type(optimizer)), {})
+        self = object.__new__(kind)
+        self.__dict__.update(optimizer.__dict__)      # the same parameter groups, state and hooks
+        return self
+
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, *, algorithm: str = "auto",
-                 compression: str | None = None, bucket_bytes: int = 25 << 20, comm=None):
+                 compression: str | None = None, bucket_bytes: int = 25 << 20, backward_passes_per_step: int = 1,
+                 comm=None):
         if compression not in (None, "fp16"):
             raise ValueError(f"compression must be None or 'fp16', got {compression!r}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
         self.optimizer, self.algorithm, self.compression = optimizer, algorithm, compression
-        self.bucket_bytes, self.comm = bucket_bytes, MPI.COMM_WORLD if comm is None else comm
-        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.bucket_bytes, self.backward_passes_per_step = bucket_bytes, backward_passes_per_step
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
         if named_parameters is not None:
             known = {id(p) for _, p in named_parameters}
-            missing = [i for i, p in enumerate(self.parameters) if id(p) not in known]
+            missing = [i for i, p in enumerate(parameters) if id(p) not in known]
             if missing:
                 raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's parameters "
                                  f"(the first at position {missing[0]}): pass model.named_parameters() of the model "
                                  "whose parameters the optimizer holds")
+        self._buckets = self._plan([p for p in reversed(parameters) if p.requires_grad])
+        self._bucket_of = {id(p): bucket for bucket in self._buckets for p in bucket.params}
+        self._passes: dict[int, int] = {}
+        self._next = 0                       # the first bucket not started in this step
+        self._lock = threading.Lock()
+        self._skip = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
+                       for bucket in self._buckets for p in bucket.params]
 
-    def __getattr__(self, name):
-        return getattr(self.optimizer, name)
-
-    def synchronize(self) -> None:
-        """Average every parameter's gradient over the ranks, in place (``step()`` calls it)."""
-        size = self.comm.Get_size()
-        has = torch.tensor([p.grad is not None for p in self.parameters], dtype=torch.int32)
-        allreduce(has, "max", comm=self.comm, algorithm=self.algorithm, out=has)
-        with torch.no_grad():
-            for p, anywhere in zip(self.parameters, has.tolist()):
-                if anywhere and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for bucket in self._buckets([p for p, anywhere in zip(self.parameters, has.tolist()) if anywhere]):
-                grads = [p.grad for p in bucket]
-                flat = _flatten(grads)
-                wire = flat.half() if self.compression == "fp16" and flat.is_floating_point() else flat
-                allreduce(wire, "sum", comm=self.comm, algorithm=self.algorithm, out=wire)
-                if wire is not flat:
-                    flat.copy_(wire)
-                flat.div_(size)
-                _unflatten(flat, grads)
-
-    def _buckets(self, parameters: list) -> list[list]:
-        """Parameters in the optimizer's order, cut into runs of one dtype and device up to bucket_bytes."""
-        buckets, current, current_bytes = [], [], 0
+    def _plan(self, parameters: list) -> list[_Bucket]:
+        """Runs of one dtype and device, up to bucket_bytes each, in the given order."""
+        runs, current, current_bytes = [], [], 0
         for p in parameters:
             nbytes = p.numel() * p.element_size()
-            if current and (p.dtype, p.device) != (current[0].dtype, current[0].device) or \
-                    current and current_bytes + nbytes > self.bucket_bytes:
-                buckets.append(current)
+            if current and ((p.dtype, p.device) != (current[0].dtype, current[0].device)
+                            or current_bytes + nbytes > self.bucket_bytes):
+                runs.append(current)
                 current, current_bytes = [], 0
             current.append(p)
             current_bytes += nbytes
-        return buckets + ([current] if current else [])
+        runs += [current] if current else []
+        return [_Bucket(run, torch.float16 if self.compression == "fp16" and run[0].dtype in
+                        (torch.float32, torch.float64) else run[0].dtype) for run in runs]
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        """Backward has accumulated ``p``'s gradient: count the pass, start the buckets now complete."""
+        with self._lock:
+            passes = self._passes[id(p)] = self._passes.get(id(p), 0) + 1
+            if passes > self.backward_passes_per_step:
+                raise RuntimeError(f"a gradient was computed {passes} times before step(), but "
+                                   f"backward_passes_per_step={self.backward_passes_per_step}: call step() (or "
+                                   "synchronize()) after that many backward passes, or raise it")
+            if passes == self.backward_passes_per_step:
+                self._bucket_of[id(p)].waiting -= 1
+                while self._next < len(self._buckets) and self._buckets[self._next].waiting == 0:
+                    self._start_next()
+
+    def _start_next(self) -> None:
+        self._buckets[self._next].start(self.comm, self.algorithm)
+        self._next += 1
+
+    def synchronize(self) -> None:
+        """Average every parameter's gradient over the ranks, in place (``step()`` calls it)."""
+        with self._lock:
+            while self._next < len(self._buckets):
+                self._start_next()
+            try:
+                ranks = self.comm.Get_size()
+                for bucket in self._buckets:
+                    bucket.finish(ranks)
+            finally:
+                self._next, self._passes = 0, {}
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Within this block ``step()`` does not average (``synchronize()`` was called already)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
 
     def step(self, closure=None):
-        """Average the gradients over the ranks, then the wrapped optimizer's step."""
+        """Average the gradients over the ranks (unless inside ``skip_synchronize``), then step."""
         if closure is not None:
             raise ValueError("a closure would recompute the gradients after they were averaged: call "
                              "loss.backward(), then step() without one")
-        self.synchronize()
-        return self.optimizer.step()
+        if not self._skip:
+            self.synchronize()
+        return super().step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; refused while gradients of this step are on their way."""
+        if self._next or self._passes:
+            raise RuntimeError("zero_grad() was called after backward() but before step() or synchronize(): "
+                               "the gradients already started would be lost; call step() or synchronize() first")
+        super().zero_grad(set_to_none)

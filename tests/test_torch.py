@@ -174,3 +174,133 @@ def test_distributed_optimizer_handles_unused_parameters_mixed_dtypes_and_fp16()
         optimizer.step(lambda: 0.0)
     with pytest.raises(ValueError, match="named_parameters lacks 1"):
         mt.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), named_parameters=[("a", a)])
+
+
+def deep_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3)).double()
+
+
+def averaged_sgd(seed: int, steps: int, passes: int, lr: float = 0.05):
+    """Single-process SGD with momentum on the ranks' gradients, summed over ``passes`` batches per rank
+    per step and averaged over the ranks: what DistributedOptimizer must reproduce."""
+    single = deep_model(seed=100)
+    reference = torch.optim.SGD(single.parameters(), lr=lr, momentum=0.9)
+    everyone = [batches(seed, rank, steps * passes) for rank in range(P)]
+    for step in range(steps):
+        total = [torch.zeros_like(p) for p in single.parameters()]
+        for rank in range(P):
+            single.zero_grad()
+            for k in range(passes):
+                gradient_of(single, *everyone[rank][step * passes + k])
+            total = [t + p.grad for t, p in zip(total, single.parameters())]
+        for p, t in zip(single.parameters(), total):
+            p.grad = t / P
+        reference.step()
+    return single
+
+
+@pytest.mark.parametrize("passes", [1, 2, 3])
+def test_buckets_start_during_backward_and_accumulated_passes_are_averaged(passes):
+    seed, steps = shared_seed(), 3
+    net = deep_model(seed=100 + RANK)
+    mt.broadcast_parameters(net.state_dict())
+    optimizer = mt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                                        bucket_bytes=300, backward_passes_per_step=passes)
+    everywhere(len(optimizer._buckets) > 2, f"{len(optimizer._buckets)} buckets: the test wants several")
+    mine = batches(seed, RANK, steps * passes)
+    started_in_backward = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        for k in range(passes):
+            gradient_of(net, *mine[step * passes + k])
+        started_in_backward.append(optimizer._next)
+        optimizer.step()
+    everywhere(started_in_backward == [len(optimizer._buckets)] * steps,
+               f"buckets started before step(): {started_in_backward} of {len(optimizer._buckets)}")
+    single = averaged_sgd(seed, steps, passes)
+    worst = max(float((a - b).detach().abs().max()) for a, b in zip(net.parameters(), single.parameters()))
+    everywhere(worst < 1e-9, f"seed {seed}: {worst:.2e} from single-process SGD on the averaged gradient")
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy().tobytes()
+    everywhere(len(set(WORLD.allgather(flat))) == 1, "replicas are not bitwise identical")
+    for _ in range(passes):
+        gradient_of(net, *mine[0])
+    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+        gradient_of(net, *mine[0])                    # one pass more than the optimizer was told
+    with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called after backward"):
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    optimizer.zero_grad()
+
+
+def test_synchronize_then_clip_then_step_and_schedulers_see_an_optimizer():
+    net = deep_model(seed=5)
+    plain = torch.optim.SGD(net.parameters(), lr=0.5)
+    optimizer = mt.DistributedOptimizer(plain)
+    everywhere(isinstance(optimizer, torch.optim.SGD) and isinstance(optimizer, mt.DistributedOptimizer))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    X, y = batches(shared_seed(), RANK, 1)[0]
+    optimizer.zero_grad()
+    gradient_of(net, X, y)
+    optimizer.synchronize()
+    averaged = [p.grad.clone() for p in net.parameters()]
+    torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=1e-3)
+    clipped = [p.grad.clone() for p in net.parameters()]
+    before = [p.detach().clone() for p in net.parameters()]
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    scheduler.step()
+    moved = all(torch.allclose(b - 0.5 * g, p) for b, g, p in zip(before, clipped, net.parameters()))
+    everywhere(moved and not all(torch.equal(a, c) for a, c in zip(averaged, clipped)), "clipped step")
+    everywhere(plain.param_groups[0]["lr"] == 0.25, f"lr after StepLR: {plain.param_groups[0]['lr']}")
+
+
+def test_broadcast_optimizer_state_gives_every_rank_the_roots():
+    net = deep_model(seed=9)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3 * (RANK + 1))
+    root = P - 1
+    if RANK == root:              # only the root has state (as if it alone loaded a checkpoint)
+        for X, y in batches(shared_seed(), RANK, 2):
+            optimizer.zero_grad()
+            gradient_of(net, X, y)
+            optimizer.step()
+    else:
+        shared_seed()
+    mt.broadcast_optimizer_state(optimizer, root=root)
+    state = optimizer.state_dict()
+    leaves = [state["param_groups"][0]["lr"]] + [
+        (key, value.double().reshape(-1).numpy().tobytes() if torch.is_tensor(value) else value)
+        for index in sorted(state["state"]) for key, value in sorted(state["state"][index].items())]
+    everyone = WORLD.allgather(leaves)
+    everywhere(all(leaf == everyone[root] for leaf in everyone) and len(leaves) > 1,
+               "optimizer states differ after the broadcast")
+    everywhere(leaves[0] == pytest.approx(1e-3 * P), f"lr {leaves[0]}")
+    if P > 1:
+        other = torch.optim.SGD(deep_model(seed=9)[:1 + 2 * (RANK == 0)].parameters(), lr=0.1)
+        with pytest.raises(mpicoll.SetupError, match="parameter groups differ"):
+            mt.broadcast_optimizer_state(other, root=root)
+
+
+def test_allreduce_async_and_the_ddp_hook():
+    seed = shared_seed()
+    data = everyone(seed, (1000,), np.float32)
+    tensor = torch.from_numpy(np.array(data[RANK]))
+    request = mt.allreduce_async(tensor, out=tensor)
+    result = request.wait()
+    everywhere(result is tensor and np.allclose(tensor.numpy(), data.mean(axis=0), atol=1e-5), f"seed {seed}")
+    mt.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        net = deep_model(seed=11)
+        reference = deep_model(seed=11)
+        ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.001)
+        ddp.register_comm_hook(None, mt.allreduce_hook)
+        X, y = batches(seed, RANK, 1)[0]
+        gradient_of(ddp, X, y)
+        for rank in range(P):
+            gradient_of(reference, *batches(seed, rank, 1)[0])
+        worst = max(float((p.grad - r.grad / P).abs().max()) for p, r in zip(net.parameters(), reference.parameters()))
+        everywhere(worst < 1e-9, f"seed {seed}: DDP with mpicoll's hook is {worst:.2e} from the averaged gradient")
+    finally:
+        torch.distributed.destroy_process_group()

@@ -15,8 +15,6 @@ rendezvous host reachable (``--master`` to name it).
 
 from __future__ import annotations
 
-import socket
-from datetime import timedelta
 
 import numpy as np
 from mpi4py import MPI
@@ -24,23 +22,6 @@ from mpi4py import MPI
 from .common import format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run"]
-
-
-def _join_gloo(comm, master: str | None, timeout_s: float):
-    import torch.distributed as dist
-    if comm.Get_rank() == 0:
-        with socket.socket() as probe:             # a free port on rank 0's host
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        host = master or ("127.0.0.1" if comm.Get_size() == 1 else socket.gethostname())
-    else:
-        host = port = None
-    host, port = comm.bcast((host, port))
-    single_node = len(set(comm.allgather(socket.gethostname()))) == 1
-    address = "127.0.0.1" if single_node and not master else host
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size(), timeout=timedelta(seconds=timeout_s))
-    return dist
 
 
 def run(args) -> int:
@@ -52,7 +33,8 @@ def run(args) -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
-    dist = _join_gloo(comm, args.master, args.timeout)
+    import torch.distributed as dist
+    mt.init_process_group("gloo", comm=comm, master=args.master, timeout=args.timeout)
     records = []
     if rank == 0:
         print(f"# mpicoll bench-torch: {size} ranks, float32, in place, sum; median of {args.iters} calls, "
