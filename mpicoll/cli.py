@@ -8,6 +8,8 @@ import importlib
 import os
 import sys
 
+from .config import parse_bytes
+
 __all__ = ["main"]
 
 
@@ -98,6 +100,15 @@ def _bench_torch_parser(commands) -> None:
     bench.add_argument("--master", help="host for gloo's rendezvous (default: rank 0's; 127.0.0.1 on one node)")
     bench.add_argument("--timeout", type=float, default=60, help="seconds for gloo's set-up and calls")
     bench.add_argument("--output", metavar="FILE.json", help="write one record per size")
+    bench.add_argument("--threads", type=int, help="torch threads per rank (default: torch's)")
+    training = bench.add_argument_group(
+        "training", "--training times whole training steps instead: DistributedOptimizer against DDP on gloo")
+    training.add_argument("--training", action="store_true", help="time training steps of an MLP")
+    training.add_argument("--hidden", default="1024,1024,1024", help="hidden widths (default 1024,1024,1024)")
+    training.add_argument("--batch", type=int, default=64, help="samples per rank and step (default 64)")
+    training.add_argument("--steps", type=int, default=5, help="steps per contender and round (default 5)")
+    training.add_argument("--bucket-bytes", type=parse_bytes, help="DistributedOptimizer's bucket_bytes "
+                          "(default: its own)")
 
 
 def _info_parser(commands) -> None:

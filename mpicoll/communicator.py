@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, arrays
+from . import algorithms, arrays, timeline
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from .checks import Fingerprint, Signature, check_call
@@ -48,6 +48,7 @@ class Communicator(MPI.Intracomm):
 
     algorithm = "auto"   # also the value for communicators mpi4py builds from this one
     fingerprint_from = FINGERPRINT_FROM     # elements; a benchmark sets it to inf to time calls without
+    background = False     # True for a nonblocking worker's channel: see Context.run_in_background
 
     def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -113,10 +114,12 @@ class Communicator(MPI.Intracomm):
         if first:
             context = self.__dict__["_context"] = Context(self)
             context.fingerprint = Fingerprint(context)      # every rank is here (Context checked)
+            if self.background:
+                context.run_in_background()
         context.begin(signature.collective)
         if first or context.debug:
             check_call(context, signature, contribution if context.debug else None)   # finiteness: debug only
-            if first and not context.debug and self.algorithm == "auto":
+            if first and not context.debug and self.algorithm == "auto" and not self.background:
                 self._hand_small_calls_to_mpi()
         elif signature.algorithm != "mpi" and signature.count >= self.fingerprint_from:
             context.fingerprint.start(signature)
@@ -208,6 +211,8 @@ class Communicator(MPI.Intracomm):
         those calls keeps mpicoll's cost at a fraction of a microsecond, so
         ``auto`` is as fast as MPI where MPI is the right choice.
         """
+        if timeline.enabled:           # every call is recorded, small ones too
+            return
         for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
             first, limit = auto.rule(name.lower())[0]
             if first == "mpi":
@@ -243,6 +248,14 @@ class Communicator(MPI.Intracomm):
         """Check the call if due, then run algorithm ``name`` (None: MPI's own call with the caller's arguments)."""
         checked = None if contribution is None or contribution.on_device else contribution.array
         signature.algorithm = name or "mpi"
+        if timeline.enabled:
+            with timeline.span(signature.collective, "collective", algorithm=signature.algorithm,
+                               bytes=signature.nbytes, count=signature.count, dtype=str(signature.dtype)):
+                self._checked_run(name, signature, checked, run_algorithm, run_mpi)
+        else:
+            self._checked_run(name, signature, checked, run_algorithm, run_mpi)
+
+    def _checked_run(self, name: str | None, signature: Signature, checked, run_algorithm, run_mpi) -> None:
         context = self._checked_context(signature, checked)
         if name is None:
             run_mpi()

@@ -17,6 +17,8 @@
                            hanging in MPI_Finalize; 0: leave it to the program
 ``MPICOLL_AUTO_<COLL>``    the ``auto`` choice for one collective, e.g.
                            ``MPICOLL_AUTO_ALLREDUCE=mpi:512K,ring`` (see auto.py)
+``MPICOLL_TIMELINE=FILE``  write a Chrome trace of every rank's collectives,
+                           waits and phases to FILE at exit (see timeline.py)
 ``MPICOLL_UCX_DEFAULTS``   1 (default): importing mpicoll before MPI starts
                            sets UCX's TCP segments to 512k unless you set them
                            (see ucx.py); 0: leave UCX alone

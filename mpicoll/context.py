@@ -72,6 +72,7 @@ class Context:
         # Oversubscribed ranks yield the core while they wait: the peer they
         # wait for may need it to make progress.
         self.spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
+        self.background = False      # see :meth:`run_in_background`
         # Measured (docs/benchmarks.md): with a core per rank, point-to-point
         # wins (MPICH's single-copy CMA lands data in cache-sized slots);
         # with more ranks than cores, CMA's kernel copies cost CPU time the
@@ -85,6 +86,12 @@ class Context:
                              f"this node has {local} of them (use p2p or auto)")
         self._shared: SharedRegions | None = None
         self._scratch: dict[tuple, object] = {}
+
+    def run_in_background(self) -> None:
+        """This context serves a background thread that shares its core with the caller's computation
+        (:mod:`mpicoll.nonblocking`): its waits never spin, and MPI's own collectives are started
+        nonblocking and waited for here, with naps and the deadline, rather than in MPI's busy loop."""
+        self.background, self.spin_seconds = True, 0.0
 
     def free(self, abandon: bool = False) -> None:
         """Release the private communicator, the scratch and the shared memory.

@@ -18,7 +18,7 @@ import time
 
 from mpi4py import MPI
 
-from . import config
+from . import config, timeline
 
 __all__ = ["end_job", "end_at_exit"]
 
@@ -31,6 +31,7 @@ def end_job(reason: str, code: int = EXIT_CODE) -> None:
     """Print ``reason`` (naming this rank) and end every rank of the job with ``MPI_Abort``."""
     sys.stdout.flush()
     print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} ends the job: {reason}", file=sys.stderr, flush=True)
+    timeline.write_own()            # MPI_Abort skips the exit hooks that would write the whole trace
     MPI.COMM_WORLD.Abort(code)
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 
 from mpi4py import MPI
 
-from . import config
+from . import config, timeline
 from .errors import CollectiveTimeout, MpicollError
 
 if TYPE_CHECKING:
@@ -101,9 +101,11 @@ class Request:
 
     def Wait(self, status: MPI.Status | None = None) -> bool:
         """Block until the call has completed; raise its error if it failed."""
-        while not self._done.wait(1.0):
-            if self._worker is not None:
-                self._worker.check_alive(self)
+        if not self._done.is_set():
+            with timeline.span(f"wait {self.collective}", "wait"):
+                while not self._done.wait(1.0):
+                    if self._worker is not None:
+                        self._worker.check_alive(self)
         self._raise()
         return True
 
@@ -177,6 +179,7 @@ class Worker:
         self.others = [q for q in range(comm.Get_size()) if q != self.rank]
         self._channel = Context(comm, "nonblocking set-up")         # every rank here, then a duplicate
         self.comm = Communicator(self._channel.comm, algorithm=comm.algorithm)
+        self.comm.background = True         # shares the core with the caller: wait without spinning
         self.failed: BaseException | None = None
         self._running: tuple[Request, float] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -192,6 +195,7 @@ class Worker:
     def start(self, request: Request) -> Request:
         """Queue ``request`` behind the calls started before it (or run it now, without a thread)."""
         request._worker = self
+        timeline.instant(f"start {request.collective}", "nonblocking")
         if self._thread is None:
             self._serve_one(request)
         else:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import api
+from . import api, timeline
 from .checks import agree
 from .nonblocking import Request
 
@@ -300,8 +300,8 @@ class _Bucket:
     anywhere, in the same message.
     """
 
-    def __init__(self, params: list, wire: torch.dtype):
-        self.params = params
+    def __init__(self, index: int, params: list, wire: torch.dtype):
+        self.index, self.params = index, params
         self.sizes = [p.numel() for p in params]
         self.elements = sum(self.sizes)
         self.flat = torch.zeros(self.elements + len(params), dtype=wire, device=params[0].device)
@@ -311,7 +311,8 @@ class _Bucket:
     def start(self, comm, algorithm: str) -> None:
         """Pack the gradients and start summing them over the ranks."""
         offset = 0
-        with torch.no_grad():
+        with torch.no_grad(), timeline.span(f"bucket {self.index}: pack and start", "bucket",
+                                            parameters=len(self.params), bytes=self.flat.nbytes):
             for index, (p, size) in enumerate(zip(self.params, self.sizes)):
                 part = self.flat[offset:offset + size]
                 if p.grad is None:
@@ -330,7 +331,7 @@ class _Bucket:
         """Wait for the sum, and give each parameter that had a gradient anywhere the average."""
         self.request.Wait()
         self.request, self.waiting = None, len(self.params)
-        with torch.no_grad():
+        with torch.no_grad(), timeline.span(f"bucket {self.index}: unpack", "bucket"):
             had = (self.flat[self.elements:] > 0).tolist()
             offset = 0
             for p, size, anywhere in zip(self.params, self.sizes, had):
@@ -348,8 +349,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Like Horovod's: ``DistributedOptimizer(optimizer)`` returns an optimizer of
     the wrapped one's class (so LR schedulers and ``isinstance`` accept it)
     sharing its parameter groups and state.  As backward produces gradients,
-    hooks pack them into fused buckets (one dtype and device each, at most
-    ``bucket_bytes``, in reverse parameter order, which is roughly the order
+    hooks pack them into fused buckets (one dtype and device each, closed once
+    they hold ``bucket_bytes``, in reverse parameter order, which is roughly the order
     backward produces them) and start a nonblocking allreduce per full bucket
     (:mod:`mpicoll.nonblocking`), so communication overlaps the rest of the
     backward pass.  ``step()`` starts the buckets still waiting, waits for
@@ -383,7 +384,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, *, algorithm: str = "auto",
-                 compression: str | None = None, bucket_bytes: int = 25 << 20, backward_passes_per_step: int = 1,
+                 compression: str | None = None, bucket_bytes: int = 4 << 20, backward_passes_per_step: int = 1,
                  comm=None):
         if compression not in (None, "fp16"):
             raise ValueError(f"compression must be None or 'fp16', got {compression!r}")
@@ -412,19 +413,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                        for bucket in self._buckets for p in bucket.params]
 
     def _plan(self, parameters: list) -> list[_Bucket]:
-        """Runs of one dtype and device, up to bucket_bytes each, in the given order."""
+        """Runs of one dtype and device in the given order, each closed once it holds bucket_bytes (as
+        DDP's: a small bias joins the large weight after it rather than travelling alone)."""
         runs, current, current_bytes = [], [], 0
         for p in parameters:
-            nbytes = p.numel() * p.element_size()
-            if current and ((p.dtype, p.device) != (current[0].dtype, current[0].device)
-                            or current_bytes + nbytes > self.bucket_bytes):
+            if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
                 runs.append(current)
                 current, current_bytes = [], 0
             current.append(p)
-            current_bytes += nbytes
+            current_bytes += p.numel() * p.element_size()
+            if current_bytes >= self.bucket_bytes:
+                runs.append(current)
+                current, current_bytes = [], 0
         runs += [current] if current else []
-        return [_Bucket(run, torch.float16 if self.compression == "fp16" and run[0].dtype in
-                        (torch.float32, torch.float64) else run[0].dtype) for run in runs]
+        return [_Bucket(index, run, torch.float16 if self.compression == "fp16" and run[0].dtype in
+                        (torch.float32, torch.float64) else run[0].dtype) for index, run in enumerate(runs)]
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """Backward has accumulated ``p``'s gradient: count the pass, start the buckets now complete."""
@@ -445,7 +448,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Average every parameter's gradient over the ranks, in place (``step()`` calls it)."""
-        with self._lock:
+        with self._lock, timeline.span("synchronize", "train"):
             while self._next < len(self._buckets):
                 self._start_next()
             try:
@@ -471,7 +474,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "loss.backward(), then step() without one")
         if not self._skip:
             self.synchronize()
-        return super().step()
+        with timeline.span("optimizer step", "train"):
+            return super().step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``; refused while gradients of this step are on their way."""

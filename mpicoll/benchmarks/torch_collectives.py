@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from . import torch_training
 from .common import format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run"]
@@ -35,6 +36,13 @@ def run(args) -> int:
     algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
     import torch.distributed as dist
     mt.init_process_group("gloo", comm=comm, master=args.master, timeout=args.timeout)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.training:
+        try:
+            return torch_training.run(args, torch, mt, dist)
+        finally:
+            dist.destroy_process_group()
     records = []
     if rank == 0:
         print(f"# mpicoll bench-torch: {size} ranks, float32, in place, sum; median of {args.iters} calls, "

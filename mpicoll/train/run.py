@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from .. import arrays, checkpoint, compute, config, failure, gossip, ps
+from .. import arrays, checkpoint, compute, config, failure, gossip, ps, timeline
 from ..communicator import Communicator
 from ..checks import agree
 from ..straggler import Straggler, parse as parse_straggler
@@ -168,10 +168,11 @@ def _allreduce(comm, options, model, data, xp, method, run):
         reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
         for epoch in range(start, options.epochs):
             for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
-                with slow:
+                with slow, timeline.span("gradient", "train"):
                     loss, grad = model.loss_and_gradient(params, X[batch], y[batch])
                 channel.Allreduce(grad, average)
-                params -= (options.lr / size) * average
+                with timeline.span("update", "train"):
+                    params -= (options.lr / size) * average
             if options.checkpoint and rank == 0:
                 checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
                                 epoch=epoch + 1)
@@ -195,9 +196,10 @@ def _sgp(comm, options, model, data, xp, method, run):
     z = xp.asarray(sgp.parameters)
     for epoch in range(start, options.epochs):
         for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
-            with slow:
+            with slow, timeline.span("gradient", "train"):
                 loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
-            z = xp.asarray(sgp.step(grad))
+            with timeline.span("push-sum step", "train"):
+                z = xp.asarray(sgp.step(grad))
         if options.checkpoint:               # every rank is at the same round: nothing left in flight
             pushsum.drain()
             checkpoint.save(mine, run, epoch=epoch + 1, **pushsum.state())
@@ -236,9 +238,10 @@ def _parameter_server(comm, options, model, data, xp, method, run):
             batches = _batches(len(y), options.batch, steps, [options.seed, rank, epoch])[skip:]
             skip = 0
             for batch in batches:
-                with slow:
+                with slow, timeline.span("gradient", "train"):
                     loss, grad = model.loss_and_gradient(w, X[batch], y[batch])
-                w = xp.asarray(schedule.step(arrays.as_host(grad)) if schedule else client.exchange(grad))
+                with timeline.span("exchange with the servers", "train"):
+                    w = xp.asarray(schedule.step(arrays.as_host(grad)) if schedule else client.exchange(grad))
                 done = min(client.versions.values()) * per_update     # gradients the servers have taken
                 if done >= budget:
                     break

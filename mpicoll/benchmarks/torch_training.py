@@ -1,0 +1,116 @@
+"""``mpicoll bench-torch --training``: training steps of one model, averaged by DDP on gloo and by mpicoll.
+
+Every contender trains its own copy of one MLP (same initial weights, same
+synthetic batches) for the same steps:
+
+``compute``             no averaging at all: the bound the others are held to
+``ddp-gloo``            torch's DistributedDataParallel, its own gloo allreduce
+``ddp-mpicoll``         DDP with ``mpicoll.torch.allreduce_hook`` for its buckets
+``mpicoll``             ``DistributedOptimizer``: buckets start during backward
+``mpicoll-one-bucket``  ``DistributedOptimizer`` with one bucket: starts at the end of backward (no overlap)
+
+Rounds of ``--steps`` steps per contender run interleaved in rotating order;
+each contender's median step time (slowest rank) is reported, with its speed
+against ``ddp-gloo`` and its scaling efficiency (compute-only time over its
+time).  After training, every contender's weights are checked against
+``mpicoll``'s: the same steps on the same data must give the same model up
+to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import timeline
+from .common import format_bytes, write_records
+
+__all__ = ["run", "CONTENDERS"]
+
+CONTENDERS = ["compute", "ddp-gloo", "ddp-mpicoll", "mpicoll", "mpicoll-one-bucket"]
+
+
+def run(args, torch, mt, dist) -> int:
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hidden = [int(width) for width in args.hidden.split(",") if width]
+    inputs, classes = 784, 10
+
+    def model():
+        torch.manual_seed(0)
+        widths = [inputs, *hidden]
+        layers = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(widths[-1], classes))
+
+    generator = torch.Generator().manual_seed(1000 + rank)
+    batches = [(torch.randn(args.batch, inputs, generator=generator),
+                torch.randint(0, classes, (args.batch,), generator=generator)) for _ in range(4)]
+    trainers = {}
+    for name in CONTENDERS:
+        net = model()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        if name.startswith("ddp"):
+            net = torch.nn.parallel.DistributedDataParallel(net)
+            if name == "ddp-mpicoll":
+                net.register_comm_hook(None, mt.allreduce_hook)
+        elif name.startswith("mpicoll"):
+            bucket_bytes = (1 << 40) if "one" in name else args.bucket_bytes
+            optimizer = mt.DistributedOptimizer(optimizer, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
+        trainers[name] = (net, optimizer)
+    parameters = sum(p.numel() for p in model().parameters())
+    taken = dict.fromkeys(CONTENDERS, 0)         # each contender's steps: all see the same batches
+
+    def steps(name):
+        net, optimizer = trainers[name]
+        for _ in range(args.steps):
+            X, y = batches[taken[name] % len(batches)]
+            taken[name] += 1
+            optimizer.zero_grad()
+            with timeline.span("forward", name):
+                loss = torch.nn.functional.cross_entropy(net(X), y)
+            with timeline.span("backward", name):
+                loss.backward()
+            with timeline.span("step", name):
+                optimizer.step()
+
+    if rank == 0:
+        print(f"# mpicoll bench-torch --training: {size} ranks, MLP {inputs}-{'-'.join(map(str, hidden))}-{classes} "
+              f"({parameters / 1e6:.2f} M parameters, {format_bytes(parameters * 4)} of float32 gradients), batch "
+              f"{args.batch} per rank, {torch.get_num_threads()} torch thread(s) per rank; torch {torch.__version__}")
+    for name in CONTENDERS:                        # warm: buckets built, workers and kernels set up
+        steps(name)
+    rounds = np.empty((len(CONTENDERS), args.iters))
+    for i in range(args.iters):
+        for shift in range(len(CONTENDERS)):
+            j = (i + shift) % len(CONTENDERS)
+            comm.Barrier()
+            start = time.perf_counter()
+            steps(CONTENDERS[j])
+            rounds[j, i] = comm.allreduce((time.perf_counter() - start) / args.steps, op=MPI.MAX)
+    step_s = dict(zip(CONTENDERS, np.median(rounds, axis=1)))
+    reference = _flat(trainers["mpicoll"][0], torch)
+    drift = {name: float(np.abs(_flat(trainers[name][0], torch) - reference).max())
+             for name in CONTENDERS if name != "compute"}
+    worst = comm.allreduce(max(drift.values()), op=MPI.MAX)
+    if rank == 0:
+        print(f"{'contender':>20} {'ms/step':>9} {'x ddp-gloo':>11} {'efficiency':>11}")
+        for name in CONTENDERS:
+            print(f"{name:>20} {step_s[name] * 1e3:>9.1f} {step_s['ddp-gloo'] / step_s[name]:>11.2f} "
+                  f"{step_s['compute'] / step_s[name]:>10.0%}")
+        print(f"# largest weight difference from mpicoll's after the same steps: {worst:.1e}")
+        if args.output:
+            write_records(args.output, [{"ranks": size, "parameters": parameters, "batch": args.batch,
+                                         "hidden": hidden, **{f"{k}_s": v for k, v in step_s.items()},
+                                         "weight_difference": worst}])
+    if worst > 1e-3:
+        raise SystemExit(f"mpicoll bench-torch: the contenders' models differ by {worst:.1e} after the same steps")
+    return 0
+
+
+def _flat(net, torch) -> np.ndarray:
+    module = getattr(net, "module", net)
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy()
