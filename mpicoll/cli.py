@@ -1,5 +1,6 @@
-"""The ``mpicoll`` command: ``train``, ``bench``, ``bench-ps``, ``bench-gossip``, ``bench-torch`` and ``info`` (under
-mpiexec), ``compare``, ``plot`` and ``bench-kernels`` (one process), ``cluster`` (an emulated cluster)."""
+"""The ``mpicoll`` command: ``train``, ``bench``, ``bench-ps``, ``bench-gossip``, ``bench-torch``, ``bench-overlap``
+and ``info`` (under mpiexec), ``compare``, ``plot`` and ``bench-kernels`` (one process), ``cluster`` (an emulated
+cluster)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,18 @@ def _bench_torch_parser(commands) -> None:
                           "(default: its own)")
 
 
+def _bench_overlap_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-overlap", help="how much of a nonblocking allreduce hides behind numpy, sleeping or Python work",
+        description="Run under mpiexec, e.g.: mpiexec -n 2 mpicoll bench-overlap --sizes 1M,16M")
+    bench.add_argument("--sizes", default="1M,16M", help="bytes: '1M,16M' or LOW:HIGH[:FACTOR]")
+    bench.add_argument("--work", default="matmul,sleep,python", help="kinds of work (default all three)")
+    bench.add_argument("--work-ms", type=float, default=50, help="milliseconds of work (default 50)")
+    bench.add_argument("--algorithm", default="auto", help="mpicoll algorithm (default auto)")
+    bench.add_argument("--iters", type=int, default=10, help="rounds (default 10)")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per size and work")
+
+
 def _info_parser(commands) -> None:
     commands.add_parser("info", help="versions, MPI library, auto rules, kernel backends, GPU and CUDA-awareness")
 
@@ -147,7 +160,7 @@ def info() -> int:
 
 _RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".benchmarks.kernels", "run"),
             "bench-ps": (".benchmarks.parameter_servers", "run"), "bench-gossip": (".benchmarks.gossip", "run"),
-            "bench-torch": (".benchmarks.torch_collectives", "run"),
+            "bench-torch": (".benchmarks.torch_collectives", "run"), "bench-overlap": (".benchmarks.overlap", "run"),
             "train": (".train", "main"),
             "compare": (".train", "compare_main"), "plot": (".train", "plot_main"), "cluster": (".cluster", "main")}
 
@@ -160,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     _bench_ps_parser(commands)
     _bench_gossip_parser(commands)
     _bench_torch_parser(commands)
+    _bench_overlap_parser(commands)
     from .train import add_compare_parsers, add_parser as add_train_parser
     add_train_parser(commands)
     add_compare_parsers(commands)
