@@ -5,6 +5,7 @@
 
 Pieces: :mod:`.data` (digits or an .npz file, sharded per worker),
 :mod:`.models` (softmax regression, MLP, or your own over a flat vector),
+:mod:`.torch_models` (torch modules over the same flat vector: ``--framework torch``),
 :mod:`.run` (the table of methods and one runner per family), :mod:`.report` (progress
 bar and JSON-lines log), :mod:`.compare` (several runs side by side, plots).
 """
@@ -36,6 +37,17 @@ def _array_namespace(device: str):
     return cupy
 
 
+def _torch_model(args, data, hidden, xp):
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("mpicoll train: --framework torch needs PyTorch: pip install -e '.[torch]'") from None
+    from .. import compute
+    from .torch_models import make
+    torch.set_num_threads(compute.share_of_cores())      # as for BLAS: this rank's share of the node
+    return make(args.model, data.features, data.classes, hidden, data.shape, xp)
+
+
 def main(args) -> int:
     """The ``mpicoll train`` command (run under mpiexec)."""
     from .. import compute
@@ -50,7 +62,12 @@ def main(args) -> int:
         return 2
     xp = _array_namespace(args.device)
     hidden = [int(h) for h in args.hidden.split(",")] if args.hidden else None
-    model = make(args.model, data.features, data.classes, hidden, xp)
+    if args.framework == "torch":
+        model = _torch_model(args, data, hidden, xp)
+    elif args.model == "cnn":
+        raise SystemExit("mpicoll train: --model cnn is a torch model: add --framework torch")
+    else:
+        model = make(args.model, data.features, data.classes, hidden, xp)
     options = Options.from_args(args)
     if args.resume and not args.checkpoint:
         raise SystemExit("mpicoll train: --resume needs --checkpoint PREFIX (the prefix the earlier run used)")
@@ -72,9 +89,14 @@ def add_parser(commands) -> None:
         description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll train --method allreduce-ring")
     train_.add_argument("--method", "--algorithm", default="allreduce-ring", choices=METHODS, dest="method",
                         help="the training method (default allreduce-ring); --algorithm is its old name")
-    train_.add_argument("--data", metavar="FILE.npz", help="arrays X, y (optional X_test, y_test); "
-                        "default: scikit-learn's digits (pip install -e '.[data]')")
-    train_.add_argument("--model", default="softmax", choices=("softmax", "mlp"))
+    train_.add_argument("--data", metavar="digits|mnist1d|FILE.npz",
+                        help="scikit-learn's digits (default), MNIST-1D (generated, no download), or an .npz "
+                        "file with arrays X, y (optional X_test, y_test); the first two: pip install -e '.[data]'")
+    train_.add_argument("--model", default="softmax", choices=("softmax", "mlp", "cnn"),
+                        help="softmax regression (default), an MLP, or a small CNN (--framework torch)")
+    train_.add_argument("--framework", default="numpy", choices=("numpy", "torch"),
+                        help="numpy's models (default) or torch modules (pip install -e '.[torch]'); every "
+                        "method trains either")
     train_.add_argument("--hidden", default="", help="MLP hidden sizes, e.g. 64 or 128,64 (default 64)")
     train_.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     train_.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")

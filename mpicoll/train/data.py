@@ -1,15 +1,19 @@
 """Training data: scikit-learn's handwritten digits by default (shipped with the
-package, no download), or the user's own ``.npz`` file; each worker takes its shard."""
+package, no download), MNIST-1D (``--data mnist1d``: generated, no download), or
+the user's own ``.npz`` file; each worker takes its shard."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Dataset", "load"]
+__all__ = ["Dataset", "load", "BUILT_IN"]
+
+BUILT_IN = ("digits", "mnist1d")
 
 
 @dataclass
@@ -19,6 +23,7 @@ class Dataset:
     X_test: np.ndarray
     y_test: np.ndarray
     name: str
+    shape: tuple = ()      # one sample's shape, for models that care (a CNN): (8, 8) for the digits; () = flat
 
     @property
     def classes(self) -> int:
@@ -48,6 +53,33 @@ def _digits():
                          "(or pass --data FILE.npz with arrays X and y)") from None
     digits = load_digits()
     return digits.data, digits.target, None, None
+
+
+def _mnist1d():
+    """MNIST-1D (Greydanus 2020): 4,000 training and 1,000 test signals of 40 points, 10 classes.
+
+    Generated with the ``mnist1d`` package's default arguments (seeded, so
+    every rank and every machine gets the same), never downloaded, and kept
+    in ``~/.cache/mpicoll`` (``XDG_CACHE_HOME``) after the first run.
+    """
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mpicoll" / "mnist1d.npz"
+    if cache.is_file():
+        with np.load(cache) as saved:
+            return saved["X"], saved["y"], saved["X_test"], saved["y_test"]
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError:
+        raise SystemExit("--data mnist1d needs the mnist1d package: pip install -e '.[data]'") from None
+    made = make_dataset(get_dataset_args())
+    arrays = {"X": made["x"], "y": made["y"], "X_test": made["x_test"], "y_test": made["y_test"]}
+    try:                                # ranks may race here: each writes its own file, then renames
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        temporary = cache.with_name(f"mnist1d.{os.getpid()}.npz")
+        np.savez(temporary, **arrays)
+        os.replace(temporary, cache)
+    except OSError:
+        pass                            # no cache: generate again next time
+    return arrays["X"], arrays["y"], arrays["X_test"], arrays["y_test"]
 
 
 def _npz(path: str):
@@ -91,9 +123,11 @@ def _check(X, y, where: str):
 
 
 def load(path: str | None = None, *, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
-    """The digits (``path`` None) or an .npz file; a test split is cut when the file has none."""
-    X, y, X_test, y_test = _digits() if path is None else _npz(path)
-    where = path or "digits"
+    """The digits (``path`` None or "digits"), MNIST-1D ("mnist1d") or an .npz file; a test split is cut
+    when the data has none."""
+    name = path or "digits"
+    X, y, X_test, y_test = _digits() if name == "digits" else _mnist1d() if name == "mnist1d" else _npz(path)
+    where = name
     _check(np.asarray(X), np.asarray(y), where)
     X, y = np.asarray(X, np.float64), np.asarray(y).astype(np.int64)
     if X_test is None:
@@ -115,4 +149,4 @@ def load(path: str | None = None, *, test_fraction: float = 0.2, seed: int = 0) 
     mean, scale = X.mean(axis=0), X.std(axis=0)
     scale[scale == 0] = 1.0
     return Dataset(((X - mean) / scale).astype(np.float32), y, ((X_test - mean) / scale).astype(np.float32),
-                   y_test, "digits" if path is None else Path(path).name)
+                   y_test, name if name in BUILT_IN else Path(path).name, {"digits": (8, 8)}.get(name, ()))

@@ -98,7 +98,7 @@ def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp
 
 def _identity(comm, options: Options, model: Model, data: Dataset) -> dict:
     """What this run's checkpoints belong to: resuming needs the same method, model, data and ranks."""
-    return {"method": options.method, "model": type(model).__name__, "parameters": int(model.size),
+    return {"method": options.method, "model": getattr(model, "name", type(model).__name__), "parameters": int(model.size),
             "data": data.fingerprint(), "ranks": comm.Get_size()}
 
 

@@ -1,0 +1,100 @@
+"""``mpicoll train --framework torch``: torch modules trained by every method; MNIST-1D."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+
+from mpicoll.train import METHODS, Options, load, train  # noqa: E402
+from mpicoll.train.run import _batches  # noqa: E402
+from mpicoll.train.torch_models import TorchModel, make  # noqa: E402
+from conftest import P, WORLD, everywhere  # noqa: E402
+from test_train import digits  # noqa: E402
+
+torch.set_num_threads(1)          # as mpicoll train sets it: ranks oversubscribe the cores
+
+
+def plain_gradient(model: TorchModel, params: np.ndarray, X, y) -> np.ndarray:
+    """The gradient by ordinary autograd, on a fresh module holding copies of the parameters."""
+    module = model.build().float()
+    with torch.no_grad():
+        for p, start, end in zip(module.parameters(), model.offsets, model.offsets[1:]):
+            p.copy_(torch.from_numpy(params[start:end]).view(p.shape))
+    torch.nn.functional.cross_entropy(module(torch.from_numpy(X)), torch.from_numpy(y)).backward()
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()]).numpy()
+
+
+@pytest.mark.parametrize("name, shape", [("softmax", ()), ("mlp", ()), ("cnn", (4, 5)), ("cnn", ())])
+def test_torch_models_compute_autograds_gradient_on_views_of_the_flat_vector(name, shape):
+    rng = np.random.default_rng(4)
+    X, y = rng.standard_normal((9, 20)).astype(np.float32), rng.integers(0, 3, 9)
+    model = make(name, 20, 3, [8, 6], shape)
+    params = model.init(7) + 0.05 * rng.standard_normal(model.size).astype(np.float32)
+    assert params.dtype == np.float32 and params.shape == (model.size,)
+    assert np.array_equal(model.init(7), model.init(7)) and not np.array_equal(model.init(7), model.init(8))
+    loss, grad = model.loss_and_gradient(params, X, y)
+    assert np.allclose(grad, plain_gradient(model, params, X, y), rtol=1e-5, atol=1e-6)
+    assert model.parameters[0].data_ptr() == params.ctypes.data, "the parameters were copied, not viewed"
+    assert model.parameters[0].grad.data_ptr() == grad.ctypes.data, "the gradient was copied, not accumulated"
+    again, none = model.loss_and_gradient(params, X, y, gradient=False)
+    assert none is None and again == pytest.approx(loss, rel=1e-6)
+    frozen = params.copy()
+    frozen.flags.writeable = False
+    assert np.array_equal(model.predict(frozen, X), model.predict(params, X))
+    assert model.predict(params, X).shape == (9,)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_trains_a_torch_cnn(method):
+    if method.startswith(("ps-", "dcasgd", "downpour")) and P < 2:
+        pytest.skip("a parameter server needs a server and a worker")
+    data = digits()
+    model = make("cnn", data.features, data.classes, shape=data.shape)
+    start_loss, _ = model.evaluate(model.init(3), data.X_test, data.y_test)
+    options = Options(method=method, epochs=2, batch=16, lr=0.05, seed=3, progress=False,
+                      tau=1 if method == "sgp" else 0)
+    summary = train(WORLD, options, model, data)
+    final = [s for s in WORLD.allgather(summary) if s][0]
+    everywhere(final["final_loss"] < 0.8 * start_loss,
+               f"{method}: test loss {start_loss:.3f} -> {final['final_loss']:.3f}, not decreasing")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_on_a_torch_model_is_single_process_sgd_on_the_combined_batch():
+    data = digits()
+    model = make("mlp", data.features, data.classes, [16])
+    options = Options(method="allreduce-ring", epochs=1, batch=8, lr=0.2, seed=5, progress=False)
+    summary = train(WORLD, options, model, data)
+    steps = math.ceil(len(data.y) / (P * options.batch))
+    params = model.init(5).astype(np.float64)
+    shards = [data.shard(r, P) for r in range(P)]
+    batches = [_batches(len(shards[r][1]), options.batch, steps, [5, r, 0]) for r in range(P)]
+    for step in range(steps):
+        grads = [model.loss_and_gradient(params.astype(np.float32), shards[r][0][batches[r][step]],
+                                         shards[r][1][batches[r][step]])[1] for r in range(P)]
+        params = params - options.lr * np.mean(grads, axis=0)
+    expected = model.evaluate(params.astype(np.float32), data.X_test, data.y_test)[0]
+    losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
+    everywhere(abs(losses[0] - expected) < 1e-3 * abs(expected), f"final loss {losses[0]!r}, single process {expected!r}")
+
+
+def test_mnist1d_is_generated_once_and_cached(tmp_path, monkeypatch):
+    pytest.importorskip("mnist1d", reason="MNIST-1D needs the mnist1d package (the data extra)")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    data = load("mnist1d")
+    assert (data.X.shape, data.X_test.shape, data.classes, data.name) == ((4000, 40), (1000, 40), 10, "mnist1d")
+    assert (tmp_path / "mpicoll" / "mnist1d.npz").is_file()
+    again = load("mnist1d")
+    assert np.array_equal(again.X, data.X) and np.array_equal(again.y_test, data.y_test)
+
+
+def test_a_cnn_without_torch_framework_is_refused(capsys):
+    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
+    from mpicoll.cli import main
+    with pytest.raises(SystemExit, match="--model cnn is a torch model: add --framework torch"):
+        main(["train", "--model", "cnn", "--epochs", "1", "--quiet"])
