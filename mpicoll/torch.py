@@ -4,8 +4,8 @@
     mt.broadcast_parameters(model.state_dict(), root=0)     # every replica starts alike
     optimizer = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     ...
-    loss.backward()
-    optimizer.step()                                        # gradients averaged over the ranks, then the step
+    loss.backward()                                         # buckets of gradients start their allreduce here
+    optimizer.step()                                        # waits for them, averages, steps
 
 Needs ``pip install mpicoll[torch]``.  CPU tensors are read and written where
 they are (numpy shares their memory); CUDA tensors go to the array layer as

@@ -10,7 +10,8 @@ exact sum.  The peers then take turns in a rotating order, a barrier before
 each call; a call's time is the slowest rank's, and the median over
 ``--iters`` rounds is reported, with each column's speed against gloo's and
 MPI's.  Multi-node runs need gloo's
-rendezvous host reachable (``--master`` to name it).
+rendezvous host reachable (``--master`` to name it).  ``--training`` times
+whole training steps instead (:mod:`.torch_training`).
 """
 
 from __future__ import annotations
