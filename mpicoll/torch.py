@@ -370,7 +370,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
       gradients), then ``with optimizer.skip_synchronize(): optimizer.step()``.
 
     Parameters that do not require gradients are left alone.  Sparse
-    gradients are refused.
+    gradients are refused.  Wrap an optimizer once: each wrapper registers
+    its own hooks on the parameters, and a second one would start its own
+    buckets during every backward pass too.
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
