@@ -74,9 +74,8 @@ class _Call:
         return self._finish()
 
     def start(self) -> Request:
-        method, args = self.method, self.args
-        request = Request(f"I{method[0].lower()}{method[1:]}", lambda comm: getattr(comm, method)(*args), self.result)
-        return self.communicator.start(request.then(lambda _: self._finish()))
+        nonblocking = getattr(self.communicator, f"I{self.method[0].lower()}{self.method[1:]}")   # Iallreduce, ...
+        return nonblocking(*self.args).then(lambda _: self._finish())
 
     def _finish(self):
         if self.copy_into is None:

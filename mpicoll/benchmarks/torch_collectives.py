@@ -16,7 +16,6 @@ whole training steps instead (:mod:`.torch_training`).
 
 from __future__ import annotations
 
-
 import numpy as np
 from mpi4py import MPI
 
@@ -29,13 +28,13 @@ __all__ = ["run"]
 def run(args) -> int:
     try:
         import torch
+        import torch.distributed as dist
         import mpicoll.torch as mt
     except ImportError as error:
         raise SystemExit(f"mpicoll bench-torch needs PyTorch (pip install -e '.[torch]'): {error}") from None
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
-    import torch.distributed as dist
     mt.init_process_group("gloo", comm=comm, master=args.master, timeout=args.timeout)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -19,13 +19,12 @@ to float32 rounding.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import timeline
-from .common import format_bytes, write_records
+from .common import format_bytes, interleaved_times, write_records
 
 __all__ = ["run", "CONTENDERS"]
 
@@ -83,15 +82,8 @@ def run(args, torch, mt, dist) -> int:
               f"{args.batch} per rank, {torch.get_num_threads()} torch thread(s) per rank; torch {torch.__version__}")
     for name in CONTENDERS:                        # warm: buckets built, workers and kernels set up
         steps(name)
-    rounds = np.empty((len(CONTENDERS), args.iters))
-    for i in range(args.iters):
-        for shift in range(len(CONTENDERS)):
-            j = (i + shift) % len(CONTENDERS)
-            comm.Barrier()
-            start = time.perf_counter()
-            steps(CONTENDERS[j])
-            rounds[j, i] = comm.allreduce((time.perf_counter() - start) / args.steps, op=MPI.MAX)
-    step_s = dict(zip(CONTENDERS, np.median(rounds, axis=1)))
+    rounds = interleaved_times(comm, [lambda name=name: steps(name) for name in CONTENDERS], args.iters)
+    step_s = dict(zip(CONTENDERS, np.median(rounds, axis=1) / args.steps))
     reference = _flat(trainers["mpicoll"][0], torch)
     drift = {name: float(np.abs(_flat(trainers[name][0], torch) - reference).max())
              for name in CONTENDERS if name != "compute"}
