@@ -35,7 +35,8 @@ from .checks import agree
 from .nonblocking import Request
 
 __all__ = ["allreduce", "allreduce_async", "allgather", "broadcast", "broadcast_parameters",
-           "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "init_process_group", "OPS"]
+           "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "init_process_group",
+           "FlatParameters", "point_at", "OPS"]
 
 # torch/Horovod names -> the array API's; "average" is a sum divided by the rank count
 OPS = {"average": "sum", "sum": "sum", "min": "min", "max": "max", "product": "prod"}
@@ -163,6 +164,67 @@ def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def point_at(parameters: list[torch.Tensor], flat: torch.Tensor, flat_grad: torch.Tensor | None = None) -> None:
+    """Make ``parameters`` views of consecutive slices of ``flat`` (and their ``.grad`` of ``flat_grad``): no copy.
+
+    Backward then accumulates into ``flat_grad`` in place, and whatever writes
+    ``flat`` (a parameter server's answer, a gossip step) is the module's weights.
+    """
+    offset = 0
+    for p in parameters:
+        end = offset + p.numel()
+        p.data = flat[offset:end].view(p.shape)
+        p.grad = None if flat_grad is None else flat_grad[offset:end].view(p.shape)
+        offset = end
+
+
+class FlatParameters:
+    """A module's parameters and gradients as two flat vectors, the module computing on views of them.
+
+    mpicoll's parameter servers and SGP move one flat array each step
+    (:mod:`mpicoll.ps`, :mod:`mpicoll.gossip`).  After ``flat =
+    FlatParameters(model)`` the model's parameters live in ``flat.weights``
+    and backward writes their gradients into ``flat.grad``, so a torch model
+    trains under any of them with no copy per step::
+
+        flat = mt.FlatParameters(model)
+        server = ps.ParameterServer(MPI.COMM_WORLD, flat.weights, ps.DCASGD(lr=0.1, lam=0.04))
+        if server.is_server:
+            server.serve()
+        else:
+            server.client.pull(out=flat.weights)
+            for x, y in loader:
+                flat.zero_grad()
+                functional.cross_entropy(model(x), y).backward()
+                server.client.exchange(flat.grad, out=flat.weights)
+            server.client.close()
+
+    ``weights`` and ``grad`` are numpy arrays for a CPU module (CUDA tensors for
+    a CUDA one, which the array layer takes as device arrays).  Every parameter
+    must have one dtype and device.  Zero the gradients with
+    :meth:`zero_grad`: an optimizer's ``zero_grad()`` sets them to None,
+    which would detach them from ``grad`` (this one puts the views back).
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.parameters = list(module.parameters())
+        kinds = {(p.dtype, p.device) for p in self.parameters}
+        if len(kinds) > 1:
+            raise TypeError(f"the parameters have several dtypes or devices {sorted(map(str, kinds))}: one flat "
+                            "vector holds one kind; convert the module (e.g. model.float()) first")
+        if kinds and next(iter(kinds))[0] == torch.bfloat16:
+            raise TypeError("bfloat16 parameters are not supported (numpy has no bfloat16): call model.float()")
+        self._weights = _flatten(self.parameters) if self.parameters else torch.zeros(0)
+        self._grad = torch.zeros_like(self._weights)
+        point_at(self.parameters, self._weights, self._grad)
+        self.weights, self.grad = _array(self._weights), _array(self._grad)
+
+    def zero_grad(self) -> None:
+        """Zero ``grad`` and make every parameter's ``.grad`` a view of it again."""
+        self._grad.zero_()
+        point_at(self.parameters, self._weights, self._grad)
 
 
 def _broadcast_tensors(tensors: list[torch.Tensor], root: int, comm, algorithm: str) -> None:

@@ -304,3 +304,89 @@ def test_allreduce_async_and_the_ddp_hook():
         everywhere(worst < 1e-9, f"seed {seed}: DDP with mpicoll's hook is {worst:.2e} from the averaged gradient")
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_flat_parameters_are_the_modules_memory():
+    net = model(seed=5).double()
+    copy = model(seed=5).double()
+    flat = mt.FlatParameters(net)
+    assert isinstance(flat.weights, np.ndarray) and flat.weights.size == sum(p.numel() for p in net.parameters())
+    assert np.array_equal(flat.weights, torch.nn.utils.parameters_to_vector(copy.parameters()).detach().numpy())
+    X, y = batches(7, RANK, 1)[0]
+    for _ in range(2):                               # the second pass starts from an optimizer's zero_grad
+        flat.zero_grad()
+        gradient_of(net, X, y)
+        copy.zero_grad()
+        gradient_of(copy, X, y)
+        expected = torch.cat([p.grad.reshape(-1) for p in copy.parameters()]).numpy()
+        assert np.allclose(flat.grad, expected, rtol=1e-12, atol=1e-14), "backward did not write into flat.grad"
+        torch.optim.SGD(net.parameters(), lr=0.1).zero_grad()       # sets .grad to None: flat.zero_grad mends it
+    flat.weights[:] = np.random.default_rng(1).standard_normal(flat.weights.size)   # written as a server would
+    torch.nn.utils.vector_to_parameters(torch.from_numpy(flat.weights.copy()), copy.parameters())
+    with torch.no_grad():
+        assert torch.equal(net(X), copy(X)), "the module does not compute with flat.weights"
+    with pytest.raises(TypeError, match="several dtypes"):
+        mt.FlatParameters(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()))
+
+
+def test_a_parameter_server_trains_a_torch_module_through_flat_parameters():
+    """ps.Sync over a live module: each round must be w -= lr * (mean of the workers' autograd gradients)."""
+    if P < 2:
+        pytest.skip("a parameter server needs a server and a worker")
+    from mpicoll import ps
+    seed, steps, lr = shared_seed(), 3, 0.2
+    net = model(seed=8).double()
+    flat = mt.FlatParameters(net)
+    start = flat.weights.copy()
+    server = ps.ParameterServer(WORLD, flat.weights, ps.Sync(lr=lr))
+    if server.is_server:
+        server.serve()
+    else:
+        server.client.pull(out=flat.weights)
+        for X, y in batches(seed, RANK, steps):
+            flat.zero_grad()
+            gradient_of(net, X, y)
+            server.client.exchange(flat.grad, out=flat.weights)
+        server.client.close()
+    final = server.gather_weights()
+    server.close()
+
+    single = model(seed=8).double()
+    everyone = {rank: batches(seed, rank, steps) for rank in range(1, P)}
+    for step in range(steps):
+        total = [torch.zeros_like(p) for p in single.parameters()]
+        for rank in everyone:
+            single.zero_grad()
+            gradient_of(single, *everyone[rank][step])
+            total = [t + p.grad for t, p in zip(total, single.parameters())]
+        with torch.no_grad():
+            for p, t in zip(single.parameters(), total):
+                p -= lr * t / (P - 1)
+    expected = torch.nn.utils.parameters_to_vector(single.parameters()).detach().numpy()
+    worst = float(np.abs(final - expected).max())
+    everywhere(worst < 1e-9 and not np.allclose(final, start), f"seed {seed}: {worst:.2e} from synchronous SGD")
+    everywhere(server.is_server or np.array_equal(flat.weights, final), "the worker's module lacks the last update")
+
+
+def test_sgp_trains_a_torch_module_through_flat_parameters():
+    """SGP stepping a live module's flat vectors must equal SGP on plain arrays with autograd's gradients."""
+    from mpicoll.gossip import SGP, PushSum
+    seed, steps, lr = shared_seed(), 3, 0.1
+    net = model(seed=20 + RANK).double()
+    flat = mt.FlatParameters(net)
+    reference = model(seed=20 + RANK).double()
+    plain = torch.nn.utils.parameters_to_vector(reference.parameters()).detach().numpy().copy()
+    live = SGP(PushSum(WORLD, flat.weights), lr)
+    check = SGP(PushSum(WORLD, plain), lr)
+    for X, y in batches(seed, RANK, steps):
+        flat.zero_grad()
+        gradient_of(net, X, y)
+        live.step(flat.grad, out=flat.weights)
+        torch.nn.utils.vector_to_parameters(torch.from_numpy(plain.copy()), reference.parameters())
+        reference.zero_grad()
+        gradient_of(reference, X, y)
+        plain = check.step(torch.cat([p.grad.reshape(-1) for p in reference.parameters()]).numpy())
+    worst = float(np.abs(flat.weights - plain).max())
+    everywhere(worst < 1e-12, f"seed {seed}: the live module's SGP is {worst:.2e} from SGP on plain arrays")
+    live.gossip.close()
+    check.gossip.close()

@@ -21,9 +21,7 @@ torch.set_num_threads(1)          # as mpicoll train sets it: ranks oversubscrib
 def plain_gradient(model: TorchModel, params: np.ndarray, X, y) -> np.ndarray:
     """The gradient by ordinary autograd, on a fresh module holding copies of the parameters."""
     module = model.build().float()
-    with torch.no_grad():
-        for p, start, end in zip(module.parameters(), model.offsets, model.offsets[1:]):
-            p.copy_(torch.from_numpy(params[start:end]).view(p.shape))
+    torch.nn.utils.vector_to_parameters(torch.from_numpy(params.copy()), module.parameters())
     torch.nn.functional.cross_entropy(module(torch.from_numpy(X)), torch.from_numpy(y)).backward()
     return torch.cat([p.grad.reshape(-1) for p in module.parameters()]).numpy()
 

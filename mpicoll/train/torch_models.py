@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from ..torch import point_at
 from .models import Model
 
 __all__ = ["TorchModel", "make"]
@@ -47,8 +48,7 @@ class TorchModel(Model):
         self.build, self.name = build, name
         self.module = build().float()
         self.parameters = list(self.module.parameters())
-        self.offsets = np.cumsum([0] + [p.numel() for p in self.parameters]).tolist()
-        self.size = self.offsets[-1]
+        self.size = sum(p.numel() for p in self.parameters)
         # Numba's OpenMP pool (mpicoll's update kernels, loaded when training starts) shares libgomp with
         # torch and resets its thread count to Numba's (measured: 2 threads per rank where 1 was set, and a
         # 4-rank CNN run on 2 cores 4x slower); every call restores the count in force now.
@@ -61,11 +61,7 @@ class TorchModel(Model):
 
     def _point_at(self, params, grad=None) -> None:
         """Make the module's parameters (and gradients) views of the flat arrays: no copy."""
-        flat = torch.as_tensor(params)
-        flat_grad = None if grad is None else torch.as_tensor(grad)
-        for p, start, end in zip(self.parameters, self.offsets, self.offsets[1:]):
-            p.data = flat[start:end].view(p.shape)
-            p.grad = None if flat_grad is None else flat_grad[start:end].view(p.shape)
+        point_at(self.parameters, torch.as_tensor(params), None if grad is None else torch.as_tensor(grad))
 
     def _tensor(self, array) -> torch.Tensor:
         if isinstance(array, np.ndarray) and not array.flags.writeable:
