@@ -162,7 +162,8 @@ _RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".ben
             "bench-ps": (".benchmarks.parameter_servers", "run"), "bench-gossip": (".benchmarks.gossip", "run"),
             "bench-torch": (".benchmarks.torch_collectives", "run"), "bench-overlap": (".benchmarks.overlap", "run"),
             "train": (".train", "main"),
-            "compare": (".train", "compare_main"), "plot": (".train", "plot_main"), "cluster": (".cluster", "main")}
+            "compare": (".train", "compare_main"), "reproduce": (".train", "reproduce_main"),
+            "plot": (".train", "plot_main"), "cluster": (".cluster", "main")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     _bench_gossip_parser(commands)
     _bench_torch_parser(commands)
     _bench_overlap_parser(commands)
-    from .train import add_compare_parsers, add_parser as add_train_parser
+    from .train import add_compare_parsers, add_parser as add_train_parser, add_reproduce_parser
     add_train_parser(commands)
     add_compare_parsers(commands)
+    add_reproduce_parser(commands)
     _info_parser(commands)
     from .cluster import add_parser as add_cluster_parser
     add_cluster_parser(commands)

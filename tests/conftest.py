@@ -43,6 +43,8 @@ os.environ.setdefault("MPICOLL_END_BROKEN_JOBS", "0")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    config.addinivalue_line("markers", "watchdog(seconds): this test may run that long (default "
+                            "MPICOLL_TEST_TIMEOUT) before the watchdog aborts it")
     if RANK > 0:
         sys.stdout = open(os.devnull, "w")
         config.option.xmlpath = None
@@ -64,7 +66,7 @@ def watchdog(request):
         if capture is not None:              # let the message reach the terminal, not the capture
             capture.suspend_global_capture(in_=False)
         err = sys.stderr
-        err.write(f"\n[rank {RANK}] stuck in {request.node.nodeid} for {TEST_TIMEOUT:g} s "
+        err.write(f"\n[rank {RANK}] stuck in {request.node.nodeid} for {limit:g} s "
                   f"(MPICOLL_TEST_TIMEOUT); tracebacks follow, then the job is aborted\n")
         err.flush()
         faulthandler.dump_traceback(file=err, all_threads=True)
@@ -72,7 +74,9 @@ def watchdog(request):
         time.sleep(0.5)            # let the launcher forward the message before the job is torn down
         MPI.COMM_WORLD.Abort(70)
 
-    timer = threading.Timer(TEST_TIMEOUT, stuck)
+    marker = request.node.get_closest_marker("watchdog")
+    limit = max(TEST_TIMEOUT, marker.args[0]) if marker else TEST_TIMEOUT
+    timer = threading.Timer(limit, stuck)
     timer.daemon = True
     timer.start()
     yield

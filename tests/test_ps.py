@@ -226,6 +226,28 @@ def test_a_nan_gradient_is_skipped_and_the_model_stays_finite(transport):
     everywhere(skipped is None or skipped == workers, f"server skipped {skipped}")
 
 
+@TRANSPORTS
+def test_nothing_but_nan_gradients_stops_training_with_a_message_on_every_rank(transport):
+    """Weights that diverged give every worker NaN forever: no update can come, so the server must stop the
+    job (it used to skip them one by one and wait for an update that never came)."""
+    server = ps.ParameterServer(WORLD, np.ones(5), ps.DCASGD(lr=0.1), servers=1, transport=transport)
+    outcome = "finished"
+    try:
+        if server.is_server:
+            server.serve()
+        else:
+            server.client.pull()
+            for _ in range(1000):
+                server.client.exchange(np.full(5, np.nan))
+            server.client.close()
+    except (ps.Diverged, mpicoll.MpicollError) as error:
+        outcome = f"{type(error).__name__}: {error}"
+    server.close()
+    expected = "Diverged: server rank 0: training diverged" if server.is_server else \
+        f"ServerFailed: worker rank {RANK}: parameter server rank 0 failed: Diverged"
+    everywhere(outcome.startswith(expected) and "lower the learning rate" in outcome, outcome)
+
+
 @pytest.mark.mpi(min_size=4)
 def test_softsync_outpaces_sync_when_one_worker_straggles():
     """Each step 'computes' 20 ms (a sleep: no core is taken); the last worker is 3x slower."""

@@ -9,6 +9,8 @@ import pytest
 
 from mpicoll.train import METHODS, MLP, Options, SoftmaxRegression, load, train
 from mpicoll.train.compare import read_log, report
+from mpi4py import MPI
+
 from conftest import P, RANK, WORLD, everywhere
 
 
@@ -23,21 +25,27 @@ def test_every_method_trains_and_logs(method, tmp_path_factory):
     if method.startswith(("ps-", "dcasgd", "downpour")) and P < 2:
         pytest.skip("a parameter server needs a server and a worker")
     data = digits()
+    alone = METHODS[method].one_rank            # sequential SGD: every rank runs its own, on COMM_SELF
+    comm = MPI.COMM_SELF if alone else WORLD
     folder = WORLD.bcast(str(tmp_path_factory.mktemp("logs")) if RANK == 0 else None)
-    log = f"{folder}/{method}.jsonl"
+    log = f"{folder}/{method}{f'.{RANK}' if alone else ''}.jsonl"
     model = MLP(data.features, data.classes, [16]) if method in ("dcasgd", "sgp") else \
         SoftmaxRegression(data.features, data.classes)
     start_loss, _ = model.evaluate(model.init(3), data.X_test, data.y_test)
     options = Options(method=method, epochs=2, batch=16, lr=0.05, seed=3, output=log, progress=False,
                       tau=1 if method == "sgp" else 0)
-    summary = train(WORLD, options, model, data)
+    summary = train(comm, options, model, data)
     summaries = [s for s in WORLD.allgather(summary) if s]
-    everywhere(len(summaries) == 1, f"{len(summaries)} ranks reported a summary, expected one")
+    everywhere(len(summaries) == (P if alone else 1), f"{len(summaries)} ranks reported a summary")
     records, logged = read_log(log)
-    final = summaries[0]
+    final = summary if alone else summaries[0]
     everywhere(logged == json.loads(json.dumps(final)), "the log's summary is the returned one")
-    everywhere(final["method"] == method and final["ranks"] == P and final["wall_s"] > 0
+    everywhere(final["method"] == method and final["ranks"] == comm.Get_size() and final["wall_s"] > 0
                and final["samples_per_s"] > 0, f"summary {final}")
+    if METHODS[method].rule:                    # the servers' staleness histogram, counted in the log
+        lags = {int(lag): count for lag, count in final["staleness"].items()}
+        everywhere(sum(lags.values()) >= final["samples"] // options.batch and
+                   (method != "ps-sync" or set(lags) == {0}), f"{method}: staleness {lags}")
     everywhere([r["epoch"] for r in records][-1] == 2 and all(r["samples"] > 0 for r in records),
                f"records {records}")
     everywhere(final["final_loss"] < 0.8 * start_loss,

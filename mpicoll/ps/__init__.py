@@ -30,12 +30,12 @@ from .client import Client, Schedule
 from .layout import Layout
 from .protocol import tell_workers
 from .rules import DCASGD, RULES, Async, Downpour, Rule, SoftSync, Sync, make
-from .server import Server, ServerStats, WorkerLost
+from .server import Diverged, Server, ServerStats, WorkerLost
 from .transports import TRANSPORTS
 from .windows import Windows
 
-__all__ = ["ParameterServer", "Layout", "Client", "Schedule", "Server", "ServerStats", "WorkerLost", "Rule", "Sync",
-           "SoftSync", "Async", "DCASGD", "Downpour", "make", "RULES", "TRANSPORTS"]
+__all__ = ["ParameterServer", "Layout", "Client", "Schedule", "Server", "ServerStats", "WorkerLost", "Diverged",
+           "Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "make", "RULES", "TRANSPORTS"]
 
 
 class ParameterServer:
@@ -70,7 +70,8 @@ class ParameterServer:
         self._unclean = False
 
     def serve(self, worker_timeout: float | None = None, *, checkpoint: str | None = None, every: int = 100,
-              resume: bool = False, warm_start: int = 0, identity: dict | None = None) -> ServerStats:
+              resume: bool = False, warm_start: int = 0, identity: dict | None = None,
+              lr_at=None) -> ServerStats:
         """Run this server's loop until every worker has closed or been dropped; returns its statistics.
 
         ``worker_timeout``: seconds of silence after which a worker counts as lost
@@ -80,6 +81,7 @@ class ParameterServer:
         ``client.pull()`` and ``client.versions``).  ``warm_start=k``: the first
         worker trains alone for k updates before the others' first pull is answered.  ``identity``:
         what else the checkpoint belongs to (e.g. the training run's data), refused on resume if it differs.
+        ``lr_at``: a learning-rate schedule, update count -> the rule's rate, set before each update.
         """
         if not self.is_server:
             raise RuntimeError(f"rank {self.layout.rank} is a worker: use .client")
@@ -88,7 +90,7 @@ class ParameterServer:
         self._unclean = True          # until serve returns: an error leaves messages in flight
         try:
             self.stats = Server(self.context, self.layout, self.rule, self.weights, self.windows,
-                                worker_timeout).run(checkpoint=checkpoint, every=every, resume=resume,
+                                worker_timeout, lr_at).run(checkpoint=checkpoint, every=every, resume=resume,
                                                     warm_start=warm_start, identity=identity)
         except Exception as error:
             tell_workers(self.context, self.layout.workers, error)      # they stop now, not at their timeout
@@ -131,7 +133,9 @@ class ParameterServer:
                     if not mine[rank]:        # to a lost worker: sent in case it lives, never waited for
                         requests += sends
                         peers += [rank, rank]
-        ctx.waitall(requests, peers)
+        # a server sends the result once every worker has closed or been dropped after the worker timeout
+        # (by default this same timeout) of silence: a worker that finished waits for that, and a margin
+        ctx.waitall(requests, peers, limit=None if self.is_server else 2 * ctx.timeout)
         self.lost = sorted(int(rank) for rank in np.flatnonzero(np.logical_or.reduce(list(notes.values()))))
         return full
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import checkpoint
 from ..context import Context
+from ..errors import MpicollError
 from ..tags import Tag
 from .layout import Layout
 from .protocol import Kind
@@ -28,7 +29,7 @@ from .rules import Rule
 from .transports import server_side
 from .windows import Windows
 
-__all__ = ["Server", "ServerStats", "WorkerLost"]
+__all__ = ["Server", "ServerStats", "WorkerLost", "Diverged"]
 
 
 @dataclass
@@ -51,6 +52,19 @@ class ServerStats:
 
 class WorkerLost(RuntimeError):
     """Synchronous training lost a worker: it cannot go on, and says which."""
+
+
+class Diverged(MpicollError, FloatingPointError):
+    """Every worker keeps sending NaN or Inf: the weights themselves are past saving, so training stops.
+
+    One non-finite gradient is skipped (a bad batch); but once each active
+    worker has sent :data:`NONFINITE_STREAK` of them in a row with no finite
+    one between, no update can come and the loop would wait forever.
+    """
+
+
+NONFINITE_STREAK = 2       # per active worker, consecutive, before the server calls training diverged
+_NONFINITE_REPORTS = 5     # non-finite gradients named in the log; the rest are counted
 
 
 def _finite(gradient: np.ndarray) -> bool:
@@ -93,12 +107,14 @@ class Server:
     """
 
     def __init__(self, ctx: Context, layout: Layout, rule: Rule, weights: np.ndarray,
-                 windows: Windows | None = None, worker_timeout: float | None = None):
+                 windows: Windows | None = None, worker_timeout: float | None = None, lr_at=None):
         self.ctx, self.layout, self.rule, self.weights = ctx, layout, rule, weights
+        self.lr_at = lr_at                 # update count -> the rule's learning rate (a schedule); None: fixed
         self.windows = windows
         self.worker_timeout = ctx.timeout if worker_timeout is None else worker_timeout
         self.workers = list(layout.workers)
         self.stats = ServerStats()
+        self.nonfinite_streak = 0          # non-finite gradients in a row, from any workers
 
     def run(self, *, checkpoint: str | None = None, every: int = 100, resume: bool = False,
             warm_start: int = 0, identity: dict | None = None) -> ServerStats:
@@ -194,15 +210,31 @@ class Server:
         lag = rule.version - version
         stats.staleness[lag] = stats.staleness.get(lag, 0) + 1
         if not _finite(gradient):                               # never let NaN or Inf into the model
-            stats.nonfinite += 1
-            print(f"[server rank {self.layout.rank}] worker rank {worker} sent a gradient with NaN or Inf "
-                  f"(update {rule.version}): skipped", file=sys.stderr, flush=True)
+            self._skip_nonfinite(worker)
             return [worker]
+        self.nonfinite_streak = 0
         before = time.perf_counter()
+        if self.lr_at is not None:
+            rule.lr = self.lr_at(rule.version)
         with self.transport.publish(lambda: rule.version):
             ready = rule.on_gradient(worker, version, gradient)
         stats.update_s += time.perf_counter() - before
         return ready
+
+    def _skip_nonfinite(self, worker: int) -> None:
+        """Count a gradient with NaN or Inf, say so in the log, and stop training once every worker sends them."""
+        stats, rank = self.stats, self.layout.rank
+        stats.nonfinite += 1
+        self.nonfinite_streak += 1
+        if stats.nonfinite <= _NONFINITE_REPORTS:
+            more = " (further ones are counted, not named)" if stats.nonfinite == _NONFINITE_REPORTS else ""
+            print(f"[server rank {rank}] worker rank {worker} sent a gradient with NaN or Inf "
+                  f"(update {self.rule.version}): skipped{more}", file=sys.stderr, flush=True)
+        if self.nonfinite_streak >= NONFINITE_STREAK * max(len(self.active), 1):
+            raise Diverged(f"server rank {rank}: training diverged at update {self.rule.version}: the last "
+                           f"{self.nonfinite_streak} gradients from the {len(self.active)} worker(s) all had NaN "
+                           "or Inf, so the weights no longer give finite gradients; lower the learning rate "
+                           "(--lr) or, for dcasgd, the compensation (--lam)")
 
     def _answer(self, worker: int) -> None:
         if self.waiting.pop(worker) is Kind.PULL:

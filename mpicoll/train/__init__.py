@@ -88,7 +88,8 @@ def add_parser(commands) -> None:
         "train", help="distributed SGD on real data with any training method (run under mpiexec)",
         description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll train --method allreduce-ring")
     train_.add_argument("--method", "--algorithm", default="allreduce-ring", choices=METHODS, dest="method",
-                        help="the training method (default allreduce-ring); --algorithm is its old name")
+                        help="the training method (default allreduce-ring; sequential: plain SGD on one "
+                        "process, the reference); --algorithm is its old name")
     train_.add_argument("--data", metavar="digits|mnist1d|FILE.npz",
                         help="scikit-learn's digits (default), MNIST-1D (generated, no download), or an .npz "
                         "file with arrays X, y (optional X_test, y_test); the first two: pip install -e '.[data]'")
@@ -102,8 +103,13 @@ def add_parser(commands) -> None:
     train_.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
     train_.add_argument("--batch", type=int, default=32, help="samples per gradient per worker (default 32)")
     train_.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    train_.add_argument("--lr-schedule", default="constant", metavar="constant|cosine|step:F1,F2",
+                        help="the rate over the run's budget, the same curve for every method: constant (default), "
+                        "cosine, or step:0.5,0.75 (/10 at half and three quarters)")
     train_.add_argument("--seed", type=int, default=0)
     train_.add_argument("--straggler", help="RANK=FACTOR: make that rank FACTOR times slower, e.g. 3=3")
+    train_.add_argument("--delay", metavar="DIST", help="add to every step of every rank a sleep drawn from "
+                        "DIST (ms, seeded): gamma:SHAPE,SCALE, exp:MEAN or fixed:MS, e.g. gamma:2,1.5")
     train_.add_argument("--output", metavar="RUN.jsonl", help="one JSON record per evaluation, then a summary")
     train_.add_argument("--quiet", action="store_true", help="no progress bar")
     train_.add_argument("--checkpoint", metavar="PREFIX", help="save the state after every epoch under PREFIX")
@@ -149,6 +155,52 @@ def add_compare_parsers(commands) -> None:
     plot.add_argument("logs", nargs="+", help="mpicoll train --output files (JSON lines)")
     plot.add_argument("--output", default="compare-report", help="report folder (default compare-report)")
     plot.add_argument("--target", type=float, default=0.9, help="accuracy to time (default 0.9)")
+
+
+def add_reproduce_parser(commands) -> None:
+    reproduce = commands.add_parser(
+        "reproduce", help="the seeds' claims (DC-ASGD, stragglers, SGP, Downpour) over several seeds, with a report",
+        description="Runs every claim's mpicoll train jobs (each under its own mpiexec) and writes claims.json, "
+        "report.md and plots. About 15-20 minutes on 2 cores; --quick: about a minute.")
+    reproduce.add_argument("--output", default="docs/results", help="report folder (default docs/results)")
+    reproduce.add_argument("--data", default="mnist1d", metavar="mnist1d|digits|FILE.npz",
+                           help="the data every claim trains on (default mnist1d)")
+    reproduce.add_argument("--claims", default="abcd", help="which claims, as letters (default abcd)")
+    reproduce.add_argument("--seeds", type=int, help="seeds per setting (default 3; --quick 2)")
+    reproduce.add_argument("--model", choices=("cnn", "mlp"),
+                           help="torch CNN (default where torch is installed) or numpy MLP 128x128")
+    reproduce.add_argument("--quick", action="store_true",
+                           help="the pipeline on a small setting, for CI: 2 seeds, M = 4, 3 epochs, no cluster")
+
+
+def reproduce_main(args) -> int:
+    import importlib.util
+    from .claims import Setting, quick, reproduce
+    setting = quick() if args.quick else Setting()
+    setting.data = args.data
+    if args.seeds:
+        setting.seeds = list(range(1, args.seeds + 1))
+    torch_here = importlib.util.find_spec("torch") is not None
+    if args.model == "mlp" or (args.model is None and not args.quick and not torch_here):
+        setting.model = ["--model", "mlp", "--hidden", "128,128"]
+    elif args.model == "cnn":
+        if not torch_here:
+            raise SystemExit("mpicoll reproduce: --model cnn needs PyTorch: pip install -e '.[torch]'")
+        setting.model = ["--framework", "torch", "--model", "cnn"]
+    unknown = set(args.claims) - set("abcd")
+    if unknown or not args.claims:
+        raise SystemExit(f"mpicoll reproduce: --claims takes letters among abcd, got {args.claims!r}")
+    try:
+        load(args.data)
+    except ValueError as error:
+        raise SystemExit(f"mpicoll reproduce: {error}") from None
+    result = reproduce(args.output, setting, args.claims, skip_cluster="--quick runs no emulated cluster" if args.quick else None)
+    for record in result["claims"]:
+        verdict = {True: "reproduced: ", False: "NOT reproduced: ", None: ""}[record["reproduced"]]
+        print(f"{record['claim'][:3]} {verdict}{record['note']}", file=sys.stderr)
+    print(f"mpicoll reproduce: wrote {args.output}/claims.json, report.md and the plots "
+          f"({result['wall_s']:.0f} s)", file=sys.stderr)
+    return 0
 
 
 def compare_main(args) -> int:

@@ -148,18 +148,20 @@ def compare(methods: list[str], ranks: int, folder: str | Path, train_args: list
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     logs = []
-    if cluster:
-        launch = [sys.executable, "-m", "mpicoll", "cluster", "run", "-n", str(ranks), "--"]
-    else:
+
+    def launch(ranks: int) -> list[str]:
+        if cluster:
+            return [sys.executable, "-m", "mpicoll", "cluster", "run", "-n", str(ranks), "--"]
         try:
-            launch = mpiexec_command(ranks)
+            return mpiexec_command(ranks)
         except FileNotFoundError as error:
             raise SystemExit(f"mpicoll compare: {error}") from None
+
     for repeat in range(repeats):
         for method in methods if repeat % 2 == 0 else methods[::-1]:
             log = folder / (f"{method}.jsonl" if repeats == 1 else f"{method}.{repeat + 1}.jsonl")
-            command = [*launch, sys.executable, "-m", "mpicoll", "train", "--method", method,
-                       "--output", str(log), *train_args]
+            command = [*launch(1 if METHODS[method].one_rank else ranks), sys.executable, "-m", "mpicoll", "train",
+                       "--method", method, "--output", str(log), *train_args]
             print(f"+ {' '.join(command)}", file=sys.stderr, flush=True)
             result = subprocess.run(command, timeout=timeout)
             if result.returncode != 0:

@@ -18,6 +18,8 @@ import sys
 import time
 from dataclasses import asdict
 
+import numpy as np
+
 __all__ = ["Reporter"]
 
 
@@ -43,7 +45,9 @@ class Reporter:
         self.last = record
         return record
 
-    def finish(self, params) -> dict:
+    def finish(self, params, staleness: dict[int, int] | None = None) -> dict:
+        """The summary record (logged and returned); ``staleness``: a parameter server's histogram of the
+        updates between the weights a gradient was computed on and the update that used it."""
         loss, accuracy = self.model.evaluate(params, self.X_test, self.y_test)
         wall = time.perf_counter() - self.start
         options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "extra", "resume")}
@@ -51,12 +55,15 @@ class Reporter:
                    "final_accuracy": accuracy, "final_loss": loss, "wall_s": round(wall, 4),
                    "samples": int(self.samples), "samples_per_s": self.samples / max(wall, 1e-9),
                    "data": self.data.name, "model_size": self.model.size, "options": options}
+        if staleness:
+            summary["staleness"] = {str(lag): count for lag, count in sorted(staleness.items())}
         self._write(summary)
         if self.options.progress:
             if self.live:
                 self.stream.write("\n")
             self.stream.write(f"{self.options.method}: test accuracy {accuracy:.1%}, loss {loss:.4f}, "
-                              f"{wall:.1f} s, {summary['samples_per_s']:,.0f} samples/s on {self.ranks} ranks\n")
+                              f"{wall:.1f} s, {summary['samples_per_s']:,.0f} samples/s on {self.ranks} rank{'s' if self.ranks != 1 else ''}"
+                              f"{_describe(staleness)}\n")
             self.stream.flush()
         if self.log:
             self.log.close()
@@ -77,3 +84,12 @@ class Reporter:
                 f"{record['samples_per_s']:>9,.0f} samples/s")
         self.stream.write(("\r" + line) if self.live else line + "\n")
         self.stream.flush()
+
+
+def _describe(staleness: dict[int, int] | None) -> str:
+    """', staleness mean 6.8, median 7, 95th percentile 11' for the progress line ('' without one)."""
+    if not staleness:
+        return ""
+    lags = np.repeat(np.array(list(staleness), float), list(staleness.values()))
+    return (f"; staleness mean {lags.mean():.1f}, median {np.median(lags):g}, "
+            f"95th percentile {np.percentile(lags, 95):g} updates")

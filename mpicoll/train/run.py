@@ -25,11 +25,13 @@ from mpi4py import MPI
 
 from .. import arrays, checkpoint, compute, config, failure, gossip, ps, timeline
 from ..communicator import Communicator
+from ..tags import Tag
 from ..checks import agree
-from ..straggler import Straggler, parse as parse_straggler
+from ..straggler import Straggler, parse as parse_straggler, parse_delay
 from .data import Dataset
 from .models import Model
 from .report import Reporter
+from . import schedule as schedules
 
 __all__ = ["Options", "Method", "METHODS", "train"]
 
@@ -40,8 +42,10 @@ class Options:
     epochs: int = 10
     batch: int = 32                   # samples per gradient, per worker
     lr: float = 0.1
+    lr_schedule: str = "constant"     # constant, cosine or step:F1,F2,... over the budget (.schedule)
     seed: int = 0
     straggler: str | None = None      # "RANK=FACTOR"
+    delay: str | None = None          # per-step sleep drawn from a distribution, e.g. "gamma:2,1.5" (ms)
     servers: int = 1                  # parameter servers
     softsync_k: float = 0.5           # ps-softsync: a count, or a fraction of the workers
     staleness: str = "tau"            # ps-async: none, tau or workers
@@ -92,7 +96,7 @@ def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp
     run = _identity(comm, options, model, data) if options.checkpoint else {}
     agree(comm, lambda: _preflight(comm, options, model, data, method, run))
     if xp is np:
-        compute.warm_up(model.dtype)         # kernels ready before any method's clock starts
+        compute.warm_up(model.dtype, model.size)     # kernels ready before any method's clock starts
     return method.runner(comm, options, model, data, xp, method, run)
 
 
@@ -112,6 +116,11 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
     slow = [r for r in parse_straggler(options.straggler) if not 0 <= r < size]
     if slow:
         raise ValueError(f"--straggler {options.straggler}: rank {slow[0]} is not among the {size} ranks")
+    parse_delay(options.delay)
+    schedules.parse(options.lr_schedule, options.lr)
+    if method.one_rank and size > 1:
+        raise ValueError(f"{options.method} is plain SGD on one process, the reference the distributed methods' "
+                         f"updates are compared with: run it with mpiexec -n 1, not {size} ranks")
     parameter_server = method.rule is not None
     workers = size - options.servers if parameter_server else size
     if len(data.y) < workers:
@@ -153,7 +162,7 @@ def _setup(comm, options, data, xp, workers: tuple[int, ...]):
     steps = math.ceil(len(data.y) / (len(workers) * options.batch))      # per worker per epoch
     shard = data.shard(me, len(workers)) if me is not None else (data.X[:0], data.y[:0])
     X, y = xp.asarray(shard[0]), xp.asarray(shard[1])
-    return me, steps, X, y, Straggler.for_rank(rank, options.straggler)
+    return me, steps, X, y, Straggler.for_rank(rank, options.straggler, options.delay, options.seed)
 
 
 def _allreduce(comm, options, model, data, xp, method, run):
@@ -164,15 +173,16 @@ def _allreduce(comm, options, model, data, xp, method, run):
         state = checkpoint.load(_checkpoint_file(options, method, rank), run)
         params, start = xp.asarray(state["params"]), int(state["epoch"])
     average = xp.empty_like(params)
+    lr_at = schedules.parse(options.lr_schedule, options.lr)
     with Communicator(comm, algorithm=method.algorithm) as channel:
         reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
         for epoch in range(start, options.epochs):
-            for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
+            for step, batch in enumerate(_batches(len(y), options.batch, steps, [options.seed, rank, epoch])):
                 with slow, timeline.span("gradient", "train"):
                     loss, grad = model.loss_and_gradient(params, X[batch], y[batch])
                 channel.Allreduce(grad, average)
                 with timeline.span("update", "train"):
-                    params -= (options.lr / size) * average
+                    params -= (lr_at((epoch * steps + step) / (options.epochs * steps)) / size) * average
             if options.checkpoint and rank == 0:
                 checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
                                 epoch=epoch + 1)
@@ -194,8 +204,10 @@ def _sgp(comm, options, model, data, xp, method, run):
         start = int(state["epoch"])
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     z = xp.asarray(sgp.parameters)
+    lr_at = schedules.parse(options.lr_schedule, options.lr)
     for epoch in range(start, options.epochs):
-        for batch in _batches(len(y), options.batch, steps, [options.seed, rank, epoch]):
+        for step, batch in enumerate(_batches(len(y), options.batch, steps, [options.seed, rank, epoch])):
+            sgp.lr = lr_at((epoch * steps + step) / (options.epochs * steps))
             with slow, timeline.span("gradient", "train"):
                 loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
             with timeline.span("push-sum step", "train"):
@@ -225,8 +237,10 @@ def _parameter_server(comm, options, model, data, xp, method, run):
     reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
     if server.is_server:
         every = max(1, budget // options.epochs // per_update)       # updates per epoch
+        lr_at = schedules.parse(options.lr_schedule, options.lr)
+        updates = max(1, budget // per_update)
         server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
-                     resume=options.resume, identity=run)
+                     resume=options.resume, identity=run, lr_at=lambda version: lr_at(version / updates))
     else:
         client = server.client
         schedule = ps.Schedule(client, options.n_fetch, options.n_push) if method.name == "downpour" else None
@@ -251,6 +265,7 @@ def _parameter_server(comm, options, model, data, xp, method, run):
             epoch += 1
         client.close()
     final = server.gather_weights()
+    staleness = _staleness(server, workers[0])
     server.close()
     if server.lost and rank not in server.lost:
         # MPI_Finalize would wait for the lost ranks forever: once the result is out, every survivor
@@ -258,7 +273,25 @@ def _parameter_server(comm, options, model, data, xp, method, run):
         failure.end_at_exit(f"worker rank(s) {server.lost} were lost during training; the others finished")
     if reporter:
         reporter.evaluate(xp.asarray(final), options.epochs, budget * options.batch)
-        return reporter.finish(xp.asarray(final))
+        return reporter.finish(xp.asarray(final), staleness=staleness)
+    return None
+
+
+STALENESS_BINS = 64        # lags counted one by one; longer ones share the last bin
+
+
+def _staleness(server: ps.ParameterServer, reporter: int) -> dict[int, int] | None:
+    """The first server's staleness histogram {updates between a gradient's weights and its use: count},
+    sent to the reporting worker, which writes the log; None on every other rank."""
+    layout, ctx = server.layout, server.context
+    first, counts = layout.servers[0], np.zeros(STALENESS_BINS + 1, np.int64)
+    if layout.rank == first and reporter not in server.lost:
+        for lag, count in server.stats.staleness.items():
+            counts[min(lag, STALENESS_BINS)] += count
+        ctx.wait(ctx.isend(counts, reporter, Tag.PS_STATS), reporter)
+    elif layout.rank == reporter:
+        ctx.wait(ctx.irecv(counts, first, Tag.PS_STATS), first)
+        return {lag: int(count) for lag, count in enumerate(counts) if count}
     return None
 
 
@@ -270,6 +303,7 @@ class Method:
     runner: Callable
     algorithm: str | None = None           # allreduce methods: the collective algorithm
     rule: Callable | None = None           # parameter servers: (options, workers) -> (rule, gradients per update)
+    one_rank: bool = False                 # runs on one process only (the sequential reference)
 
 
 def _softsync(options, workers):
@@ -287,4 +321,5 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dcasgd", _parameter_server, rule=lambda o, workers: (ps.DCASGD(o.lr, o.lam, adaptive=o.adaptive), 1)),
     Method("downpour", _parameter_server, rule=lambda o, workers: (ps.Downpour(o.lr), o.n_push)),
     Method("sgp", _sgp),
+    Method("sequential", _allreduce, algorithm="auto", one_rank=True),     # one process: plain SGD
 )}
