@@ -182,7 +182,7 @@ def reproduce_main(args) -> int:
         setting.seeds = list(range(1, args.seeds + 1))
     torch_here = importlib.util.find_spec("torch") is not None
     if args.model == "mlp" or (args.model is None and not args.quick and not torch_here):
-        setting.model = ["--model", "mlp", "--hidden", "128,128"]
+        setting.model = ["--model", "mlp", "--hidden", "128,128"]       # numpy: no torch needed
     elif args.model == "cnn":
         if not torch_here:
             raise SystemExit("mpicoll reproduce: --model cnn needs PyTorch: pip install -e '.[torch]'")
@@ -191,7 +191,7 @@ def reproduce_main(args) -> int:
     if unknown or not args.claims:
         raise SystemExit(f"mpicoll reproduce: --claims takes letters among abcd, got {args.claims!r}")
     try:
-        load(args.data)
+        setting.classes = load(args.data).classes
     except ValueError as error:
         raise SystemExit(f"mpicoll reproduce: {error}") from None
     result = reproduce(args.output, setting, args.claims, skip_cluster="--quick runs no emulated cluster" if args.quick else None)

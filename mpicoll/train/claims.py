@@ -49,17 +49,22 @@ class Setting:
     """What every run shares, fixed before the first run (never searched per seed)."""
 
     data: str = "mnist1d"
+    classes: int = 10                      # of the data: a run that diverged counts as guessing
     model: list[str] = field(default_factory=lambda: ["--framework", "torch", "--model", "cnn"])
     epochs: int = 15
     batch: int = 32
-    lr: float = 0.1
+    lr: float = 0.25                       # sequential SGD's best of 0.1-0.25 here; every method gets it
     lr_schedule: str = "step:0.5,0.75"     # /10 at half and three quarters of every method's own updates
     delay: str = "gamma:2,0.5"             # ms added to every step of every worker: staleness spreads
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     workers: list[int] = field(default_factory=lambda: [4, 8])
     lam: float = 0.04                      # DC-ASGD-c's lambda (Zheng et al.)
     lam0: float = 2.0                      # DC-ASGD-a's lambda_0 (Zheng et al.)
-    straggler: float = 3.0                 # (b): the last worker this many times slower
+    straggler: float = 3.0                 # (b): the last worker this many times slower ...
+    straggler_model: list[str] = field(default_factory=lambda: ["--model", "mlp", "--hidden", "1024,1024",
+                                                                "--batch", "128"])   # ... at computing this
+    straggler_lr: float = 0.1              # (b): async's rate; sync gets M times it, soft-sync K times
+    downpour_lr: float = 0.02              # (d): Adagrad steps about lr per weight from its first update
     sgp_model: list[str] = field(default_factory=lambda: ["--model", "mlp", "--hidden", "1024,1024",
                                                           "--batch", "128"])
     sgp_link: str = "1gbit"
@@ -67,15 +72,17 @@ class Setting:
     within: float = 0.95                   # (c), (d): the target is this fraction of the reference's accuracy
     timeout: float = 600                   # seconds per run
 
-    def args(self, seed: int) -> list[str]:
-        """The ``mpicoll train`` options every run of ``seed`` shares."""
-        return ["--data", self.data, *self.model, "--epochs", str(self.epochs), "--batch", str(self.batch),
-                "--lr-schedule", self.lr_schedule, "--delay", self.delay, "--seed", str(seed), "--quiet"]
+    def args(self, seed: int, model: list[str] | None = None) -> list[str]:
+        """The ``mpicoll train`` options every run of ``seed`` shares (a ``--batch`` in the model wins)."""
+        return ["--data", self.data, "--epochs", str(self.epochs), "--batch", str(self.batch),
+                *(self.model if model is None else model), "--lr-schedule", self.lr_schedule,
+                "--delay", self.delay, "--seed", str(seed), "--quiet"]
 
 
 def quick() -> Setting:
     """A setting for CI: the same pipeline in about a minute (2 seeds, M = 4, a small numpy MLP, 6 epochs)."""
-    return Setting(model=["--model", "mlp", "--hidden", "32"], epochs=6, seeds=[1, 2], workers=[4],
+    small = ["--model", "mlp", "--hidden", "32"]
+    return Setting(model=small, straggler_model=small, lr=0.1, epochs=6, seeds=[1, 2], workers=[4],
                    delay="gamma:2,1", timeout=90)
 
 
@@ -97,8 +104,10 @@ class Run:
         return self.summary is not None
 
     @property
-    def error(self) -> float:
-        return 1.0 - self.summary["final_accuracy"]
+    def diverged(self) -> bool:
+        """The job stopped because training diverged (every gradient NaN or Inf)."""
+        output = self.log.with_suffix(".out")
+        return not self.ok and output.is_file() and "training diverged" in output.read_text(errors="replace")
 
 
 class Runner:
@@ -164,8 +173,11 @@ def _finished(runs: list[Run]) -> list[Run]:
     return [run for run in runs if run.ok]
 
 
-def _errors(runs: list[Run]) -> dict:
-    return _stats([run.error for run in _finished(runs)])
+def _errors(runs: list[Run], classes: int) -> dict:
+    """Test errors over the seeds; a run that diverged counts as guessing (1 - 1/classes), one that failed
+    otherwise is left out (and named in the note)."""
+    return _stats([1.0 - run.summary["final_accuracy"] if run.ok else 1.0 - 1.0 / classes
+                   for run in runs if run.ok or run.diverged])
 
 
 def _time_to(run: Run, target: float) -> float | None:
@@ -178,8 +190,9 @@ def _percent(stats: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- the claims
 
-def delay_compensation(setting: Setting, runner: Runner) -> tuple[dict, dict]:
-    """(a): sequential SGD, ASGD, DC-ASGD-c, DC-ASGD-a and SSGD, at each M; returns (record, runs by label)."""
+def delay_compensation(setting: Setting, runner: Runner) -> tuple[list[dict], dict]:
+    """(a): sequential SGD, ASGD, DC-ASGD-c, DC-ASGD-a and SSGD, at each M; returns (a record per DC-ASGD
+    variant, runs by label)."""
     lr = ["--lr", str(setting.lr)]
     variants = {"asgd": ("ps-async", ["--staleness", "none"]), "dcasgd-c": ("dcasgd", ["--lam", str(setting.lam)]),
                 "dcasgd-a": ("dcasgd", ["--adaptive", "--lam", str(setting.lam0)]), "ssgd": ("ps-sync", [])}
@@ -190,37 +203,44 @@ def delay_compensation(setting: Setting, runner: Runner) -> tuple[dict, dict]:
             for label, (method, extra) in variants.items():
                 runs.setdefault(f"{label} M={m}", []).append(
                     runner.run(f"a-{label}-M{m}-seed{seed}", method, m + 1, setting.args(seed) + lr + extra))
-    sequential = _errors(runs["sequential"])
-    figures: dict = {"test error": {label: _errors(members) for label, members in runs.items()}, "gap closed": {}}
-    verdicts, notes = [], []
-    for m in setting.workers:
-        asgd = figures["test error"][f"asgd M={m}"]
-        for variant in ("dcasgd-c", "dcasgd-a"):
-            dc = figures["test error"][f"{variant} M={m}"]
-            if None in (asgd["mean"], dc["mean"], sequential["mean"]):
-                closed = None
-            else:
+    errors = {label: _errors(members, setting.classes) for label, members in runs.items()}
+    diverged = sorted(run.name for members in runs.values() for run in members if run.diverged)
+    failed = sorted(run.name for members in runs.values() for run in members if not run.ok and not run.diverged)
+    records = []
+    for variant, name in (("dcasgd-a", "DC-ASGD-a (adaptive lambda)"), ("dcasgd-c", "DC-ASGD-c (constant lambda)")):
+        figures: dict = {"test error": {label: value for label, value in errors.items()
+                                        if label.split(" ")[0] in ("sequential", "asgd", variant, "ssgd")},
+                         "gap closed": {}}
+        verdicts, notes = [], []
+        for m in setting.workers:
+            sequential, asgd, dc = errors["sequential"], errors[f"asgd M={m}"], errors[f"{variant} M={m}"]
+            closed = None
+            if None not in (asgd["mean"], dc["mean"], sequential["mean"]):
                 gap = asgd["mean"] - sequential["mean"]
-                closed = (asgd["mean"] - dc["mean"]) / gap if gap > 0 else None
-                if gap <= 0:
-                    notes.append(f"at M={m} ASGD is not behind sequential SGD ({100 * asgd['mean']:.1f}% against "
-                                 f"{100 * sequential['mean']:.1f}% test error): there is no gap to close")
-            figures["gap closed"][f"{variant} M={m}"] = closed
+                if gap > 0:
+                    closed = (asgd["mean"] - dc["mean"]) / gap
+                    notes.append(f"M={m}: ASGD {100 * asgd['mean']:.1f}%, {variant} {100 * dc['mean']:.1f}%, "
+                                 f"sequential {100 * sequential['mean']:.1f}% test error: {100 * closed:.0f}% of "
+                                 "the gap closed")
+                else:
+                    notes.append(f"M={m}: ASGD is not behind sequential SGD ({100 * asgd['mean']:.1f}% against "
+                                 f"{100 * sequential['mean']:.1f}% test error): no gap to close")
+            figures["gap closed"][f"M={m}"] = closed
             verdicts.append(closed is not None and closed >= 0.5)
-    record = {"claim": "(a) DC-ASGD (-c and -a) closes >= 50% of ASGD's test-error gap to sequential SGD at "
-                       f"M = {' and '.join(map(str, setting.workers))} workers, same updates and learning-rate "
-                       "schedule",
-              "setting": {"methods": "sequential (1 process), ps-async --staleness none (ASGD), dcasgd "
-                                     f"--lam {setting.lam} (DC-ASGD-c), dcasgd --adaptive --lam {setting.lam0} "
-                                     "(DC-ASGD-a), ps-sync (SSGD)", "lr": setting.lr},
-              "reproduced": all(verdicts), "figures": figures,
-              "note": "; ".join(dict.fromkeys(notes)) or _closure_note(figures["gap closed"])}
-    return record, runs
-
-
-def _closure_note(closed: dict) -> str:
-    return ", ".join(f"{label} closes {'-' if value is None else f'{100 * value:.0f}%'} of the gap"
-                     for label, value in closed.items())
+        if diverged:
+            notes.append(f"diverged (counted as guessing, {100 * (1 - 1 / setting.classes):.0f}% error): "
+                         f"{', '.join(diverged)}")
+        if failed:
+            notes.append(f"failed, left out: {', '.join(failed)}")
+        records.append({
+            "id": f"a-{variant}", "claim": f"(a) {name} closes >= 50% of ASGD's test-error gap to sequential SGD at "
+                                           f"M = {' and '.join(map(str, setting.workers))} workers, same updates and "
+                                           "learning-rate schedule",
+            "setting": {"methods": "sequential (1 process), ps-async --staleness none (ASGD), " +
+                                   (f"dcasgd --adaptive --lam {setting.lam0}" if variant == "dcasgd-a" else
+                                    f"dcasgd --lam {setting.lam}") + ", ps-sync (SSGD)", "lr": setting.lr},
+            "reproduced": all(verdicts), "figures": figures, "note": "; ".join(notes)})
+    return records, runs
 
 
 def stragglers(setting: Setting, runner: Runner) -> tuple[dict, dict]:
@@ -228,14 +248,15 @@ def stragglers(setting: Setting, runner: Runner) -> tuple[dict, dict]:
     m = setting.workers[0]
     k = max(1, m // 2)
     slow = ["--straggler", f"{m}={setting.straggler:g}"]
-    methods = {"sync": ("ps-sync", setting.lr * m, []), "softsync": ("ps-softsync", setting.lr * k,
-                                                                     ["--softsync-k", str(k)]),
-               "async": ("ps-async", setting.lr, ["--staleness", "none"])}
+    lr = setting.straggler_lr
+    methods = {"sync": ("ps-sync", lr * m, []), "softsync": ("ps-softsync", lr * k, ["--softsync-k", str(k)]),
+               "async": ("ps-async", lr, ["--staleness", "none"])}
     runs: dict[str, list[Run]] = {}
     for seed in setting.seeds:
-        for label, (method, lr, extra) in methods.items():
-            runs.setdefault(label, []).append(runner.run(f"b-{label}-seed{seed}", method, m + 1,
-                                                         setting.args(seed) + ["--lr", str(lr), *extra, *slow]))
+        for label, (method, rate, extra) in methods.items():
+            runs.setdefault(label, []).append(runner.run(
+                f"b-{label}-seed{seed}", method, m + 1,
+                setting.args(seed, setting.straggler_model) + ["--lr", str(rate), *extra, *slow]))
     figures = {label: {"wall s": _stats([r.summary["wall_s"] for r in _finished(members)]),
                        "accuracy": _stats([r.summary["final_accuracy"] for r in _finished(members)])}
                for label, members in runs.items()}
@@ -251,10 +272,11 @@ def stragglers(setting: Setting, runner: Runner) -> tuple[dict, dict]:
         notes.append(f"{label}: {mine['wall s']['mean']:.2f} s against sync's {sync['wall s']['mean']:.2f} s "
                      f"({sync['wall s']['mean'] / mine['wall s']['mean']:.2f}x), accuracy "
                      f"{100 * mine['accuracy']['mean']:.1f}% against {100 * sync['accuracy']['mean']:.1f}%")
-    record = {"claim": "(b) soft-sync and async finish faster in wall time than sync under a straggler, at equal "
+    record = {"id": "b", "claim": "(b) soft-sync and async finish faster in wall time than sync under a straggler, at equal "
                        "final accuracy (within 1 point)",
               "setting": {"workers": m, "straggler": f"worker rank {m} at {setting.straggler:g}x",
-                          "learning rates": {label: lr for label, (_, lr, _) in methods.items()},
+                          "model": " ".join(setting.straggler_model),
+                          "learning rates": {label: rate for label, (_, rate, _) in methods.items()},
                           "softsync K": k},
               "reproduced": all(verdicts), "figures": figures, "note": "; ".join(notes)}
     return record, runs
@@ -272,7 +294,7 @@ def _cluster_unavailable() -> str | None:
 
 def sgp_on_a_slow_network(setting: Setting, runner: Runner, skip: str | None = None) -> tuple[dict, dict]:
     """(c): ring allreduce against SGP (tau 1) on ``sgp_nodes`` emulated nodes joined by ``sgp_link`` links."""
-    record = {"claim": "(c) SGP reaches the target accuracy faster than allreduce on a bandwidth-limited emulated "
+    record = {"id": "c", "claim": "(c) SGP reaches the target accuracy faster than allreduce on a bandwidth-limited emulated "
                        "cluster",
               "setting": {"nodes": setting.sgp_nodes, "link": setting.sgp_link, "model": " ".join(setting.sgp_model),
                           "target": f"{setting.within:.0%} of allreduce-ring's mean final accuracy"},
@@ -289,8 +311,9 @@ def sgp_on_a_slow_network(setting: Setting, runner: Runner, skip: str | None = N
     runs: dict[str, list[Run]] = {"allreduce-ring": [], "sgp": []}
     try:
         for seed in setting.seeds:
-            base = [arg for arg in setting.args(seed) if arg not in ("--delay", setting.delay)]
-            base = [*base[:2], *setting.sgp_model, *base[2 + len(setting.model):]]
+            base = setting.args(seed, setting.sgp_model)
+            at = base.index("--delay")
+            del base[at:at + 2]                  # the link is what is slow here
             for label, extra in (("allreduce-ring", []), ("sgp", ["--tau", "1"])):
                 runs[label].append(runner.run(f"c-{label}-seed{seed}", label, setting.sgp_nodes,
                                               base + ["--lr", str(setting.lr), *extra], launch=launch))
@@ -366,10 +389,10 @@ def downpour_survives(setting: Setting, runner: Runner) -> tuple[dict, dict]:
     """(d): Downpour with M workers, intact and with the last worker killed a third of the way in."""
     m = setting.workers[0]
     after = max(1, setting.epochs // 3)
-    record = {"claim": "(d) Downpour is robust to a failed replica: one worker killed mid-run, the others finish "
+    record = {"id": "d", "claim": "(d) Downpour is robust to a failed replica: one worker killed mid-run, the others finish "
                        "and the model reaches the target",
               "setting": {"workers": m, "killed": f"worker rank {m}, SIGKILL once epoch {after} is logged",
-                          "dropped after": "5 s of silence (MPICOLL_TIMEOUT=5)",
+                          "dropped after": "5 s of silence (MPICOLL_TIMEOUT=5)", "lr": setting.downpour_lr,
                           "target": f"{setting.within:.0%} of the intact runs' mean accuracy"},
               "reproduced": None, "figures": {}, "note": ""}
     if launcher()[1] != "mpich":
@@ -381,7 +404,7 @@ def downpour_survives(setting: Setting, runner: Runner) -> tuple[dict, dict]:
     survive = [*mpiexec_command(m + 1, ["-disable-auto-cleanup"]), "sh", "-c", 'trap "" USR1; "$@"; exit $?', "rank"]
     runs: dict[str, list[Run]] = {"intact": [], "one worker killed": []}
     for seed in setting.seeds:
-        args = setting.args(seed) + ["--lr", str(setting.lr)]
+        args = setting.args(seed) + ["--lr", str(setting.downpour_lr)]
         runs["intact"].append(runner.run(f"d-downpour-seed{seed}", "downpour", m + 1, args))
         token = uuid.uuid4().hex
         runs["one worker killed"].append(runner.run(
@@ -420,10 +443,10 @@ def reproduce(folder: str | Path, setting: Setting, claims: str = "abcd", skip_c
     records, runs = [], {}
     for letter in claims:
         if letter == "c":
-            record, claim_runs = sgp_on_a_slow_network(setting, runner, skip_cluster)
+            made, claim_runs = sgp_on_a_slow_network(setting, runner, skip_cluster)
         else:
-            record, claim_runs = CLAIMS[letter](setting, runner)
-        records.append(record)
+            made, claim_runs = CLAIMS[letter](setting, runner)
+        records += made if isinstance(made, list) else [made]
         runs[letter] = claim_runs
     result = {"setting": asdict(setting), "claims": records,
               "wall_s": round(time.perf_counter() - runner.started, 1)}

@@ -2,8 +2,8 @@
 
 ``compare`` launches ``mpicoll train`` once per training method under mpiexec
 (or ``mpicoll cluster run``, across emulated nodes), on the same data, model,
-seed and budget (training options are passed through), then writes a report
-folder; ``plot`` writes the same report from existing JSON-lines logs.  With
+seed and budget (training options are passed through; ``sequential`` always
+on one rank), then writes a report folder; ``plot`` writes the same report from existing JSON-lines logs.  With
 ``--repeats R`` every method runs R times, in alternating order, so a drift of
 the machine does not favour one method.  The report: ``report.md`` (final
 accuracy, time to the target accuracy, samples per second, wall time: means,
@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from ..launcher import mpiexec_command
+from .plots import finish, pyplot
 from .run import METHODS
 
 __all__ = ["compare", "report", "read_log"]
@@ -104,13 +105,8 @@ def report(logs: list[str | Path], folder: str | Path, target: float = 0.9) -> P
 
 
 def _plots(runs, folder: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("mpicoll: matplotlib is not installed (pip install -e '.[plot]'); wrote the table only",
-              file=sys.stderr)
+    plt = pyplot("mpicoll compare")
+    if plt is None:
         return
     for file, x_key, y_key, x_label, y_label in [
             ("loss_vs_time.png", "time_s", "loss", "wall time (s)", "test loss"),
@@ -122,15 +118,9 @@ def _plots(runs, folder: Path) -> None:
             line, = axes.plot([r[x_key] for r in records], [r[y_key] for r in records], marker="o", markersize=3,
                               color=colours.get(method), label=None if method in colours else method)
             colours.setdefault(method, line.get_color())
-        axes.set_xlabel(x_label)
-        axes.set_ylabel(y_label)
         if y_key == "loss":
             axes.set_yscale("log")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
-        figure.tight_layout()
-        figure.savefig(folder / file, dpi=110)
-        plt.close(figure)
+        finish(plt, figure, axes, folder / file, x_label, y_label)
 
 
 def compare(methods: list[str], ranks: int, folder: str | Path, train_args: list[str], target: float = 0.9,

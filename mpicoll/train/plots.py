@@ -14,19 +14,30 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["plot_claims"]
+__all__ = ["plot_claims", "pyplot", "finish"]
 
 
-def _pyplot():
+def pyplot(who: str):
+    """matplotlib's pyplot drawing to files, or None (saying so, for ``who``) when it is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print("mpicoll reproduce: matplotlib is not installed (pip install -e '.[plot]'): no plots",
-              file=sys.stderr)
+        print(f"{who}: matplotlib is not installed (pip install -e '.[plot]'): no plots", file=sys.stderr)
         return None
+
+
+def finish(plt, figure, axes, path: Path, x_label: str, y_label: str) -> None:
+    """Label, grid and legend the last panel, save the figure to ``path`` and close it."""
+    axes.set_xlabel(x_label)
+    axes.set_ylabel(y_label)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def _updates(label: str, summary: dict) -> float:
@@ -65,13 +76,12 @@ def _curves(plt, folder: Path, name: str, groups: dict, x_of, x_label: str, titl
             line, = axis.plot(x, 100 * error, marker="o", markersize=3, label=label)
             axis.fill_between(x, 100 * (error - sd), 100 * (error + sd), color=line.get_color(), alpha=0.15)
         axis.set_title(f"{title} {key}".strip())
-        axis.set_xlabel(x_label)
-        axis.set_ylabel("test error (%)")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(folder / name, dpi=110)
-    plt.close(figure)
+        if axis is not axes[0][-1]:
+            axis.set_xlabel(x_label)
+            axis.set_ylabel("test error (%)")
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8)
+    finish(plt, figure, axes[0][-1], folder / name, x_label, "test error (%)")
     return name
 
 
@@ -90,19 +100,14 @@ def _staleness(plt, folder: Path, runs: dict) -> str | None:
         lags = np.arange(max(histogram) + 1)
         total = sum(histogram.values())
         axis.step(lags, [100 * histogram.get(int(lag), 0) / total for lag in lags], where="mid", label=label)
-    axis.set_xlabel("staleness (updates between a gradient's weights and its use; the last bin: 64 or more)")
-    axis.set_ylabel("gradients (%)")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(folder / "a-staleness.png", dpi=110)
-    plt.close(figure)
+    finish(plt, figure, axis, folder / "a-staleness.png",
+           "staleness (updates between a gradient's weights and its use; the last bin: 64 or more)", "gradients (%)")
     return "a-staleness.png"
 
 
 def plot_claims(folder: Path, setting, runs: dict) -> list[str]:
     """Write the plots of the claims that ran; returns their file names."""
-    plt = _pyplot()
+    plt = pyplot("mpicoll reproduce")
     if plt is None:
         return []
     written = []
