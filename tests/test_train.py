@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mpicoll.train import METHODS, MLP, Options, SoftmaxRegression, load, train
+from mpicoll.train.models import CNN
 from mpicoll.train.compare import read_log, report
 from mpi4py import MPI
 
@@ -109,7 +110,8 @@ def test_a_users_npz_with_its_own_test_set(tmp_path):
 def test_model_gradients_match_finite_differences():
     rng = np.random.default_rng(1)
     X, y = rng.standard_normal((7, 5)), rng.integers(0, 3, 7)
-    for model in (SoftmaxRegression(5, 3, dtype=np.float64), MLP(5, 3, [4, 6], dtype=np.float64)):
+    for model in (SoftmaxRegression(5, 3, dtype=np.float64), MLP(5, 3, [4, 6], dtype=np.float64),
+                  CNN(5, 3, channels=(3, 2), dtype=np.float64)):
         params = model.init(2) + 0.1 * rng.standard_normal(model.size)
         _, grad = model.loss_and_gradient(params, X, y)
         numeric = np.empty(model.size)

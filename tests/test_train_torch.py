@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 from mpicoll.train import METHODS, Options, load, train  # noqa: E402
 from mpicoll.train.run import _batches  # noqa: E402
+from mpicoll.train.models import CNN  # noqa: E402
 from mpicoll.train.torch_models import TorchModel, make  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
@@ -46,6 +47,25 @@ def test_torch_models_compute_autograds_gradient_on_views_of_the_flat_vector(nam
     frozen.flags.writeable = False
     assert np.array_equal(model.predict(frozen, X), model.predict(params, X))
     assert model.predict(params, X).shape == (9,)
+
+
+@pytest.mark.parametrize("features", [40, 13, 3, 1])
+def test_the_numpy_cnn_is_the_torch_cnn(features):
+    """Same layout, same parameters: the same loss, gradient and predictions as torch's 1-D CNN (float64),
+    down to signals too short to pool."""
+    rng = np.random.default_rng(features)
+    X, y = rng.standard_normal((9, features)), rng.integers(0, 4, 9)
+    ours, theirs = CNN(features, 4, dtype=np.float64), make("cnn", features, 4).module.double()
+    assert ours.size == sum(p.numel() for p in theirs.parameters())
+    params = ours.init(5)
+    torch.nn.utils.vector_to_parameters(torch.from_numpy(params.copy()), theirs.parameters())
+    scores = theirs(torch.from_numpy(X))
+    expected = torch.nn.functional.cross_entropy(scores, torch.from_numpy(y))
+    expected.backward()
+    loss, grad = ours.loss_and_gradient(params, X, y)
+    assert loss == pytest.approx(expected.item(), rel=1e-9)
+    assert np.allclose(grad, torch.cat([p.grad.reshape(-1) for p in theirs.parameters()]).numpy(), atol=1e-12)
+    assert np.array_equal(ours.predict(params, X), scores.argmax(dim=1).numpy())
 
 
 @pytest.mark.mpi

@@ -64,8 +64,6 @@ def main(args) -> int:
     hidden = [int(h) for h in args.hidden.split(",")] if args.hidden else None
     if args.framework == "torch":
         model = _torch_model(args, data, hidden, xp)
-    elif args.model == "cnn":
-        raise SystemExit("mpicoll train: --model cnn is a torch model: add --framework torch")
     else:
         model = make(args.model, data.features, data.classes, hidden, xp)
     options = Options.from_args(args)
@@ -94,7 +92,8 @@ def add_parser(commands) -> None:
                         help="scikit-learn's digits (default), MNIST-1D (generated, no download), or an .npz "
                         "file with arrays X, y (optional X_test, y_test); the first two: pip install -e '.[data]'")
     train_.add_argument("--model", default="softmax", choices=("softmax", "mlp", "cnn"),
-                        help="softmax regression (default), an MLP, or a small CNN (--framework torch)")
+                        help="softmax regression (default), an MLP, or a small 1-D CNN (numpy, or torch's "
+                        "with --framework torch)")
     train_.add_argument("--framework", default="numpy", choices=("numpy", "torch"),
                         help="numpy's models (default) or torch modules (pip install -e '.[torch]'); every "
                         "method trains either")
@@ -168,7 +167,8 @@ def add_reproduce_parser(commands) -> None:
     reproduce.add_argument("--claims", default="abcd", help="which claims, as letters (default abcd)")
     reproduce.add_argument("--seeds", type=int, help="seeds per setting (default 3; --quick 2)")
     reproduce.add_argument("--model", choices=("cnn", "mlp"),
-                           help="torch CNN (default where torch is installed) or numpy MLP 128x128")
+                           help="the small CNN (default: torch's where torch is installed, else numpy's) or a "
+                           "numpy MLP 128x128")
     reproduce.add_argument("--quick", action="store_true",
                            help="the pipeline on a small setting, for CI: 2 seeds, M = 4, 3 epochs, no cluster")
 
@@ -181,12 +181,10 @@ def reproduce_main(args) -> int:
     if args.seeds:
         setting.seeds = list(range(1, args.seeds + 1))
     torch_here = importlib.util.find_spec("torch") is not None
-    if args.model == "mlp" or (args.model is None and not args.quick and not torch_here):
-        setting.model = ["--model", "mlp", "--hidden", "128,128"]       # numpy: no torch needed
-    elif args.model == "cnn":
-        if not torch_here:
-            raise SystemExit("mpicoll reproduce: --model cnn needs PyTorch: pip install -e '.[torch]'")
-        setting.model = ["--framework", "torch", "--model", "cnn"]
+    if args.model == "mlp":
+        setting.model = ["--model", "mlp", "--hidden", "128,128"]
+    elif args.model == "cnn" or (not args.quick and not torch_here):
+        setting.model = ["--framework", "torch", "--model", "cnn"] if torch_here else ["--model", "cnn"]
     unknown = set(args.claims) - set("abcd")
     if unknown or not args.claims:
         raise SystemExit(f"mpicoll reproduce: --claims takes letters among abcd, got {args.claims!r}")

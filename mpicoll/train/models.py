@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["Model", "SoftmaxRegression", "MLP", "make"]
+__all__ = ["Model", "SoftmaxRegression", "MLP", "CNN", "make"]
 
 
 class Model:
@@ -117,9 +117,112 @@ class MLP(_Layers):
         super().__init__([features, *hidden, classes], xp, dtype)
 
 
+class CNN(Model):
+    """A small 1-D convolutional network over each sample's features, as a signal of one channel.
+
+    Two blocks of convolution (width 5, zero padding 2), ReLU and max-pooling
+    by 2, then a dense layer: the same network as the torch ``cnn`` model
+    (:mod:`.torch_models`) takes on 1-D data such as MNIST-1D, with the same
+    parameter layout (so the two can be checked against each other), in numpy
+    or CuPy.  Convolutions run as one matrix product over the windows of every
+    position (``sliding_window_view``).  Images are taken row after row.
+    """
+
+    width = 5
+
+    def __init__(self, features: int, classes: int, channels: tuple[int, ...] = (16, 32), xp=np, dtype=np.float32):
+        super().__init__(xp)
+        self.dtype = np.dtype(dtype)
+        self.lengths = [features]
+        for _ in channels:
+            self.lengths.append(max(1, self.lengths[-1] // 2))
+        self.convs = list(zip((1, *channels[:-1]), channels))             # (inputs, outputs) per block
+        self.dense = (channels[-1] * self.lengths[-1], classes)
+        self.shapes = [shape for c_in, c_out in self.convs for shape in ((c_out, c_in, self.width), (c_out,))]
+        self.shapes += [(self.dense[1], self.dense[0]), (self.dense[1],)]      # torch's Linear: (out, in)
+        self.size = sum(int(np.prod(shape)) for shape in self.shapes)
+
+    def _unpack(self, params):
+        parts, start = [], 0
+        for shape in self.shapes:
+            count = int(np.prod(shape))
+            parts.append(params[start:start + count].reshape(shape))
+            start += count
+        return parts
+
+    def init(self, seed: int):
+        rng = np.random.default_rng(seed)
+        parts = []
+        for shape in self.shapes:
+            fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 0
+            parts.append(rng.standard_normal(int(np.prod(shape))) * np.sqrt(2.0 / fan_in) if fan_in
+                         else np.zeros(shape[0]))
+        return self.xp.asarray(np.concatenate(parts).astype(self.dtype))
+
+    def _windows(self, A):
+        """Every position's window of every channel, as rows: (N * L, C * width)."""
+        pad = self.width // 2
+        padded = self.xp.pad(A, ((0, 0), (0, 0), (pad, pad)))
+        windows = self.xp.lib.stride_tricks.sliding_window_view(padded, self.width, axis=2)   # N, C, L, width
+        n, c, length, _ = windows.shape
+        return windows.transpose(0, 2, 1, 3).reshape(n * length, c * self.width)
+
+    def _forward(self, params, X):
+        xp, parts = self.xp, self._unpack(params)
+        A, saved = X.reshape(len(X), 1, -1), []
+        for block in range(len(self.convs)):
+            W, b = parts[2 * block], parts[2 * block + 1]
+            n, _, length = A.shape
+            columns = self._windows(A)
+            pre = (columns @ W.reshape(len(W), -1).T + b).reshape(n, length, len(W)).transpose(0, 2, 1)
+            relu = xp.maximum(pre, 0)
+            half = max(1, length // 2)
+            pairs = relu[:, :, :2 * half].reshape(n, len(W), half, 2) if length > 1 else relu[..., None]
+            A = pairs.max(axis=3)
+            saved.append((columns, pre, pairs, length))
+        flat = A.reshape(len(X), -1)
+        return parts, saved, flat, flat @ parts[-2].T + parts[-1]
+
+    def loss_and_gradient(self, params, X, y, gradient: bool = True):
+        xp = self.xp
+        parts, saved, flat, logits = self._forward(params, X)
+        loss, delta = _softmax_cross_entropy(xp, logits, y)
+        if not gradient:
+            return loss, None
+        grad = xp.empty_like(params)
+        grads = self._unpack(grad)
+        grads[-2][...] = delta.T @ flat
+        grads[-1][...] = delta.sum(axis=0)
+        d = (delta @ parts[-2]).reshape(len(X), *saved[-1][2].shape[1:3])
+        for block in range(len(self.convs) - 1, -1, -1):
+            columns, pre, pairs, length = saved[block]
+            W = parts[2 * block]
+            n, channels = pre.shape[:2]
+            chosen = pairs == pairs.max(axis=3, keepdims=True)                       # the max of each pair
+            chosen &= xp.cumsum(chosen, axis=3) == 1                                 # (the first, on ties)
+            d_relu = xp.zeros_like(pre)
+            d_relu[:, :, :pairs.shape[2] * pairs.shape[3]] = (chosen * d[..., None]).reshape(n, channels, -1)
+            d_pre = (d_relu * (pre > 0)).transpose(0, 2, 1).reshape(n * length, channels)
+            grads[2 * block][...] = (d_pre.T @ columns).reshape(W.shape)
+            grads[2 * block + 1][...] = d_pre.sum(axis=0)
+            if block:
+                d_columns = (d_pre @ W.reshape(channels, -1)).reshape(n, length, W.shape[1], self.width)
+                pad = self.width // 2
+                d_in = xp.zeros((n, W.shape[1], length + 2 * pad), dtype=d_pre.dtype)
+                for j in range(self.width):
+                    d_in[:, :, j:j + length] += d_columns[:, :, :, j].transpose(0, 2, 1)
+                d = d_in[:, :, pad:pad + length]
+        return loss, grad
+
+    def predict(self, params, X):
+        return self._forward(params, X)[3].argmax(axis=1)
+
+
 def make(name: str, features: int, classes: int, hidden: list[int] | None = None, xp=np) -> Model:
     if name == "softmax":
         return SoftmaxRegression(features, classes, xp)
     if name == "mlp":
         return MLP(features, classes, hidden or [64], xp)
-    raise ValueError(f"Unrecognized model: {name!r}; choose softmax or mlp")
+    if name == "cnn":
+        return CNN(features, classes, xp=xp)
+    raise ValueError(f"Unrecognized model: {name!r}; choose softmax, mlp or cnn")

@@ -109,8 +109,9 @@ def _cnn(features: int, classes: int, shape: tuple, channels: tuple[int, int] = 
     layers: list[nn.Module] = [nn.Unflatten(1, sample)]
     inputs, size = 1, list(sample[1:])
     for outputs in channels:
-        layers += [conv(inputs, outputs, width, padding=width // 2), nn.ReLU(), pool(2)]
-        inputs, size = outputs, [max(1, s // 2) for s in size]
+        short = min(size) < 2                                 # nothing to pool (a signal of one point)
+        layers += [conv(inputs, outputs, width, padding=width // 2), nn.ReLU(), nn.Identity() if short else pool(2)]
+        inputs, size = outputs, [s if short else s // 2 for s in size]
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(inputs * math.prod(size), classes))
 
 
