@@ -123,6 +123,15 @@ def test_model_gradients_match_finite_differences():
         assert np.allclose(grad, numeric, rtol=1e-4, atol=1e-7), type(model).__name__
 
 
+def test_the_cli_trains_the_numpy_cnn_without_torch(tmp_path):
+    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
+    from mpicoll.cli import main
+    log = tmp_path / "run.jsonl"
+    assert main(["train", "--model", "cnn", "--epochs", "2", "--quiet", "--output", str(log)]) == 0
+    _, summary = read_log(log)
+    assert summary["model_size"] == CNN(64, 10).size and summary["final_accuracy"] > 0.5, summary
+
+
 def test_the_report_comes_from_recorded_logs(tmp_path):
     pytest.importorskip("matplotlib")
     data = digits()

@@ -112,10 +112,3 @@ def test_mnist1d_is_generated_once_and_cached(tmp_path, monkeypatch):
     assert (tmp_path / "mpicoll" / "mnist1d.npz").is_file()
     again = load("mnist1d")
     assert np.array_equal(again.X, data.X) and np.array_equal(again.y_test, data.y_test)
-
-
-def test_a_cnn_without_torch_framework_is_refused(capsys):
-    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
-    from mpicoll.cli import main
-    with pytest.raises(SystemExit, match="--model cnn is a torch model: add --framework torch"):
-        main(["train", "--model", "cnn", "--epochs", "1", "--quiet"])
