@@ -145,12 +145,14 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
     np.savez(tmp_path / "blobs.npz", X=X, y=y)
     out = tmp_path / "results"
     result = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce-results"), "--quick", "--claims", "abcd",
-                             "--data", str(tmp_path / "blobs.npz"), "--output", str(out)],
+                             "--data", str(tmp_path / "blobs.npz"), "--output", str(out), "--max-train", "500"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec(),
                                  "MPICOLL_END_BROKEN_JOBS": "1"})      # (d): survivors end their job
     assert result.returncode == 0, result.stderr[-3000:]
     claims = json.loads((out / "claims.json").read_text())
+    with np.load(out / "runs" / "data.npz") as subset:              # 720 training, 180 test samples, cut
+        assert (len(subset["y"]), len(subset["y_test"])) == (500, 125) and claims["setting"]["data"].endswith("data.npz")
     records = {record["id"]: record for record in claims["claims"]}
     assert list(records) == ["a-dcasgd-a", "a-dcasgd-c", "b", "c", "d"], list(records)
     assert all(set(r) == {"id", "claim", "setting", "reproduced", "figures", "note"} for r in records.values())
@@ -183,6 +185,7 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
     for output in sorted((out / "runs").glob("d-downpour-killed-*.out")):
         assert "worker rank 4 sent nothing for 5 s: dropped" in output.read_text(), output.read_text()[-2000:]
     report = (out / "report.md").read_text()
+    assert "the claims use a fixed random 500 and 125 of them" in report
     assert all(f"## {record['claim']}" in report for record in records.values())
     assert all((out / png).stat().st_size > 5000 for png in ("a-error-vs-updates.png", "a-error-vs-time.png",
                                                               "a-staleness.png", "b-error-vs-time.png"))

@@ -169,29 +169,41 @@ def add_reproduce_parser(commands) -> None:
     reproduce.add_argument("--model", choices=("cnn", "mlp"),
                            help="the small CNN (default: torch's where torch is installed, else numpy's) or a "
                            "numpy MLP 128x128")
+    reproduce.add_argument("--max-train", type=int, default=4000,
+                           help="larger data: train on a fixed random subset of this many samples (default 4000; "
+                           "the test set is cut to a quarter of it), so the claims keep to minutes")
     reproduce.add_argument("--quick", action="store_true",
                            help="the pipeline on a small setting, for CI: 2 seeds, M = 4, 3 epochs, no cluster")
 
 
 def reproduce_main(args) -> int:
     import importlib.util
-    from .claims import Setting, quick, reproduce
+    from pathlib import Path
+    from .claims import Setting, prepare_data, quick, reproduce
     setting = quick() if args.quick else Setting()
     setting.data = args.data
+    setting.max_train, setting.max_test = args.max_train, max(1, args.max_train // 4)
     if args.seeds:
         setting.seeds = list(range(1, args.seeds + 1))
-    torch_here = importlib.util.find_spec("torch") is not None
-    if args.model == "mlp":
-        setting.model = ["--model", "mlp", "--hidden", "128,128"]
-    elif args.model == "cnn" or (not args.quick and not torch_here):
-        setting.model = ["--framework", "torch", "--model", "cnn"] if torch_here else ["--model", "cnn"]
     unknown = set(args.claims) - set("abcd")
     if unknown or not args.claims:
         raise SystemExit(f"mpicoll reproduce: --claims takes letters among abcd, got {args.claims!r}")
+    if args.max_train < 1:
+        raise SystemExit(f"mpicoll reproduce: --max-train must be at least 1, got {args.max_train}")
     try:
-        setting.classes = load(args.data).classes
+        prepare_data(setting, Path(args.output) / "runs")
     except ValueError as error:
         raise SystemExit(f"mpicoll reproduce: {error}") from None
+    features = load(setting.data).features
+    torch_here = importlib.util.find_spec("torch") is not None
+    wide = features > 256 and args.model is None and not args.quick     # a CNN over them would take hours
+    if args.model == "mlp" or wide:
+        setting.model = ["--model", "mlp", "--hidden", "128,128"]
+        if wide:
+            print(f"mpicoll reproduce: {features} features: the claims train a 128x128 MLP (--model cnn to insist "
+                  "on the CNN, whose cost grows with the features)", file=sys.stderr)
+    elif args.model == "cnn" or (not args.quick and not torch_here):
+        setting.model = ["--framework", "torch", "--model", "cnn"] if torch_here else ["--model", "cnn"]
     result = reproduce(args.output, setting, args.claims, skip_cluster="--quick runs no emulated cluster" if args.quick else None)
     for record in result["claims"]:
         verdict = {True: "reproduced: ", False: "NOT reproduced: ", None: ""}[record["reproduced"]]

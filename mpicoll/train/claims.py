@@ -38,6 +38,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..launcher import launcher, mpiexec_command
 from .compare import read_log
 
@@ -70,6 +72,9 @@ class Setting:
     sgp_link: str = "1gbit"
     sgp_nodes: int = 4
     within: float = 0.95                   # (c), (d): the target is this fraction of the reference's accuracy
+    max_train: int = 4000                  # larger data: a fixed random subset of this many training samples ...
+    max_test: int = 1000                   # ... and of test samples, so the claims keep to about 10 minutes
+    subset: str = ""                       # what was cut, for the report
     timeout: float = 600                   # seconds per run
 
     def args(self, seed: int, model: list[str] | None = None) -> list[str]:
@@ -84,6 +89,28 @@ def quick() -> Setting:
     small = ["--model", "mlp", "--hidden", "32"]
     return Setting(model=small, straggler_model=small, lr=0.1, epochs=6, seeds=[1, 2], workers=[4],
                    delay="gamma:2,1", timeout=90)
+
+
+def prepare_data(setting: Setting, folder: Path) -> None:
+    """Load ``setting.data`` (refusing bad data with its message), note its classes, and where it is larger
+    than ``max_train``/``max_test``, write a fixed random subset to ``folder``/data.npz and train on that."""
+    from .data import load
+    data = load(setting.data)
+    setting.classes = data.classes
+    train, test = len(data.y), len(data.y_test)
+    if train <= setting.max_train and test <= setting.max_test:
+        return
+    rng = np.random.default_rng(0)
+    keep = np.sort(rng.permutation(train)[:setting.max_train])
+    keep_test = np.sort(rng.permutation(test)[:setting.max_test])
+    if len(np.unique(data.y[keep])) < data.classes:      # every class needs a training sample
+        keep = np.arange(train)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "data.npz"
+    np.savez(path, X=data.X[keep], y=data.y[keep], X_test=data.X_test[keep_test], y_test=data.y_test[keep_test])
+    setting.subset = (f"{setting.data} has {train} training and {test} test samples: the claims use a fixed random "
+                      f"{len(keep)} and {len(keep_test)} of them ({path.name})")
+    setting.data = str(path)
 
 
 # ---------------------------------------------------------------------------------------------- running jobs
@@ -463,7 +490,8 @@ def _markdown(result: dict, plots: list[str]) -> str:
              f"Data `{setting['data']}`, model `{' '.join(setting['model'])}`, {setting['epochs']} epochs, batch "
              f"{setting['batch']}, lr {setting['lr']} with schedule `{setting['lr_schedule']}`, per-step delay "
              f"`{setting['delay']}` ms on every worker, seeds {setting['seeds']}; means ± standard deviations over "
-             f"the seeds. Written by `scripts/reproduce-results` in {result['wall_s']:.0f} s.", ""]
+             f"the seeds. Written by `scripts/reproduce-results` in {result['wall_s']:.0f} s.", "",
+             *([setting["subset"] + ".", ""] if setting["subset"] else [])]
     verdict = {True: "**reproduced**", False: "**not reproduced**", None: "**skipped**"}
     for record in result["claims"]:
         lines += [f"## {record['claim']}", "", f"{verdict[record['reproduced']]}: {record['note']}", "",
