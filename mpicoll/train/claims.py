@@ -9,6 +9,7 @@ into the report:
     SGD's test-error gap to sequential SGD, at M = 4 and M = 8 workers, with
     the same number of updates and the same learning-rate schedule; ps-sync
     (SSGD, M times fewer updates for the same samples) is shown beside them.
+    One record for DC-ASGD-a (adaptive lambda) and one for DC-ASGD-c.
 (b) **soft-sync and async** finish sooner than sync when one worker is
     three times slower, at equal final accuracy (no more than 1 point
     lower).  Each uses the rate that gives every sample the same weight
@@ -18,7 +19,7 @@ into the report:
 (d) **Downpour** (Dean et al. 2012) survives a replica killed mid-run: the
     other workers finish and the model ends within reach of unharmed runs.
 
-Writes ``claims.json`` (one record per claim: ``claim``, ``setting``,
+Writes ``claims.json`` (one record per claim: ``id``, ``claim``, ``setting``,
 ``reproduced`` (true, false, or null when skipped), ``figures`` with means
 and standard deviations over the seeds, ``note``), ``report.md``, plots, and
 every run's log and output under ``runs/``.
@@ -140,7 +141,7 @@ class Run:
 class Runner:
     """Launches the jobs one after the other, with one progress line each."""
 
-    def __init__(self, folder: Path, setting: Setting, cluster: bool = False):
+    def __init__(self, folder: Path, setting: Setting):
         self.folder, self.setting = folder / "runs", setting
         self.folder.mkdir(parents=True, exist_ok=True)
         self.started, self.count = time.perf_counter(), 0
