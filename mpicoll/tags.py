@@ -31,6 +31,7 @@ class Tag(IntEnum):
     PS_FAILED = 76            # a server's last word when it fails: why, to every worker
     PS_GO = 77                # a server's answer to a gradient's header: send it (1), or it is too late (0)
     PS_STATS = 78             # after training, the first server's staleness histogram to the reporting worker
+    MODEL_PARALLEL = 81       # a stage's boundary activations forward, their gradients backward
     GOSSIP = 91               # push-sum over point-to-point messages
     TIMELINE = 98             # at exit, every rank's timeline events to rank 0 (on MPI.COMM_WORLD)
     ROLL_CALL = 99            # after a timeout: "I am alive", from every survivor to every rank

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+import mpicoll
 from mpicoll.train import METHODS, MLP, Options, SoftmaxRegression, load, train
 from mpicoll.train.models import CNN
 from mpicoll.train.compare import read_log, report
@@ -53,6 +54,21 @@ def test_every_method_trains_and_logs(method, tmp_path_factory):
                f"{method}: test loss {start_loss:.3f} -> {final['final_loss']:.3f}, not decreasing")
 
 
+def allreduce_sgd(model, data, options, ranks: int) -> float:
+    """The test loss after one epoch of allreduce SGD over ``ranks`` ranks, computed in this process."""
+    import math
+    from mpicoll.train.run import _batches
+    steps = math.ceil(len(data.y) / (ranks * options.batch))
+    params = model.init(options.seed)
+    shards = [data.shard(r, ranks) for r in range(ranks)]
+    batches = [_batches(len(shards[r][1]), options.batch, steps, [options.seed, r, 0]) for r in range(ranks)]
+    for step in range(steps):
+        grads = [model.loss_and_gradient(params, shards[r][0][batches[r][step]], shards[r][1][batches[r][step]])[1]
+                 for r in range(ranks)]
+        params = params - options.lr * np.mean(grads, axis=0)
+    return model.evaluate(params, data.X_test, data.y_test)[0]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_allreduce_training_equals_single_process_sgd_on_the_combined_batch():
     """allreduce-ring averages the ranks' gradients: the same steps as one process on all their rows."""
@@ -60,19 +76,26 @@ def test_allreduce_training_equals_single_process_sgd_on_the_combined_batch():
     model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
     options = Options(method="allreduce-ring", epochs=1, batch=8, lr=0.2, seed=5, progress=False)
     summary = train(WORLD, options, model, data)
-    from mpicoll.train.run import _batches
-    import math
-    steps = math.ceil(len(data.y) / (P * options.batch))
-    params = model.init(5)
-    shards = [data.shard(r, P) for r in range(P)]
-    batches = [_batches(len(shards[r][1]), options.batch, steps, [5, r, 0]) for r in range(P)]
-    for step in range(steps):
-        grads = [model.loss_and_gradient(params, shards[r][0][batches[r][step]], shards[r][1][batches[r][step]])[1]
-                 for r in range(P)]
-        params = params - options.lr * np.mean(grads, axis=0)
-    expected = model.evaluate(params, data.X_test, data.y_test)[0]
+    expected = allreduce_sgd(model, data, options, P)
     losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
     everywhere(abs(losses[0] - expected) < 1e-9, f"final loss {losses[0]!r}, single process {expected!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_model_parallel_training_is_allreduce_training_of_its_replicas():
+    """--model-parallel K at P ranks: P/K replicas, each a pipeline of K stages; the result must be plain
+    allreduce SGD over P/K ranks (computed here in one process, float64)."""
+    k = 3 if P == 3 else 2
+    replicas = P // k
+    data = digits()
+    model = MLP(data.features, data.classes, [16, 12], dtype=np.float64)
+    options = Options(method="allreduce-ring", epochs=1, batch=8, lr=0.2, seed=5, progress=False, model_parallel=k)
+    summary = train(WORLD, options, model, data)
+    expected = allreduce_sgd(model, data, options, replicas)
+    losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
+    everywhere(len(losses) == 1 and abs(losses[0] - expected) < 1e-9, f"final loss {losses}, expected {expected!r}")
+    with pytest.raises(mpicoll.SetupError, match="whole replicas"):
+        train(WORLD, Options(method="allreduce-ring", epochs=1, model_parallel=P + 1, progress=False), model, data)
 
 
 @pytest.mark.parametrize("arrays, words", [

@@ -105,6 +105,9 @@ def add_parser(commands) -> None:
     train_.add_argument("--lr-schedule", default="constant", metavar="constant|cosine|step:F1,F2",
                         help="the rate over the run's budget, the same curve for every method: constant (default), "
                         "cosine, or step:0.5,0.75 (/10 at half and three quarters)")
+    train_.add_argument("--model-parallel", type=int, default=1, metavar="K",
+                        help="allreduce methods: cut the model into K stages on K ranks (pipelined, "
+                        "mpicoll.modelparallel); the ranks make N/K replicas (default 1: no cut)")
     train_.add_argument("--seed", type=int, default=0)
     train_.add_argument("--straggler", help="RANK=FACTOR: make that rank FACTOR times slower, e.g. 3=3")
     train_.add_argument("--delay", metavar="DIST", help="add to every step of every rank a sleep drawn from "

@@ -58,6 +58,7 @@ class Options:
     mailbox: str = "p2p"              # sgp: how gossip arrives, p2p or onesided
     graph: str = "time-varying-exponential"
     tau: int = 0                      # sgp overlap
+    model_parallel: int = 1           # allreduce methods: stages per replica (mpicoll.modelparallel)
     output: str | None = None         # JSON lines log
     checkpoint: str | None = None     # path prefix: state saved after every epoch
     resume: bool = False              # continue from the checkpoint
@@ -118,6 +119,8 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
         raise ValueError(f"--straggler {options.straggler}: rank {slow[0]} is not among the {size} ranks")
     parse_delay(options.delay)
     schedules.parse(options.lr_schedule, options.lr)
+    if options.model_parallel != 1:
+        _check_model_parallel(options, model, method, size)
     if method.one_rank and size > 1:
         raise ValueError(f"{options.method} is plain SGD on one process, the reference the distributed methods' "
                          f"updates are compared with: run it with mpiexec -n 1, not {size} ranks")
@@ -156,9 +159,11 @@ def _checkpoint_file(options: Options, method: "Method", rank: int) -> Path:
     return checkpoint.path(options.checkpoint, "rank" if method.runner is _sgp else None, rank)
 
 
-def _setup(comm, options, data, xp, workers: tuple[int, ...]):
+def _setup(comm, options, data, xp, workers: tuple[int, ...], me: int | None = None):
+    """(this rank's index among the workers, steps per epoch, its shard, its straggler); ``me``: the
+    index when it is not this rank's place in ``workers`` (a model-parallel replica's)."""
     rank = comm.Get_rank()
-    me = workers.index(rank) if rank in workers else None
+    me = me if me is not None else workers.index(rank) if rank in workers else None
     steps = math.ceil(len(data.y) / (len(workers) * options.batch))      # per worker per epoch
     shard = data.shard(me, len(workers)) if me is not None else (data.X[:0], data.y[:0])
     X, y = xp.asarray(shard[0]), xp.asarray(shard[1])
@@ -166,29 +171,65 @@ def _setup(comm, options, data, xp, workers: tuple[int, ...]):
 
 
 def _allreduce(comm, options, model, data, xp, method, run):
-    rank, size = comm.Get_rank(), comm.Get_size()
-    _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(size)))
-    params, start = model.init(options.seed), 0
+    """Allreduce SGD; with ``--model-parallel K``, of N/K replicas of a model cut into K pipelined stages
+    (rank = replica x K + stage): each replica trains on its own shard through its pipeline, and the
+    replicas of each stage average that stage's gradient, so every replica takes the step plain
+    allreduce training over N/K ranks takes."""
+    rank, size, k = comm.Get_rank(), comm.Get_size(), options.model_parallel
+    replica, replicas = rank // k, size // k
+    _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(0, size, k)), me=replica)
+    if k > 1:
+        from ..modelparallel import Pipeline
+        pipe_comm, channel_comm = comm.Split(replica, rank), comm.Split(rank % k, rank)
+        pipe = Pipeline(pipe_comm, model, micro_batches=min(k, options.batch))
+        params, gradient_of = xp.asarray(pipe.init(options.seed)), pipe.loss_and_gradient
+    else:
+        channel_comm, params, gradient_of = comm, model.init(options.seed), model.loss_and_gradient
+
+    def whole():            # the whole model, on rank 0 (each replica's first stage gathers its stages)
+        parts = pipe_comm.gather(arrays.as_host(params), root=0) if k > 1 else [params]
+        return xp.asarray(np.concatenate(parts)) if parts else None
+
+    start = 0
     if options.resume:                       # every rank holds the same parameters: one file
         state = checkpoint.load(_checkpoint_file(options, method, rank), run)
         params, start = xp.asarray(state["params"]), int(state["epoch"])
     average = xp.empty_like(params)
     lr_at = schedules.parse(options.lr_schedule, options.lr)
-    with Communicator(comm, algorithm=method.algorithm) as channel:
+    with Communicator(channel_comm, algorithm=method.algorithm) as channel:
         reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
         for epoch in range(start, options.epochs):
-            for step, batch in enumerate(_batches(len(y), options.batch, steps, [options.seed, rank, epoch])):
+            for step, batch in enumerate(_batches(len(y), options.batch, steps, [options.seed, replica, epoch])):
                 with slow, timeline.span("gradient", "train"):
-                    loss, grad = model.loss_and_gradient(params, X[batch], y[batch])
+                    loss, grad = gradient_of(params, X[batch], y[batch])
                 channel.Allreduce(grad, average)
                 with timeline.span("update", "train"):
-                    params -= (lr_at((epoch * steps + step) / (options.epochs * steps)) / size) * average
+                    params -= (lr_at((epoch * steps + step) / (options.epochs * steps)) / replicas) * average
             if options.checkpoint and rank == 0:
                 checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
                                 epoch=epoch + 1)
+            model_now = whole()
             if reporter:
-                reporter.evaluate(params, epoch + 1, (epoch + 1) * steps * options.batch * size)
-    return reporter.finish(params) if reporter else None
+                reporter.evaluate(model_now, epoch + 1, (epoch + 1) * steps * options.batch * replicas)
+        final = whole()
+    if k > 1:
+        pipe.close()
+        pipe_comm.Free()
+        channel_comm.Free()
+    return reporter.finish(final) if reporter else None
+
+
+def _check_model_parallel(options: Options, model: Model, method: "Method", size: int) -> None:
+    k = options.model_parallel
+    if method.runner is not _allreduce or method.one_rank:
+        raise ValueError(f"--model-parallel works with the allreduce methods for now, not {options.method}")
+    if not hasattr(model, "shapes"):
+        raise ValueError("--model-parallel cuts dense layers: use --model mlp or softmax (numpy)")
+    if k < 1 or size % k or k > len(model.shapes):
+        raise ValueError(f"--model-parallel {k}: the {size} ranks must make whole replicas of {k} stages, and the "
+                         f"model has {len(model.shapes)} layer(s) to share among them (e.g. mpiexec -n {2 * k})")
+    if options.checkpoint:
+        raise ValueError("--model-parallel does not checkpoint yet: drop --checkpoint")
 
 
 def _sgp(comm, options, model, data, xp, method, run):

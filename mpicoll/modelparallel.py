@@ -1,0 +1,148 @@
+"""Model parallelism: one layered model split into consecutive stages, one stage per rank (DistBelief, GPipe).
+
+A :class:`Pipeline` cuts the dense layers of an mpicoll MLP or softmax model
+(:mod:`mpicoll.train.models`) into K stages over the K ranks of a
+communicator.  Each rank holds only its stage's parameters (its slice of the
+model's flat vector); a forward pass sends only the activations that cross a
+stage boundary to the next rank, and the backward pass only their gradients
+to the previous one, both nonblocking point to point.
+
+A batch is cut into micro-batches run in GPipe's fill-drain order: every
+stage runs all its forwards, then all its backwards in reverse order.  Stage
+k works on micro-batch m while stage k+1 works on m-1, so the stages overlap
+once the pipe is full; fill-drain keeps every micro-batch's activations until
+its backward (1F1B would keep fewer), which is the simpler schedule to check
+against the unpartitioned model, and equal in time per batch.
+
+    pipe = Pipeline(comm, MLP(64, 10, [128, 128]), micro_batches=4)
+    w = pipe.init(seed)                       # this stage's parameters only
+    loss, g = pipe.loss_and_gradient(w, X, y) # every stage gets the batch; the first reads X, the last y
+    w -= lr * g
+
+The gradient of each stage is its slice of the unpartitioned model's
+gradient for the whole batch (the loss is the batch mean, so micro-batches
+are weighted by their sizes); the loss is known on every stage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .context import Context
+from .tags import Tag
+
+__all__ = ["Pipeline", "split"]
+
+
+def split(sizes: list[int], stages: int) -> list[tuple[int, int]]:
+    """Cut the layers (``sizes``: parameters per layer) into ``stages`` consecutive, non-empty ranges with
+    parameter counts as even as the order allows; returns (first layer, one past the last) per stage."""
+    if not 1 <= stages <= len(sizes):
+        raise ValueError(f"{len(sizes)} layer(s) cannot make {stages} stage(s): each stage needs a layer")
+    total, bounds, start = sum(sizes), [], 0
+    for stage in range(stages - 1):
+        target = total * (stage + 1) / stages
+        end, running = start + 1, sum(sizes[:start + 1])
+        # grow while the next layer brings the cut closer to the target and leaves a layer per later stage
+        while end < len(sizes) - (stages - 1 - stage) and abs(running + sizes[end] - target) < abs(running - target):
+            running += sizes[end]
+            end += 1
+        bounds.append((start, end))
+        start = end
+    return bounds + [(start, len(sizes))]
+
+
+class Pipeline:
+    """Stage ``comm.rank`` of a model cut into ``comm.size`` stages (collective to create).
+
+    ``model``: an mpicoll dense model (``shapes`` of its layers, ``init``);
+    ``bounds``: (first layer, end) per stage, default :func:`split` by
+    parameter count; ``micro_batches``: how many pieces a batch is cut into.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, model, *, bounds: list[tuple[int, int]] | None = None,
+                 micro_batches: int = 1):
+        self.ctx = Context(comm, "model-parallel")
+        self.model, self.stage, self.stages = model, self.ctx.rank, self.ctx.size
+        layers = [a * b + b for a, b in model.shapes]
+        self.bounds = bounds or split(layers, self.stages)
+        if len(self.bounds) != self.stages or [b[0] for b in self.bounds[1:]] != [b[1] for b in self.bounds[:-1]] \
+                or self.bounds[0][0] != 0 or self.bounds[-1][1] != len(layers) or any(a >= b for a, b in self.bounds):
+            raise ValueError(f"bounds {self.bounds} must cut layers 0..{len(layers)} into {self.stages} consecutive "
+                             "non-empty ranges")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
+        self.micro_batches = micro_batches
+        first, end = self.bounds[self.stage]
+        offsets = np.cumsum([0, *layers])
+        self.slice = slice(int(offsets[first]), int(offsets[end]))     # this stage's part of the flat vector
+        self.shapes = model.shapes[first:end]
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+
+    def init(self, seed: int):
+        """This stage's slice of the whole model's starting vector (the same on any number of stages)."""
+        return self.model.init(seed)[self.slice].copy()
+
+    def _unpack(self, params):
+        layers, start = [], 0
+        for a, b in self.shapes:
+            layers.append((params[start:start + a * b].reshape(a, b), params[start + a * b:start + a * b + b]))
+            start += a * b + b
+        return layers
+
+    def _receive(self, shape, source: int, dtype):
+        buffer = np.empty(shape, dtype)
+        self.ctx.wait(self.ctx.irecv(buffer, source, Tag.MODEL_PARALLEL), source)
+        return buffer
+
+    def loss_and_gradient(self, params, X, y, gradient: bool = True):
+        """(batch-mean loss, this stage's gradient) for the batch (X, y), over the pipeline."""
+        xp, ctx = self.model.xp, self.ctx
+        layers, rows = self._unpack(params), len(y)
+        pieces = [piece for piece in np.array_split(np.arange(rows), self.micro_batches) if len(piece)]
+        dtype = np.asarray(params).dtype
+        kept, sends, loss = [], [], 0.0
+        for piece in pieces:                                    # fill: every forward
+            a = xp.asarray(X[piece], dtype=dtype) if self.first else \
+                self._receive((len(piece), self.shapes[0][0]), self.stage - 1, dtype)
+            activations = [a]
+            for index, (W, b) in enumerate(layers):
+                out = activations[-1] @ W + b
+                final = self.last and index == len(layers) - 1
+                activations.append(out if final else xp.maximum(out, 0))
+            if not self.last:
+                sends.append(ctx.isend(np.ascontiguousarray(activations[-1]), self.stage + 1, Tag.MODEL_PARALLEL))
+            kept.append(activations)
+        ctx.waitall(sends, self.stage + 1)
+        sends, grad = [], xp.zeros_like(params) if gradient else None
+        deltas = []
+        if self.last:
+            from .train.models import _softmax_cross_entropy
+            for piece, activations in zip(pieces, kept):
+                part, delta = _softmax_cross_entropy(xp, activations[-1], y[piece])
+                loss += float(part) * len(piece) / rows
+                deltas.append(delta * len(piece) / rows)        # the batch mean: pieces weighted by size
+        total = np.array([loss])
+        ctx.comm.Bcast(total, root=self.stages - 1)                # every stage learns the loss
+        if not gradient:
+            return float(total[0]), None
+        grads = self._unpack(grad)
+        for number in range(len(pieces) - 1, -1, -1):             # drain: every backward, in reverse
+            piece, activations = pieces[number], kept[number]
+            delta = deltas[number] if self.last else \
+                self._receive((len(piece), self.shapes[-1][1]), self.stage + 1, dtype)
+            for index in range(len(layers) - 1, -1, -1):
+                W, _ = layers[index]
+                gW, gb = grads[index]
+                gW += activations[index].T @ delta
+                gb += delta.sum(axis=0)
+                if index or not self.first:
+                    delta = (delta @ W.T) * (activations[index] > 0)
+            if not self.first:
+                sends.append(ctx.isend(np.ascontiguousarray(delta), self.stage - 1, Tag.MODEL_PARALLEL))
+        ctx.waitall(sends, self.stage - 1)
+        return float(total[0]), grad
+
+    def close(self) -> None:
+        self.ctx.free()

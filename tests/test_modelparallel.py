@@ -1,0 +1,84 @@
+"""mpicoll.modelparallel: a model cut into stages over ranks computes what the whole model computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpicoll.modelparallel import Pipeline, split
+from mpicoll.train.models import MLP, SoftmaxRegression
+from conftest import P, WORLD, everywhere, shared_seed
+
+
+@pytest.mark.parametrize("sizes, stages, expected", [
+    ([10, 10, 10, 10], 2, [(0, 2), (2, 4)]),
+    ([100, 1, 1, 1], 2, [(0, 1), (1, 4)]),
+    ([1, 1, 1, 100], 3, [(0, 2), (2, 3), (3, 4)]),
+    ([5], 1, [(0, 1)]),
+    ([3, 3, 3], 3, [(0, 1), (1, 2), (2, 3)]),
+])
+def test_split_cuts_consecutive_nonempty_stages_by_parameter_count(sizes, stages, expected):
+    assert split(sizes, stages) == expected
+
+
+def test_split_refuses_more_stages_than_layers():
+    with pytest.raises(ValueError, match="2 layer.s. cannot make 3 stage"):
+        split([4, 4], 3)
+
+
+def _cases():
+    if P == 1:
+        return [None]
+    if P == 2:
+        return [None, [(0, 1), (1, 4)], [(0, 3), (3, 4)]]
+    if P == 3:
+        return [None, [(0, 2), (2, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)]]
+    return [None]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("micro_batches", [1, 3, 20])
+@pytest.mark.parametrize("case", range(3))
+def test_a_pipeline_computes_the_whole_models_loss_and_gradient(micro_batches, case):
+    """float64, 1e-12: the stages' gradients laid end to end are the unpartitioned MLP's, whatever the cut
+    and however the batch is cut into micro-batches (20 > rows: some micro-batches would be empty)."""
+    cases = _cases()
+    if case >= len(cases):
+        pytest.skip("no such cut at this rank count")
+    seed = shared_seed()
+    rng = np.random.default_rng(seed)
+    model = MLP(9, 4, [7, 5, 6], dtype=np.float64)
+    X, y = rng.standard_normal((10, 9)), rng.integers(0, 4, 10)
+    whole = model.init(seed % 1000) + 0.1 * rng.standard_normal(model.size)
+    pipe = Pipeline(WORLD, model, bounds=cases[case], micro_batches=micro_batches)
+    loss, grad = pipe.loss_and_gradient(whole[pipe.slice].copy(), X, y)
+    expected_loss, expected = model.loss_and_gradient(whole, X, y)
+    gathered = np.concatenate(WORLD.allgather(grad))
+    everywhere(abs(loss - expected_loss) < 1e-12 and np.abs(gathered - expected).max() < 1e-12,
+               f"seed {seed}, cut {pipe.bounds}: loss {loss} vs {expected_loss}, "
+               f"gradient off by {np.abs(gathered - expected).max():.2e}")
+    value, none = pipe.loss_and_gradient(whole[pipe.slice].copy(), X, y, gradient=False)
+    everywhere(none is None and abs(value - expected_loss) < 1e-12, f"loss only: {value}")
+    everywhere(np.array_equal(pipe.init(3), model.init(3)[pipe.slice]), "init is not the whole model's slice")
+    pipe.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pipeline_trains_like_the_whole_model():
+    """Ten steps of SGD, each stage on its own slice, end where the unpartitioned model does."""
+    rng = np.random.default_rng(7)
+    model = SoftmaxRegression(6, 3, dtype=np.float64) if P > 4 else MLP(6, 3, [5] * (P - 1), dtype=np.float64)
+    pipe = Pipeline(WORLD, model, micro_batches=2)
+    mine, whole = pipe.init(1), model.init(1)
+    for _ in range(10):
+        X, y = rng.standard_normal((8, 6)), rng.integers(0, 3, 8)
+        mine -= 0.3 * pipe.loss_and_gradient(mine, X, y)[1]
+        whole -= 0.3 * model.loss_and_gradient(whole, X, y)[1]
+    everywhere(np.abs(mine - whole[pipe.slice]).max() < 1e-12, "pipelined SGD drifted from the whole model's")
+    pipe.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_cuts_are_refused():
+    with pytest.raises(ValueError, match="consecutive"):
+        Pipeline(WORLD, MLP(4, 2, [3] * P, dtype=np.float64), bounds=[(0, 1)] * P)
