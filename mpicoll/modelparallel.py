@@ -32,7 +32,7 @@ from mpi4py import MPI
 from .context import Context
 from .tags import Tag
 
-__all__ = ["Pipeline", "split"]
+__all__ = ["Pipeline", "TorchPipeline", "split"]
 
 
 def split(sizes: list[int], stages: int) -> list[tuple[int, int]]:
@@ -143,6 +143,86 @@ class Pipeline:
                 sends.append(ctx.isend(np.ascontiguousarray(delta), self.stage - 1, Tag.MODEL_PARALLEL))
         ctx.waitall(sends, self.stage - 1)
         return float(total[0]), grad
+
+    def close(self) -> None:
+        self.ctx.free()
+
+
+class TorchPipeline:
+    """Stage ``comm.rank`` of a torch ``nn.Sequential`` cut into ``comm.size`` stages (collective to create).
+
+    The same scheme as :class:`Pipeline` for torch modules: ``bounds`` cuts the
+    sequence of modules (default: even by parameter count, every stage at least
+    one module); this rank keeps ``self.module``, its stage, and
+    :meth:`forward_backward` leaves the whole batch's gradient of the mean loss
+    in its parameters' ``.grad`` (accumulated, as ``loss.backward()`` would), so
+    any torch optimizer over ``self.module.parameters()`` steps it.  A boundary
+    message carries its shape first (modules may reshape), then the tensor.
+
+        pipe = TorchPipeline(comm, nn.Sequential(...), micro_batches=4)
+        optimizer = torch.optim.SGD(pipe.module.parameters(), lr=0.1)
+        optimizer.zero_grad(); loss = pipe.forward_backward(X, y); optimizer.step()
+    """
+
+    _HEADER = 8                                  # a boundary tensor's dtype, then up to 7 dimensions
+    _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.float16, np.int64)]
+
+    def __init__(self, comm: MPI.Intracomm, model, *, bounds: list[tuple[int, int]] | None = None,
+                 micro_batches: int = 1):
+        import torch
+        self.torch = torch
+        self.ctx = Context(comm, "model-parallel")
+        self.stage, self.stages = self.ctx.rank, self.ctx.size
+        modules = list(model)
+        self.bounds = bounds or split([1 + sum(p.numel() for p in m.parameters()) for m in modules], self.stages)
+        first, end = self.bounds[self.stage]
+        self.module = torch.nn.Sequential(*modules[first:end])
+        self.micro_batches = max(1, micro_batches)
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+
+    def _send(self, tensor, dest: int) -> list:
+        array = np.ascontiguousarray(tensor.detach().numpy())
+        if array.dtype not in self._DTYPES or array.ndim >= self._HEADER:
+            raise TypeError(f"stage {self.stage}: a boundary tensor of {array.dtype} and {array.ndim} dimensions "
+                            f"cannot cross (float16/32/64 or int64, at most {self._HEADER - 1} dimensions)")
+        header = np.full(self._HEADER, -1, np.int64)
+        header[0] = self._DTYPES.index(array.dtype)
+        header[1:1 + array.ndim] = array.shape
+        return [self.ctx.isend(header, dest, Tag.MODEL_PARALLEL), self.ctx.isend(array, dest, Tag.MODEL_PARALLEL)]
+
+    def _receive(self, source: int):
+        header = np.empty(self._HEADER, np.int64)
+        self.ctx.wait(self.ctx.irecv(header, source, Tag.MODEL_PARALLEL), source)
+        array = np.empty(tuple(int(d) for d in header[1:] if d >= 0), self._DTYPES[int(header[0])])
+        self.ctx.wait(self.ctx.irecv(array, source, Tag.MODEL_PARALLEL), source)
+        return self.torch.from_numpy(array)
+
+    def forward_backward(self, X, y, loss_fn=None) -> float:
+        """Run the batch through every stage and back; returns the batch-mean loss (on every stage)."""
+        torch = self.torch
+        loss_fn = loss_fn or torch.nn.functional.cross_entropy
+        rows = len(y)
+        pieces = [p for p in np.array_split(np.arange(rows), self.micro_batches) if len(p)]
+        kept, sends, total = [], [], 0.0
+        for piece in pieces:                                     # fill: every forward
+            inputs = X[piece] if self.first else self._receive(self.stage - 1).requires_grad_(True)
+            outputs = self.module(inputs)
+            if self.last:
+                outputs = loss_fn(outputs, y[piece]) * (len(piece) / rows)      # the batch mean
+                total += float(outputs.detach())
+            else:
+                sends += self._send(outputs, self.stage + 1)
+            kept.append((inputs, outputs))
+        self.ctx.waitall(sends, self.stage + 1)
+        sends = []
+        for inputs, outputs in reversed(kept):                   # drain: every backward, in reverse
+            outputs.backward(None if self.last else self._receive(self.stage + 1))
+            if not self.first:
+                sends += self._send(inputs.grad, self.stage - 1)
+        self.ctx.waitall(sends, self.stage - 1)
+        loss = np.array([total])
+        self.ctx.comm.Bcast(loss, root=self.stages - 1)
+        return float(loss[0])
 
     def close(self) -> None:
         self.ctx.free()

@@ -82,3 +82,41 @@ def test_a_pipeline_trains_like_the_whole_model():
 def test_bad_cuts_are_refused():
     with pytest.raises(ValueError, match="consecutive"):
         Pipeline(WORLD, MLP(4, 2, [3] * P, dtype=np.float64), bounds=[(0, 1)] * P)
+
+
+def deep_torch_model(seed: int):
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    torch.manual_seed(seed)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(9, 8), nn.ReLU(), nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 5), nn.ReLU(),
+                         nn.Linear(5, 4)).double()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("micro_batches", [1, 4])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_a_torch_pipeline_leaves_the_whole_models_gradients(micro_batches, uneven):
+    """float64: each stage's .grad equals autograd's on the whole Sequential, the loss is the whole batch's."""
+    import torch
+    from mpicoll.modelparallel import TorchPipeline
+    if uneven and P == 1:
+        pytest.skip("one stage has one cut")
+    bounds = None
+    if uneven:
+        cuts = [0, 5, 6, 7][:P] + [7] if P <= 3 else None
+        bounds = list(zip(cuts, cuts[1:])) if cuts else None
+    seed = shared_seed()
+    rng = np.random.default_rng(seed)
+    X, y = torch.from_numpy(rng.standard_normal((10, 9))), torch.from_numpy(rng.integers(0, 4, 10))
+    pipe = TorchPipeline(WORLD, deep_torch_model(seed % 1000), bounds=bounds, micro_batches=micro_batches)
+    loss = pipe.forward_backward(X, y)
+    whole = deep_torch_model(seed % 1000)
+    expected = torch.nn.functional.cross_entropy(whole(X), y)
+    expected.backward()
+    first, end = pipe.bounds[pipe.stage]
+    theirs = [p.grad for m in list(whole)[first:end] for p in m.parameters()]
+    ours = [p.grad for p in pipe.module.parameters()]
+    worst = max([float((a - b).abs().max()) for a, b in zip(ours, theirs)], default=0.0)
+    everywhere(len(ours) == len(theirs) and worst < 1e-12 and abs(loss - expected.item()) < 1e-12,
+               f"seed {seed}, cut {pipe.bounds}: gradients off by {worst:.2e}, loss {loss} vs {expected.item()}")
+    pipe.close()
