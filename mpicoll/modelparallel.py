@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 from .context import Context
 from .tags import Tag
+from .train.models import _softmax_cross_entropy, dense_backward, dense_forward, dense_layers
 
 __all__ = ["Pipeline", "TorchPipeline", "split"]
 
@@ -84,13 +85,6 @@ class Pipeline:
         """This stage's slice of the whole model's starting vector (the same on any number of stages)."""
         return self.model.init(seed)[self.slice].copy()
 
-    def _unpack(self, params):
-        layers, start = [], 0
-        for a, b in self.shapes:
-            layers.append((params[start:start + a * b].reshape(a, b), params[start + a * b:start + a * b + b]))
-            start += a * b + b
-        return layers
-
     def _receive(self, shape, source: int, dtype):
         buffer = np.empty(shape, dtype)
         self.ctx.wait(self.ctx.irecv(buffer, source, Tag.MODEL_PARALLEL), source)
@@ -99,18 +93,14 @@ class Pipeline:
     def loss_and_gradient(self, params, X, y, gradient: bool = True):
         """(batch-mean loss, this stage's gradient) for the batch (X, y), over the pipeline."""
         xp, ctx = self.model.xp, self.ctx
-        layers, rows = self._unpack(params), len(y)
+        layers, rows = dense_layers(params, self.shapes), len(y)
         pieces = [piece for piece in np.array_split(np.arange(rows), self.micro_batches) if len(piece)]
         dtype = np.asarray(params).dtype
         kept, sends, loss = [], [], 0.0
         for piece in pieces:                                    # fill: every forward
             a = xp.asarray(X[piece], dtype=dtype) if self.first else \
                 self._receive((len(piece), self.shapes[0][0]), self.stage - 1, dtype)
-            activations = [a]
-            for index, (W, b) in enumerate(layers):
-                out = activations[-1] @ W + b
-                final = self.last and index == len(layers) - 1
-                activations.append(out if final else xp.maximum(out, 0))
+            activations = dense_forward(xp, layers, a, linear_last=self.last)
             if not self.last:
                 sends.append(ctx.isend(np.ascontiguousarray(activations[-1]), self.stage + 1, Tag.MODEL_PARALLEL))
             kept.append(activations)
@@ -118,7 +108,6 @@ class Pipeline:
         sends, grad = [], xp.zeros_like(params) if gradient else None
         deltas = []
         if self.last:
-            from .train.models import _softmax_cross_entropy
             for piece, activations in zip(pieces, kept):
                 part, delta = _softmax_cross_entropy(xp, activations[-1], y[piece])
                 loss += float(part) * len(piece) / rows
@@ -127,18 +116,12 @@ class Pipeline:
         ctx.comm.Bcast(total, root=self.stages - 1)                # every stage learns the loss
         if not gradient:
             return float(total[0]), None
-        grads = self._unpack(grad)
+        grads = dense_layers(grad, self.shapes)
         for number in range(len(pieces) - 1, -1, -1):             # drain: every backward, in reverse
             piece, activations = pieces[number], kept[number]
             delta = deltas[number] if self.last else \
                 self._receive((len(piece), self.shapes[-1][1]), self.stage + 1, dtype)
-            for index in range(len(layers) - 1, -1, -1):
-                W, _ = layers[index]
-                gW, gb = grads[index]
-                gW += activations[index].T @ delta
-                gb += delta.sum(axis=0)
-                if index or not self.first:
-                    delta = (delta @ W.T) * (activations[index] > 0)
+            delta = dense_backward(layers, activations, delta, grads, input_grad=not self.first)
             if not self.first:
                 sends.append(ctx.isend(np.ascontiguousarray(delta), self.stage - 1, Tag.MODEL_PARALLEL))
         ctx.waitall(sends, self.stage - 1)

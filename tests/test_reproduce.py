@@ -152,7 +152,8 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     claims = json.loads((out / "claims.json").read_text())
     with np.load(out / "runs" / "data.npz") as subset:              # 720 training, 180 test samples, cut
-        assert (len(subset["y"]), len(subset["y_test"])) == (500, 125) and claims["setting"]["data"].endswith("data.npz")
+        assert (len(subset["y"]), len(subset["y_test"])) == (500, 125)
+    assert claims["setting"]["data"].endswith("data.npz")
     records = {record["id"]: record for record in claims["claims"]}
     assert list(records) == ["a-dcasgd-a", "a-dcasgd-c", "b", "c", "d"], list(records)
     assert all(set(r) == {"id", "claim", "setting", "reproduced", "figures", "note"} for r in records.values())

@@ -101,7 +101,8 @@ def test_allreduce_on_a_torch_model_is_single_process_sgd_on_the_combined_batch(
         params = params - options.lr * np.mean(grads, axis=0)
     expected = model.evaluate(params.astype(np.float32), data.X_test, data.y_test)[0]
     losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
-    everywhere(abs(losses[0] - expected) < 1e-3 * abs(expected), f"final loss {losses[0]!r}, single process {expected!r}")
+    everywhere(abs(losses[0] - expected) < 1e-3 * abs(expected),
+               f"final loss {losses[0]!r}, single process {expected!r}")
 
 
 def test_mnist1d_is_generated_once_and_cached(tmp_path, monkeypatch):

@@ -163,7 +163,7 @@ def add_reproduce_parser(commands) -> None:
     reproduce = commands.add_parser(
         "reproduce", help="the seeds' claims (DC-ASGD, stragglers, SGP, Downpour) over several seeds, with a report",
         description="Runs every claim's mpicoll train jobs (each under its own mpiexec) and writes claims.json, "
-        "report.md and plots. About 15-20 minutes on 2 cores; --quick: about a minute.")
+        "report.md and plots. About 10 minutes on 2 cores; --quick: under a minute.")
     reproduce.add_argument("--output", default="docs/results", help="report folder (default docs/results)")
     reproduce.add_argument("--data", default="mnist1d", metavar="mnist1d|digits|FILE.npz",
                            help="the data every claim trains on (default mnist1d)")
@@ -176,7 +176,7 @@ def add_reproduce_parser(commands) -> None:
                            help="larger data: train on a fixed random subset of this many samples (default 4000; "
                            "the test set is cut to a quarter of it), so the claims keep to minutes")
     reproduce.add_argument("--quick", action="store_true",
-                           help="the pipeline on a small setting, for CI: 2 seeds, M = 4, 3 epochs, no cluster")
+                           help="the pipeline on a small setting, for CI: 2 seeds, M = 4, 6 epochs, no cluster")
 
 
 def reproduce_main(args) -> int:
@@ -194,10 +194,9 @@ def reproduce_main(args) -> int:
     if args.max_train < 1:
         raise SystemExit(f"mpicoll reproduce: --max-train must be at least 1, got {args.max_train}")
     try:
-        prepare_data(setting, Path(args.output) / "runs")
+        features = prepare_data(setting, Path(args.output) / "runs")
     except ValueError as error:
         raise SystemExit(f"mpicoll reproduce: {error}") from None
-    features = load(setting.data).features
     torch_here = importlib.util.find_spec("torch") is not None
     wide = features > 256 and args.model is None and not args.quick     # a CNN over them would take hours
     if args.model == "mlp" or wide:
@@ -207,7 +206,8 @@ def reproduce_main(args) -> int:
                   "on the CNN, whose cost grows with the features)", file=sys.stderr)
     elif args.model == "cnn" or (not args.quick and not torch_here):
         setting.model = ["--framework", "torch", "--model", "cnn"] if torch_here else ["--model", "cnn"]
-    result = reproduce(args.output, setting, args.claims, skip_cluster="--quick runs no emulated cluster" if args.quick else None)
+    result = reproduce(args.output, setting, args.claims,
+                       skip_cluster="--quick runs no emulated cluster" if args.quick else None)
     for record in result["claims"]:
         verdict = {True: "reproduced: ", False: "NOT reproduced: ", None: ""}[record["reproduced"]]
         print(f"{record['claim'][:3]} {verdict}{record['note']}", file=sys.stderr)

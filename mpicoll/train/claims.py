@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ..launcher import launcher, mpiexec_command
-from .compare import read_log
+from .compare import read_log, time_to
 
 __all__ = ["Setting", "reproduce", "CLAIMS"]
 
@@ -92,15 +92,16 @@ def quick() -> Setting:
                    delay="gamma:2,1", timeout=90)
 
 
-def prepare_data(setting: Setting, folder: Path) -> None:
+def prepare_data(setting: Setting, folder: Path) -> int:
     """Load ``setting.data`` (refusing bad data with its message), note its classes, and where it is larger
-    than ``max_train``/``max_test``, write a fixed random subset to ``folder``/data.npz and train on that."""
+    than ``max_train``/``max_test``, write a fixed random subset to ``folder``/data.npz and train on that;
+    returns the data's features."""
     from .data import load
     data = load(setting.data)
     setting.classes = data.classes
     train, test = len(data.y), len(data.y_test)
     if train <= setting.max_train and test <= setting.max_test:
-        return
+        return data.features
     rng = np.random.default_rng(0)
     keep = np.sort(rng.permutation(train)[:setting.max_train])
     keep_test = np.sort(rng.permutation(test)[:setting.max_test])
@@ -112,6 +113,7 @@ def prepare_data(setting: Setting, folder: Path) -> None:
     setting.subset = (f"{setting.data} has {train} training and {test} test samples: the claims use a fixed random "
                       f"{len(keep)} and {len(keep_test)} of them ({path.name})")
     setting.data = str(path)
+    return data.features
 
 
 # ---------------------------------------------------------------------------------------------- running jobs
@@ -208,10 +210,6 @@ def _errors(runs: list[Run], classes: int) -> dict:
                    for run in runs if run.ok or run.diverged])
 
 
-def _time_to(run: Run, target: float) -> float | None:
-    return next((r["time_s"] for r in run.records if r["accuracy"] >= target), None)
-
-
 def _percent(stats: dict) -> str:
     return "-" if stats["mean"] is None else f"{100 * stats['mean']:.1f} ± {100 * stats['sd']:.1f}"
 
@@ -300,8 +298,8 @@ def stragglers(setting: Setting, runner: Runner) -> tuple[dict, dict]:
         notes.append(f"{label}: {mine['wall s']['mean']:.2f} s against sync's {sync['wall s']['mean']:.2f} s "
                      f"({sync['wall s']['mean'] / mine['wall s']['mean']:.2f}x), accuracy "
                      f"{100 * mine['accuracy']['mean']:.1f}% against {100 * sync['accuracy']['mean']:.1f}%")
-    record = {"id": "b", "claim": "(b) soft-sync and async finish faster in wall time than sync under a straggler, at equal "
-                       "final accuracy (within 1 point)",
+    record = {"id": "b", "claim": "(b) soft-sync and async finish faster in wall time than sync under a straggler, "
+                                  "at equal final accuracy (within 1 point)",
               "setting": {"workers": m, "straggler": f"worker rank {m} at {setting.straggler:g}x",
                           "model": " ".join(setting.straggler_model),
                           "learning rates": {label: rate for label, (_, rate, _) in methods.items()},
@@ -322,8 +320,8 @@ def _cluster_unavailable() -> str | None:
 
 def sgp_on_a_slow_network(setting: Setting, runner: Runner, skip: str | None = None) -> tuple[dict, dict]:
     """(c): ring allreduce against SGP (tau 1) on ``sgp_nodes`` emulated nodes joined by ``sgp_link`` links."""
-    record = {"id": "c", "claim": "(c) SGP reaches the target accuracy faster than allreduce on a bandwidth-limited emulated "
-                       "cluster",
+    record = {"id": "c", "claim": "(c) SGP reaches the target accuracy faster than allreduce on a bandwidth-limited "
+                                  "emulated cluster",
               "setting": {"nodes": setting.sgp_nodes, "link": setting.sgp_link, "model": " ".join(setting.sgp_model),
                           "target": f"{setting.within:.0%} of allreduce-ring's mean final accuracy"},
               "reproduced": None, "figures": {}, "note": ""}
@@ -355,7 +353,7 @@ def sgp_on_a_slow_network(setting: Setting, runner: Runner, skip: str | None = N
     target = setting.within * reference["mean"]
     figures = {"target accuracy": target}
     for label, members in runs.items():
-        times = [_time_to(run, target) for run in _finished(members)]
+        times = [time_to(run.records, target) for run in _finished(members)]
         figures[label] = {"time to target s": _stats([t for t in times if t is not None]),
                           "reached": f"{sum(t is not None for t in times)} of {len(members)}",
                           "accuracy": _stats([r.summary["final_accuracy"] for r in _finished(members)])}
@@ -417,8 +415,8 @@ def downpour_survives(setting: Setting, runner: Runner) -> tuple[dict, dict]:
     """(d): Downpour with M workers, intact and with the last worker killed a third of the way in."""
     m = setting.workers[0]
     after = max(1, setting.epochs // 3)
-    record = {"id": "d", "claim": "(d) Downpour is robust to a failed replica: one worker killed mid-run, the others finish "
-                       "and the model reaches the target",
+    record = {"id": "d", "claim": "(d) Downpour is robust to a failed replica: one worker killed mid-run, the "
+                                  "others finish and the model reaches the target",
               "setting": {"workers": m, "killed": f"worker rank {m}, SIGKILL once epoch {after} is logged",
                           "dropped after": "5 s of silence (MPICOLL_TIMEOUT=5)", "lr": setting.downpour_lr,
                           "target": f"{setting.within:.0%} of the intact runs' mean accuracy"},

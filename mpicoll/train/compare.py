@@ -24,7 +24,7 @@ from ..launcher import mpiexec_command
 from .plots import finish, pyplot
 from .run import METHODS
 
-__all__ = ["compare", "report", "read_log"]
+__all__ = ["compare", "report", "read_log", "time_to"]
 
 
 def read_log(path: str | Path) -> tuple[list[dict], dict]:
@@ -56,7 +56,8 @@ def label(summary: dict) -> str:
     return f"{method} (tau={tau})" if method == "sgp" and tau else method
 
 
-def _time_to(records: list[dict], target: float) -> float | None:
+def time_to(records: list[dict], target: float) -> float | None:
+    """Seconds until the first evaluation at ``target`` accuracy or above; None if never."""
     return next((r["time_s"] for r in records if r["accuracy"] >= target), None)
 
 
@@ -86,7 +87,7 @@ def report(logs: list[str | Path], folder: str | Path, target: float = 0.9) -> P
     for name, members in groups.items():
         summaries = [summary for _, _, summary in members]
         walls = [summary["wall_s"] for summary in summaries]
-        reached = [t for t in (_time_to(records, target) for _, records, _ in members) if t is not None]
+        reached = [t for t in (time_to(records, target) for _, records, _ in members) if t is not None]
         first_wall = first_wall or statistics.fmean(walls)
         lines.append(f"| {name} | {summaries[0]['ranks']} | {len(members)} | "
                      f"{_spread([100 * s['final_accuracy'] for s in summaries], '.1f')} | "

@@ -36,6 +36,45 @@ class Model:
         return float(loss), accuracy
 
 
+def unpack(params, shapes) -> list:
+    """Views of consecutive slices of the flat ``params``, one per shape in ``shapes``, in order."""
+    parts, start = [], 0
+    for shape in shapes:
+        count = int(np.prod(shape))
+        parts.append(params[start:start + count].reshape(shape))
+        start += count
+    return parts
+
+
+def dense_layers(params, shapes) -> list:
+    """(W, b) per dense layer of ``shapes`` ((inputs, outputs) each), laid end to end in ``params``."""
+    parts = unpack(params, [shape for a, b in shapes for shape in ((a, b), (b,))])
+    return list(zip(parts[::2], parts[1::2]))
+
+
+def dense_forward(xp, layers, a, linear_last: bool = True) -> list:
+    """Every activation of dense ``layers`` ((W, b) each) from input ``a``: ReLU after each layer but
+    the last (after it too when not ``linear_last``: a stage that feeds another)."""
+    activations = [a]
+    for index, (W, b) in enumerate(layers):
+        out = activations[-1] @ W + b
+        activations.append(out if linear_last and index == len(layers) - 1 else xp.maximum(out, 0))
+    return activations
+
+
+def dense_backward(layers, activations, delta, grads, input_grad: bool = False):
+    """Add each layer's gradient to ``grads`` ((gW, gb) each), given ``delta``, the loss's gradient at the
+    last layer's pre-activation; returns the gradient at the pre-activation of whatever fed the first
+    layer (through the ReLU it applied) when ``input_grad``, else None."""
+    for index in range(len(layers) - 1, -1, -1):
+        W, _ = layers[index]
+        gW, gb = grads[index]
+        gW += activations[index].T @ delta
+        gb += delta.sum(axis=0)
+        delta = (delta @ W.T) * (activations[index] > 0) if index or input_grad else None
+    return delta
+
+
 def _softmax_cross_entropy(xp, logits, y):
     """Mean cross-entropy of integer labels ``y``, and its gradient with respect to the logits."""
     shifted = logits - logits.max(axis=1, keepdims=True)
@@ -57,13 +96,7 @@ class _Layers(Model):
         self.size = sum(a * b + b for a, b in self.shapes)
 
     def _unpack(self, params):
-        layers, start = [], 0
-        for a, b in self.shapes:
-            W = params[start:start + a * b].reshape(a, b)
-            start += a * b
-            layers.append((W, params[start:start + b]))
-            start += b
-        return layers
+        return dense_layers(params, self.shapes)
 
     def init(self, seed: int):
         rng = np.random.default_rng(seed)
@@ -73,12 +106,8 @@ class _Layers(Model):
         return self.xp.asarray(np.concatenate(parts).astype(self.dtype))
 
     def _forward(self, params, X):
-        activations = [X]
         layers = self._unpack(params)
-        for index, (W, b) in enumerate(layers):
-            out = activations[-1] @ W + b
-            activations.append(self.xp.maximum(out, 0) if index < len(layers) - 1 else out)
-        return layers, activations
+        return layers, dense_forward(self.xp, layers, X)
 
     def loss_and_gradient(self, params, X, y, gradient: bool = True):
         xp = self.xp
@@ -86,15 +115,8 @@ class _Layers(Model):
         loss, delta = _softmax_cross_entropy(xp, activations[-1], y)
         if not gradient:
             return loss, None
-        grad = xp.empty_like(params)
-        grads = self._unpack(grad)
-        for index in range(len(layers) - 1, -1, -1):
-            W, _ = layers[index]
-            gW, gb = grads[index]
-            gW[...] = activations[index].T @ delta
-            gb[...] = delta.sum(axis=0)
-            if index:
-                delta = (delta @ W.T) * (activations[index] > 0)
+        grad = xp.zeros_like(params)
+        dense_backward(layers, activations, delta, self._unpack(grad))
         return loss, grad
 
     def predict(self, params, X):
@@ -143,12 +165,7 @@ class CNN(Model):
         self.size = sum(int(np.prod(shape)) for shape in self.shapes)
 
     def _unpack(self, params):
-        parts, start = [], 0
-        for shape in self.shapes:
-            count = int(np.prod(shape))
-            parts.append(params[start:start + count].reshape(shape))
-            start += count
-        return parts
+        return unpack(params, self.shapes)
 
     def init(self, seed: int):
         rng = np.random.default_rng(seed)

@@ -61,8 +61,9 @@ class Reporter:
         if self.options.progress:
             if self.live:
                 self.stream.write("\n")
+            ranks = f"{self.ranks} rank{'s' if self.ranks != 1 else ''}"
             self.stream.write(f"{self.options.method}: test accuracy {accuracy:.1%}, loss {loss:.4f}, "
-                              f"{wall:.1f} s, {summary['samples_per_s']:,.0f} samples/s on {self.ranks} rank{'s' if self.ranks != 1 else ''}"
+                              f"{wall:.1f} s, {summary['samples_per_s']:,.0f} samples/s on {ranks}"
                               f"{_describe(staleness)}\n")
             self.stream.flush()
         if self.log:

@@ -103,8 +103,8 @@ def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp
 
 def _identity(comm, options: Options, model: Model, data: Dataset) -> dict:
     """What this run's checkpoints belong to: resuming needs the same method, model, data and ranks."""
-    return {"method": options.method, "model": getattr(model, "name", type(model).__name__), "parameters": int(model.size),
-            "data": data.fingerprint(), "ranks": comm.Get_size()}
+    return {"method": options.method, "model": getattr(model, "name", type(model).__name__),
+            "parameters": int(model.size), "data": data.fingerprint(), "ranks": comm.Get_size()}
 
 
 def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Method", run: dict) -> None:
@@ -187,7 +187,9 @@ def _allreduce(comm, options, model, data, xp, method, run):
         channel_comm, params, gradient_of = comm, model.init(options.seed), model.loss_and_gradient
 
     def whole():            # the whole model, on rank 0 (each replica's first stage gathers its stages)
-        parts = pipe_comm.gather(arrays.as_host(params), root=0) if k > 1 else [params]
+        if k == 1:
+            return params
+        parts = pipe_comm.gather(arrays.as_host(params), root=0)
         return xp.asarray(np.concatenate(parts)) if parts else None
 
     start = 0
@@ -195,7 +197,7 @@ def _allreduce(comm, options, model, data, xp, method, run):
         state = checkpoint.load(_checkpoint_file(options, method, rank), run)
         params, start = xp.asarray(state["params"]), int(state["epoch"])
     average = xp.empty_like(params)
-    lr_at = schedules.parse(options.lr_schedule, options.lr)
+    lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
     with Communicator(channel_comm, algorithm=method.algorithm) as channel:
         reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
         for epoch in range(start, options.epochs):
@@ -204,7 +206,7 @@ def _allreduce(comm, options, model, data, xp, method, run):
                     loss, grad = gradient_of(params, X[batch], y[batch])
                 channel.Allreduce(grad, average)
                 with timeline.span("update", "train"):
-                    params -= (lr_at((epoch * steps + step) / (options.epochs * steps)) / replicas) * average
+                    params -= (lr_at(epoch, step) / replicas) * average
             if options.checkpoint and rank == 0:
                 checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
                                 epoch=epoch + 1)
@@ -245,10 +247,10 @@ def _sgp(comm, options, model, data, xp, method, run):
         start = int(state["epoch"])
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     z = xp.asarray(sgp.parameters)
-    lr_at = schedules.parse(options.lr_schedule, options.lr)
+    lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
     for epoch in range(start, options.epochs):
         for step, batch in enumerate(_batches(len(y), options.batch, steps, [options.seed, rank, epoch])):
-            sgp.lr = lr_at((epoch * steps + step) / (options.epochs * steps))
+            sgp.lr = lr_at(epoch, step)
             with slow, timeline.span("gradient", "train"):
                 loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
             with timeline.span("push-sum step", "train"):

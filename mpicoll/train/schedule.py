@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["parse"]
+__all__ = ["parse", "per_step"]
 
 USAGE = "write constant, cosine, or step:F1,F2,... (the rate /10 at each fraction of the budget, e.g. step:0.5,0.75)"
 
@@ -36,3 +36,9 @@ def parse(spec: str | None, lr: float) -> Callable[[float], float]:
         if marks and all(0 < f < 1 for f in marks):
             return lambda progress: lr * 0.1 ** sum(progress >= f for f in marks)
     raise ValueError(f"--lr-schedule {spec!r}: {USAGE}")
+
+
+def per_step(spec: str | None, lr: float, epochs: int, steps: int) -> Callable[[int, int], float]:
+    """The rate at step ``step`` of epoch ``epoch`` of a run of ``epochs`` x ``steps`` steps."""
+    at, total = parse(spec, lr), max(1, epochs * steps)
+    return lambda epoch, step: at((epoch * steps + step) / total)
