@@ -16,8 +16,8 @@ _apply_ucx_defaults()           # before anything imports mpi4py.MPI, which star
 from .api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce_scatter,
                   reduce_scatter)
 from .communicator import Communicator
-from .errors import (CollectiveTimeout, MismatchError, MpicollError, NonFiniteError, PeerFailed, ReductionError,
-                     RootError, ServerFailed, SetupError)
+from .errors import (CollectiveTimeout, MismatchError, MpicollError, NonFiniteError, PartFailed, PeerFailed,
+                     ReductionError, RootError, ServerFailed, SetupError)
 from .failure import end_job
 from .nonblocking import Request
 
@@ -27,7 +27,7 @@ __all__ = [
     "Communicator",
     "allreduce", "reduce_scatter", "allgather", "broadcast",
     "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
-    "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "NonFiniteError",
-    "ReductionError", "RootError", "SetupError", "end_job",
+    "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
+    "NonFiniteError", "ReductionError", "RootError", "SetupError", "end_job",
     "__version__",
 ]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "NonFiniteError",
-           "MPIRefusal", "ReductionError", "RootError", "SetupError"]
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
+           "NonFiniteError", "MPIRefusal", "ReductionError", "RootError", "SetupError"]
 
 
 class MPIRefusal(MPI.Exception):
@@ -88,6 +88,15 @@ class ServerFailed(MpicollError):
     def __init__(self, rank: int, server: int, reason: str):
         self.rank, self.server, self.reason = rank, server, reason
         super().__init__(f"worker rank {rank}: parameter server rank {server} failed: {reason}")
+
+
+class PartFailed(MpicollError):
+    """Another part of a job whose parts depend on each other (a Sandblaster coordinator, shard or worker)
+    raised and told every rank why; raised on each of them, which cannot go on without it."""
+
+    def __init__(self, rank: int, peer: int, reason: str):
+        self.rank, self.peer, self.reason = rank, peer, reason
+        super().__init__(f"rank {rank}: rank {peer} failed: {reason}")
 
 
 class NonFiniteError(MpicollError, FloatingPointError):

@@ -32,6 +32,14 @@ class Tag(IntEnum):
     PS_GO = 77                # a server's answer to a gradient's header: send it (1), or it is too late (0)
     PS_STATS = 78             # after training, the first server's staleness histogram to the reporting worker
     MODEL_PARALLEL = 81       # a stage's boundary activations forward, their gradients backward
+    SANDBLASTER_COMMAND = 82  # Sandblaster: the coordinator's command to every server shard
+    SANDBLASTER_REPLY = 83    # a shard's partial dot products, back to the coordinator
+    SANDBLASTER_TASK = 84     # the coordinator's task to a worker: a portion of the batch, a report, stop
+    SANDBLASTER_DONE = 85     # a worker's "portion done" (its loss) to the coordinator
+    SANDBLASTER_WEIGHTS = 86  # a shard's published vector to every worker
+    SANDBLASTER_GRADIENT = 87  # a worker's gradient slice for a portion (a header, then the slice) to a shard
+    SANDBLASTER_FINAL = 88    # at the end, each shard's parameters to every worker
+    SANDBLASTER_FAILED = 89   # a part's last word when it fails: why, to every other rank
     GOSSIP = 91               # push-sum over point-to-point messages
     TIMELINE = 98             # at exit, every rank's timeline events to rank 0 (on MPI.COMM_WORLD)
     ROLL_CALL = 99            # after a timeout: "I am alive", from every survivor to every rank

@@ -54,22 +54,24 @@ def lost_in(answer: int) -> int | None:
 _REASON_BYTES = 1000
 
 
-def tell_workers(ctx, workers, error: BaseException) -> None:
-    """A failing server's last word to every worker: why it stops (sent, never waited for)."""
+def tell_workers(ctx, workers, error: BaseException, tag: int = Tag.PS_FAILED) -> None:
+    """A failing server's last word to every worker: why it stops (sent, never waited for).  Other
+    jobs with parts that depend on each other (:mod:`mpicoll.sandblaster`) say it on their own ``tag``."""
     text = f"{type(error).__name__}: {error}".encode()[:_REASON_BYTES]
     note = np.frombuffer(text, np.uint8).copy()
     for worker in workers:
-        ctx.isend(note, worker, Tag.PS_FAILED)
+        ctx.isend(note, worker, tag)
 
 
-def listen_for_failures(ctx, servers) -> None:
-    """Make every lasting wait of this worker's context check for a server's last word, and raise it."""
+def listen_for_failures(ctx, servers, tag: int = Tag.PS_FAILED, error=ServerFailed) -> None:
+    """Make every lasting wait of this worker's context check for a server's last word, and raise it
+    (``error(this rank, the server, the reason)``)."""
     status, servers = MPI.Status(), set(servers)
 
     def alarm() -> None:
-        if ctx.comm.Iprobe(MPI.ANY_SOURCE, Tag.PS_FAILED, status) and status.Get_source() in servers:
+        if ctx.comm.Iprobe(MPI.ANY_SOURCE, tag, status) and status.Get_source() in servers:
             reason = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-            ctx.comm.Recv([reason, MPI.BYTE], status.Get_source(), Tag.PS_FAILED)
-            raise ctx.broken_by(ServerFailed(ctx.rank, status.Get_source(), bytes(reason).decode(errors="replace")))
+            ctx.comm.Recv([reason, MPI.BYTE], status.Get_source(), tag)
+            raise ctx.broken_by(error(ctx.rank, status.Get_source(), bytes(reason).decode(errors="replace")))
 
     ctx.alarms.append(alarm)

@@ -118,8 +118,9 @@ def add_parser(commands) -> None:
     train_.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
     train_.add_argument("--overwrite", action="store_true",
                         help="let a fresh run replace an earlier run's --checkpoint files (refused otherwise)")
-    group = train_.add_argument_group("parameter servers (ps-*, dcasgd, downpour)")
-    group.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
+    group = train_.add_argument_group("parameter servers (ps-*, dcasgd, downpour, sandblaster-lbfgs)")
+    group.add_argument("--servers", type=int, default=1, help="server ranks (default 1); sandblaster-lbfgs: "
+                       "server shards after the coordinator (rank 0)")
     group.add_argument("--softsync-k", type=float, default=0.5, help="ps-softsync: first K gradients per round, "
                        "a count or a fraction of the workers (default 0.5)")
     group.add_argument("--staleness", default="tau", choices=("none", "tau", "workers"),
@@ -131,6 +132,17 @@ def add_parser(commands) -> None:
     group.add_argument("--warm-start", type=int, default=0, help="downpour: updates by one worker before the rest")
     group.add_argument("--transport", default="p2p", choices=ps.TRANSPORTS,
                        help="how workers reach the servers: p2p messages (default) or onesided windows")
+    group = train_.add_argument_group("Sandblaster L-BFGS (sandblaster-lbfgs: rank 0 coordinates, --servers "
+                                      "shards, the rest compute gradients)")
+    group.add_argument("--history", type=int, default=10, help="L-BFGS pairs kept (default 10)")
+    group.add_argument("--lbfgs-batch", type=int, default=0, metavar="ROWS",
+                       help="rows per L-BFGS iteration, drawn afresh each iteration (default 0: the whole "
+                       "training set, full-batch L-BFGS); --epochs counts passes of gradient evaluation")
+    group.add_argument("--portions", type=int, default=0,
+                       help="pieces each gradient evaluation is cut into and handed to workers as they become "
+                       "free (default 0: 4 per worker)")
+    group.add_argument("--no-backup", dest="backup", action="store_false",
+                       help="no backup copies of the slowest portions (on by default)")
     group = train_.add_argument_group("stochastic gradient push (sgp)")
     group.add_argument("--mailbox", default="p2p", choices=gossip.MAILBOXES,
                        help="how gossip arrives: p2p messages (default) or onesided windows")

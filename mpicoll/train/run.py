@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -59,6 +60,10 @@ class Options:
     graph: str = "time-varying-exponential"
     tau: int = 0                      # sgp overlap
     model_parallel: int = 1           # allreduce methods: stages per replica (mpicoll.modelparallel)
+    history: int = 10                 # sandblaster-lbfgs: L-BFGS pairs kept
+    lbfgs_batch: int = 0              # sandblaster-lbfgs: rows per iteration (0: all, full-batch L-BFGS)
+    portions: int = 0                 # sandblaster-lbfgs: pieces per gradient evaluation (0: 4 per worker)
+    backup: bool = True               # sandblaster-lbfgs: backup copies of the slowest portions
     output: str | None = None         # JSON lines log
     checkpoint: str | None = None     # path prefix: state saved after every epoch
     resume: bool = False              # continue from the checkpoint
@@ -121,6 +126,8 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
     schedules.parse(options.lr_schedule, options.lr)
     if options.model_parallel != 1:
         _check_model_parallel(options, model, method, size)
+    if method.runner is _sandblaster:
+        _check_sandblaster(options, size)
     if method.one_rank and size > 1:
         raise ValueError(f"{options.method} is plain SGD on one process, the reference the distributed methods' "
                          f"updates are compared with: run it with mpiexec -n 1, not {size} ranks")
@@ -132,7 +139,9 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
     if parameter_server and size <= options.servers:
         raise ValueError(f"{options.method} needs more ranks than its {options.servers} server(s): "
                          f"mpiexec -n {options.servers + 1} or more")
-    if options.output and rank == (options.servers if parameter_server else 0):
+    reporting = options.servers + (method.runner is _sandblaster) if parameter_server or \
+        method.runner is _sandblaster else 0
+    if options.output and rank == reporting:
         folder = Path(options.output).parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise ValueError(f"--output {options.output}: the folder {folder} does not exist or is not writable")
@@ -232,6 +241,55 @@ def _check_model_parallel(options: Options, model: Model, method: "Method", size
                          f"model has {len(model.shapes)} layer(s) to share among them (e.g. mpiexec -n {2 * k})")
     if options.checkpoint:
         raise ValueError("--model-parallel does not checkpoint yet: drop --checkpoint")
+
+
+def _check_sandblaster(options: Options, size: int) -> None:
+    if size < options.servers + 2:
+        raise ValueError(f"sandblaster-lbfgs needs a coordinator, {options.servers} server shard(s) and at least one "
+                         f"worker: mpiexec -n {options.servers + 2} or more, not {size}")
+    if options.history < 1 or options.lbfgs_batch < 0 or options.portions < 0:
+        raise ValueError(f"--history must be at least 1 and --lbfgs-batch, --portions at least 0, got "
+                         f"{options.history}, {options.lbfgs_batch}, {options.portions}")
+    if options.checkpoint:
+        raise ValueError("sandblaster-lbfgs does not checkpoint yet: drop --checkpoint")
+
+
+def _sandblaster(comm, options, model, data, xp, method, run):
+    """Sandblaster L-BFGS (mpicoll.sandblaster): rank 0 coordinates, ``--servers`` shards, the rest compute
+    gradients over portions of the batch (the whole training set unless ``--lbfgs-batch``).  The budget:
+    gradient evaluations worth ``epochs`` passes over the training set; the first worker reports after
+    each accepted step that completes a pass."""
+    from .. import sandblaster
+    rank, samples = comm.Get_rank(), len(data.y)
+    batch = options.lbfgs_batch or samples
+    X, y = xp.asarray(data.X), xp.asarray(data.y)           # any worker may get any portion
+
+    def loss_and_gradient(w, rows):
+        loss, grad = model.loss_and_gradient(xp.asarray(w, model.dtype), X[rows], y[rows])
+        return loss, arrays.as_host(grad)
+
+    reporter_rank = options.servers + 1
+    reporter = Reporter(options, model, data, xp, ranks=comm.Get_size()) if rank == reporter_rank else None
+    reported = [0]
+
+    def report(w, iteration, evaluations):               # on the first worker, after an accepted step
+        epoch = evaluations * batch // samples
+        if epoch > reported[0]:
+            reported[0] = epoch
+            reporter.evaluate(xp.asarray(w, model.dtype), epoch, evaluations * batch)
+
+    result = sandblaster.run(
+        comm, arrays.as_host(model.init(options.seed)), loss_and_gradient, samples=samples, batch=batch,
+        servers=options.servers, history=options.history, iterations=10 ** 9, portions=options.portions or None,
+        backup=options.backup, seed=options.seed, evaluations=math.ceil(options.epochs * samples / batch),
+        slow=Straggler.for_rank(rank, options.straggler, options.delay, options.seed),
+        on_report=report if reporter else None)
+    if result.role == "coordinator" and result.stopped and options.progress:
+        print(f"sandblaster-lbfgs: stopped early: {result.stopped}", file=sys.stderr, flush=True)
+    if reporter:
+        final = xp.asarray(result.weights, model.dtype)
+        return reporter.finish(final)
+    return None
 
 
 def _sgp(comm, options, model, data, xp, method, run):
@@ -365,4 +423,5 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("downpour", _parameter_server, rule=lambda o, workers: (ps.Downpour(o.lr), o.n_push)),
     Method("sgp", _sgp),
     Method("sequential", _allreduce, algorithm="auto", one_rank=True),     # one process: plain SGD
+    Method("sandblaster-lbfgs", _sandblaster),
 )}

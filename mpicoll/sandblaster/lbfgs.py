@@ -1,0 +1,251 @@
+"""L-BFGS written against named vectors it never holds: what Sandblaster's coordinator runs.
+
+The optimizer below sees the parameters, the gradient, the search direction
+and the history pairs only by name (``"x"``, ``"g"``, ``"s3"``, ...) and acts on
+them through four operations of a :class:`Vectors` store: dot products,
+linear combinations, swaps and gradient evaluations.  The scalars (losses,
+dot products, step lengths, the history's ``rho``) stay with the optimizer.
+:class:`LocalVectors` holds the vectors in this process (the single-process
+reference); :class:`mpicoll.sandblaster.coordinator.RemoteVectors` sends each
+operation as a command to the parameter-server shards, which hold the vectors
+in pieces, so the same iterates come out of one process or of many.
+
+The method (Nocedal & Wright, *Numerical Optimization*, 2nd ed.):
+
+- direction: the two-loop recursion (Alg. 7.4) over the last ``history`` pairs
+  ``s = x+ - x``, ``y = g+ - g``, with ``H0 = gamma I``, ``gamma = s.y / y.y``
+  of the newest pair; a pair with ``s.y <= 1e-10 |s| |y|`` is skipped (it would
+  break positive definiteness), and a direction that is not a descent
+  direction resets the history and falls back to ``-g``;
+- step: the line search of Alg. 3.5 with ``zoom`` (Alg. 3.6), which returns a
+  step satisfying the strong Wolfe conditions (``c1 = 1e-4``, ``c2 = 0.9``):
+  the first trial is 1 (``1/|g|`` on the first iteration, where the direction
+  has no scale yet), growing x2 while the function still decreases and the slope
+  is negative; zoom picks the minimiser of the quadratic through the bracket's
+  low end (value and slope) and the high end's value, kept inside the middle 80%
+  of the bracket (bisection when the quadratic is useless).  After 20 trials
+  without such a step the run ends where it was, saying why (``stopped``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["Vectors", "LocalVectors", "LBFGS", "Iteration", "history_names", "C1", "C2"]
+
+C1, C2 = 1e-4, 0.9           # the strong Wolfe conditions' constants
+MAX_TRIALS = 20              # gradient evaluations one line search may spend
+CURVATURE_FLOOR = 1e-10      # s.y must exceed this times |s| |y| for a pair to enter the history
+
+
+def history_names(history: int) -> list[str]:
+    """The vectors an L-BFGS with ``history`` pairs uses, besides none: the store allocates these."""
+    return ["x", "g", "d", "x_trial", "g_trial"] + [f"s{i}" for i in range(history)] + \
+        [f"y{i}" for i in range(history)]
+
+
+class Vectors(Protocol):
+    """Where the optimizer's vectors live, and the operations it may ask of them."""
+
+    def dots(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """``[a . b for a, b in pairs]``, each over the whole vector."""
+
+    def combine(self, out: str, a: float, x: str, b: float = 0.0, y: str | None = None) -> None:
+        """``out = a x + b y`` (``y`` may be left out; ``out`` may be ``x`` or ``y``)."""
+
+    def swap(self, a: str, b: str) -> None:
+        """Exchange two vectors' contents (by name: nothing moves)."""
+
+    def evaluate(self, at: str, gradient: str, batch: int) -> float:
+        """The loss at vector ``at`` over batch number ``batch``; its gradient into ``gradient``."""
+
+
+class LocalVectors:
+    """Every vector in this process (numpy, float64): the single-process reference.
+
+    ``loss_and_gradient(w, batch) -> (loss, gradient)``: the mean loss over that
+    batch and its gradient.
+    """
+
+    def __init__(self, init: np.ndarray, loss_and_gradient: Callable, history: int = 10):
+        self.vectors = {name: np.zeros(np.size(init)) for name in history_names(history)}
+        self.vectors["x"][:] = np.ravel(init)
+        self.loss_and_gradient = loss_and_gradient
+        self.evaluations = 0
+
+    def dots(self, pairs):
+        return [float(self.vectors[a] @ self.vectors[b]) for a, b in pairs]
+
+    def combine(self, out, a, x, b=0.0, y=None):
+        v = self.vectors
+        v[out][:] = a * v[x] + b * v[y] if y is not None else a * v[x]
+
+    def swap(self, a, b):
+        self.vectors[a], self.vectors[b] = self.vectors[b], self.vectors[a]
+
+    def evaluate(self, at, gradient, batch):
+        self.evaluations += 1
+        loss, grad = self.loss_and_gradient(self.vectors[at], batch)
+        self.vectors[gradient][:] = grad
+        return float(loss)
+
+
+@dataclass
+class Iteration:
+    """One accepted L-BFGS step, as the optimizer saw it."""
+
+    number: int
+    loss: float                  # at the new point, over this iteration's batch
+    step: float                  # the accepted step length t (x+ = x + t d)
+    gradient_norm: float         # |g| at the new point
+    evaluations: int             # gradient evaluations so far, over the whole run
+    trials: int                  # of them, this iteration's line search
+    restarted: bool = False      # the two-loop direction was no descent direction: history reset
+
+
+@dataclass
+class LBFGS:
+    """The optimizer's own state: the scalars of the history, never its vectors."""
+
+    vectors: Vectors
+    history: int = 10
+    tolerance: float = 1e-10             # stop once |g| falls below this
+    pairs: list = field(default_factory=list)      # (slot, rho) of the stored pairs, oldest first
+    gamma: float = 1.0
+    evaluations: int = 0
+    loss: float = math.nan
+    gradient_norm: float = math.nan
+    batch: int | None = None             # the batch "g" was computed on
+    stopped: str = ""                    # why the run ended early, if it did
+
+    def minimize(self, iterations: int, batch_of: Callable[[int], int] = lambda k: 0,
+                 on_iteration: Callable[[Iteration], None] | None = None,
+                 evaluations: int | None = None) -> list[Iteration]:
+        """Take up to ``iterations`` steps from vector ``"x"``, and no new step once ``evaluations`` gradient
+        evaluations are spent; ``batch_of(k)``: iteration k's batch number (constant for full-batch
+        L-BFGS).  A new batch re-evaluates the gradient at ``x`` on it, so each history pair compares
+        gradients of one function."""
+        done = []
+        for k in range(iterations):
+            if evaluations is not None and self.evaluations >= evaluations:
+                break
+            batch = batch_of(k)
+            if batch != self.batch:
+                self.loss = self._evaluate("x", "g", batch)
+                self.gradient_norm = math.sqrt(self.vectors.dots([("g", "g")])[0])
+            if self.gradient_norm <= self.tolerance:
+                self.stopped = f"converged: |g| = {self.gradient_norm:.3g}"
+                break
+            restarted = self._direction()
+            slope = self.vectors.dots([("g", "d")])[0]
+            first = 1.0 / self.gradient_norm if not self.pairs and not done else 1.0
+            before = self.evaluations
+            step, loss, ok = self._line_search(first, slope)
+            if not ok:
+                self.stopped = (f"the line search found no step meeting the Wolfe conditions in {MAX_TRIALS} "
+                                f"trials at |g| = {self.gradient_norm:.3g} (near a minimum, the loss no longer "
+                                "changes in floating point; elsewhere, the gradient does not match the loss)")
+                break
+            self._remember(step)
+            self.vectors.swap("x", "x_trial")
+            self.vectors.swap("g", "g_trial")
+            self.loss = loss
+            self.gradient_norm = math.sqrt(self.vectors.dots([("g", "g")])[0])
+            done.append(Iteration(k + 1, loss, step, self.gradient_norm, self.evaluations,
+                                  self.evaluations - before, restarted))
+            if on_iteration:
+                on_iteration(done[-1])
+        return done
+
+    def _evaluate(self, at: str, gradient: str, batch: int) -> float:
+        self.evaluations += 1
+        self.batch = batch
+        return self.vectors.evaluate(at, gradient, batch)
+
+    def _direction(self) -> bool:
+        """``d = -H g`` by the two-loop recursion; True when it had to fall back to ``-g``."""
+        v = self.vectors
+        if not self.pairs:
+            v.combine("d", -1.0, "g")
+            return False
+        v.combine("d", 1.0, "g")                         # d holds q, then r, then the direction
+        alphas = []
+        for slot, rho in reversed(self.pairs):
+            alpha = rho * v.dots([(f"s{slot}", "d")])[0]
+            v.combine("d", 1.0, "d", -alpha, f"y{slot}")
+            alphas.append(alpha)
+        v.combine("d", self.gamma, "d")
+        for (slot, rho), alpha in zip(self.pairs, reversed(alphas)):
+            beta = rho * v.dots([(f"y{slot}", "d")])[0]
+            v.combine("d", 1.0, "d", alpha - beta, f"s{slot}")
+        v.combine("d", -1.0, "d")
+        if v.dots([("g", "d")])[0] < 0:
+            return False
+        self.pairs.clear()                               # not a descent direction: start over
+        v.combine("d", -1.0, "g")
+        return True
+
+    def _trial(self, t: float) -> tuple[float, float]:
+        """(loss, slope) at ``x + t d``, left in ``x_trial`` and ``g_trial``."""
+        self.vectors.combine("x_trial", 1.0, "x", t, "d")
+        loss = self._evaluate("x_trial", "g_trial", self.batch)
+        return loss, self.vectors.dots([("g_trial", "d")])[0]
+
+    def _line_search(self, t: float, slope0: float) -> tuple[float, float, bool]:
+        """(step, loss, found) by Nocedal & Wright's Alg. 3.5 with zoom; the trial point stays in x_trial."""
+        f0, previous = self.loss, (0.0, self.loss, slope0)
+        for trial in range(MAX_TRIALS):
+            f, slope = self._trial(t)
+            if f > f0 + C1 * t * slope0 or (trial and f >= previous[1]):
+                return self._zoom(previous, (t, f, slope), f0, slope0, MAX_TRIALS - trial - 1)
+            if abs(slope) <= -C2 * slope0:
+                return t, f, True
+            if slope >= 0:
+                return self._zoom((t, f, slope), previous, f0, slope0, MAX_TRIALS - trial - 1)
+            previous, t = (t, f, slope), 2.0 * t
+        return t, f, False
+
+    def _zoom(self, low, high, f0: float, slope0: float, budget: int) -> tuple[float, float, bool]:
+        """Shrink the bracket [low, high] (each ``(t, loss, slope)``; low the lower loss) to a Wolfe step."""
+        for _ in range(budget):
+            t = _interpolate(low, high)
+            f, slope = self._trial(t)
+            if f > f0 + C1 * t * slope0 or f >= low[1]:
+                high = (t, f, slope)
+                continue
+            if abs(slope) <= -C2 * slope0:
+                return t, f, True
+            if slope * (high[0] - low[0]) >= 0:
+                high = low
+            low = (t, f, slope)
+        return low[0], low[1], False
+
+    def _remember(self, step: float) -> None:
+        """Store the pair (s, y) of the accepted step in the oldest slot, if its curvature is positive."""
+        v = self.vectors
+        used = {slot for slot, _ in self.pairs}
+        slot = next((i for i in range(self.history) if i not in used), None)
+        if slot is None:
+            slot = self.pairs.pop(0)[0]
+        v.combine(f"s{slot}", step, "d")
+        v.combine(f"y{slot}", 1.0, "g_trial", -1.0, "g")
+        sy, yy, ss = v.dots([(f"s{slot}", f"y{slot}"), (f"y{slot}", f"y{slot}"), (f"s{slot}", f"s{slot}")])
+        if sy > CURVATURE_FLOOR * math.sqrt(ss * yy):
+            self.pairs.append((slot, 1.0 / sy))
+            self.gamma = sy / yy
+
+
+def _interpolate(low, high) -> float:
+    """The minimiser of the quadratic with low's value and slope and high's value, kept inside the
+    bracket's middle 80%; its midpoint when the quadratic has no minimum there."""
+    (a, fa, da), (b, fb, _) = low, high
+    width = b - a
+    curvature = fb - fa - da * width
+    t = a - da * width * width / (2.0 * curvature) if curvature > 0 else a + width / 2
+    lo, hi = sorted((a + 0.1 * width, b - 0.1 * width))
+    return min(max(t, lo), hi) if math.isfinite(t) else a + width / 2

@@ -1,0 +1,149 @@
+"""A Sandblaster server shard: one slice of every L-BFGS vector, and the commands that act on it.
+
+The shard never sees a whole vector.  It runs the coordinator's commands in
+the order they come (:class:`~.protocol.Op`), and meanwhile takes every
+gradient slice a worker sends: one copy of each portion of the current
+publication is kept (the first to arrive: a backup task's duplicate is
+dropped, as is anything for an older publication), and ``COLLECT`` sums the
+portions in portion order, so the result does not depend on which worker was
+fastest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from ..context import Context
+from ..tags import Tag
+from .protocol import COMMAND_WORDS, HEADER, Op, Roles
+
+__all__ = ["Shard"]
+
+
+class Shard:
+    """The loop of one server shard (rank ``comm`` rank in ``roles.shards``)."""
+
+    def __init__(self, ctx: Context, roles: Roles, names: list[str], init: np.ndarray):
+        self.ctx, self.roles, self.names = ctx, roles, names
+        mine = roles.slice(ctx.rank)
+        self.vectors = {name: np.zeros(mine.stop - mine.start) for name in names}
+        self.vectors["x"][:] = init[mine]
+        self.publication = 0
+        self.portions: dict[int, np.ndarray] = {}      # portion -> gradient slice, of the current publication
+        self.duplicates = 0                            # portions dropped: a backup's twin, or too late
+        self.sends: list = []                          # (request, worker, buffer) of published slices in flight
+        workers = list(roles.workers)
+        self._headers = {w: np.empty(2, HEADER) for w in workers}
+        self._header_requests = {w: ctx.irecv(self._headers[w], w, Tag.SANDBLASTER_GRADIENT) for w in workers}
+        self._command = np.empty(COMMAND_WORDS)
+        self._command_request = ctx.irecv(self._command, roles.coordinator, Tag.SANDBLASTER_COMMAND)
+        self._spare = np.empty_like(self.vectors["x"])
+
+    def run(self) -> np.ndarray:
+        """Serve until FINISH; returns this shard's slice of the final parameters."""
+        while True:
+            command = self._next_command()
+            op = Op(int(command[0]))
+            if op is Op.DOTS:
+                pairs = command[2:2 + 2 * int(command[1])].astype(int).reshape(-1, 2)
+                v = self.vectors
+                partial = np.array([v[self.names[a]] @ v[self.names[b]] for a, b in pairs])
+                self.ctx.wait(self.ctx.isend(partial, self.roles.coordinator, Tag.SANDBLASTER_REPLY),
+                              self.roles.coordinator)
+            elif op is Op.COMBINE:
+                out, a, x, b, y = command[1:6]
+                self._combine(self.names[int(out)], a, self.names[int(x)], b, None if y < 0 else self.names[int(y)])
+            elif op is Op.SWAP:
+                a, b = (self.names[int(i)] for i in command[1:3])
+                self.vectors[a], self.vectors[b] = self.vectors[b], self.vectors[a]
+            elif op is Op.PUBLISH:
+                self._publish(self.vectors[self.names[int(command[1])]])
+            elif op is Op.COLLECT:
+                into, publication, portions, rows = (int(c) for c in command[1:5])
+                self._collect(self.vectors[self.names[into]], publication, portions, rows)
+            elif op is Op.FINISH:
+                mask = np.empty(self.roles.ranks, np.int8)          # 1: a worker the coordinator lost
+                coordinator = self.roles.coordinator
+                self.ctx.wait(self.ctx.irecv(mask, coordinator, Tag.SANDBLASTER_FINAL), coordinator)
+                self._finish({int(r) for r in np.flatnonzero(mask)})
+                return self.vectors["x"]
+
+    def _next_command(self) -> np.ndarray:
+        """Wait for the coordinator's next command, taking workers' gradients meanwhile."""
+        coordinator = self.roles.coordinator
+        while True:
+            requests = [self._command_request, *self._header_requests.values()]
+            peers = [coordinator, *self._header_requests]
+            index = self.ctx.waitany(requests, peers)
+            if index == 0:
+                command = self._command.copy()
+                self._command_request = self.ctx.irecv(self._command, coordinator, Tag.SANDBLASTER_COMMAND)
+                return command
+            self._take_gradient(peers[index])
+
+    def _take_gradient(self, worker: int) -> None:
+        """Receive the slice announced by ``worker``'s header; keep it if it is a new portion of this publication."""
+        publication, portion = (int(h) for h in self._headers[worker])
+        if publication < 0:                       # this worker sends no more
+            self._header_requests[worker] = MPI.REQUEST_NULL
+            return
+        fresh = publication == self.publication and portion not in self.portions
+        into = np.empty_like(self._spare) if fresh else self._spare
+        self.ctx.wait(self.ctx.irecv(into, worker, Tag.SANDBLASTER_GRADIENT), worker)
+        self._header_requests[worker] = self.ctx.irecv(self._headers[worker], worker, Tag.SANDBLASTER_GRADIENT)
+        if fresh:
+            self.portions[portion] = into
+        else:
+            self.duplicates += 1
+
+    def _combine(self, out: str, a: float, x: str, b: float, y: str | None) -> None:
+        """``out = a x + b y`` in place, whichever of x and y ``out`` is (the same sums as numpy's ``a*x + b*y``)."""
+        v = self.vectors
+        if y is not None and out == y and out != x:
+            x, a, y, b = y, b, x, a                    # out = b y + a x: scale out first, then add
+        np.multiply(v[x], a, out=v[out])
+        if y is not None:
+            v[out] += b * v[y]
+
+    def _publish(self, vector: np.ndarray) -> None:
+        """Send a snapshot of ``vector``'s slice to every worker (never waited for here: a slow worker
+        takes it when it needs it); start a new publication, dropping the old one's portions."""
+        self.sends = [(r, w, buf) for r, w, buf in self.sends if not r.Test()]
+        snapshot = vector.copy()
+        for worker in self.roles.workers:
+            self.sends.append((self.ctx.isend(snapshot, worker, Tag.SANDBLASTER_WEIGHTS), worker, snapshot))
+        self.publication += 1
+        self.duplicates += len(self.portions)
+        self.portions = {}
+
+    def _collect(self, into: np.ndarray, publication: int, portions: int, rows: int) -> None:
+        """``into`` = the sum of every portion's gradient slice, in portion order, divided by ``rows``."""
+        if publication != self.publication:
+            raise RuntimeError(f"server rank {self.ctx.rank}: asked to collect publication {publication} while "
+                               f"at {self.publication}; the coordinator and this shard disagree")
+        while len(self.portions) < portions:
+            waiting = [w for w, r in self._header_requests.items() if r != MPI.REQUEST_NULL]
+            requests = [self._header_requests[w] for w in waiting]
+            if not requests:
+                raise RuntimeError(f"server rank {self.ctx.rank}: every worker has stopped with "
+                                   f"{portions - len(self.portions)} portion(s) missing")
+            self._take_gradient(waiting[self.ctx.waitany(requests, waiting)])
+        into[:] = 0.0
+        for portion in range(portions):
+            into += self.portions[portion]
+        into /= rows
+
+    def _finish(self, lost: set[int]) -> None:
+        """Take every live worker's last gradients and goodbye, finish the publications to them, and send
+        them the final parameters; lost workers are neither waited for nor sent anything more."""
+        for worker in lost:
+            self._header_requests[worker] = MPI.REQUEST_NULL
+        while any(r != MPI.REQUEST_NULL for r in self._header_requests.values()):
+            waiting = [w for w, r in self._header_requests.items() if r != MPI.REQUEST_NULL]
+            self._take_gradient(waiting[self.ctx.waitany([self._header_requests[w] for w in waiting], waiting)])
+        live = [(r, w) for r, w, _ in self.sends if w not in lost]
+        self.ctx.waitall([r for r, _ in live], [w for _, w in live])
+        final = [(self.ctx.isend(self.vectors["x"], w, Tag.SANDBLASTER_FINAL), w)
+                 for w in self.roles.workers if w not in lost]
+        self.ctx.waitall([r for r, _ in final], [w for _, w in final])
