@@ -212,12 +212,13 @@ class Context:
             raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self._missing(failed)[0],
                                          error.Get_error_string())) from None
 
-    def waitany(self, requests: list, peers: list[int], patience: float | None = None) -> int | None:
+    def waitany(self, requests: list, peers: list[int], patience: float | None = None,
+                limit: float | None = None) -> int | None:
         """Index of a completed request (REQUEST_NULL entries are skipped).
 
         With ``patience`` (seconds), None once that much time has passed with
-        nothing completed, so the caller can look around; without it, the
-        communicator's deadline applies and a timeout is raised.
+        nothing completed, so the caller can look around; without it, a timeout
+        is raised past ``limit`` seconds (default: the communicator's timeout).
         """
         def any_done():
             index, done = MPI.Request.Testany(requests)
@@ -225,10 +226,10 @@ class Context:
 
         def give_up():
             pending = [(r, p) for r, p in zip(requests, peers) if r != MPI.REQUEST_NULL]
-            self._give_up([r for r, _ in pending], [p for _, p in pending])
+            self._give_up([r for r, _ in pending], [p for _, p in pending], limit)
 
         if patience is None:
-            return self._poll(any_done, give_up)
+            return self._poll(any_done, give_up, limit)
         return self._poll(any_done, lambda: None, limit=patience)
 
     def wait_until(self, ready, peers: list[int]) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..chunks import balanced_bounds
 
-__all__ = ["Op", "Task", "Roles", "COMMAND_WORDS", "batch_rows"]
+__all__ = ["Op", "Task", "Roles", "COMMAND_WORDS", "batch_rows", "coordinator_patience"]
 
 COMMAND_WORDS = 32
 HEADER = np.int64
@@ -99,3 +99,10 @@ def batch_rows(samples: int, batch: int, number: int, seed: int = 0) -> np.ndarr
     if batch >= samples:
         return np.arange(samples)
     return np.sort(np.random.default_rng([seed, number]).choice(samples, batch, replace=False))
+
+
+def coordinator_patience(ctx) -> float:
+    """Seconds a shard or worker waits for the coordinator's next word before counting it lost: twice the
+    timeout, since the coordinator itself may spend a whole timeout waiting on a silent worker first
+    (0: no limit, as the timeout)."""
+    return 2 * ctx.timeout

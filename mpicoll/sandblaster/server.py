@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from ..context import Context
 from ..tags import Tag
-from .protocol import COMMAND_WORDS, HEADER, Op, Roles
+from .protocol import COMMAND_WORDS, HEADER, Op, Roles, coordinator_patience
 
 __all__ = ["Shard"]
 
@@ -75,7 +75,7 @@ class Shard:
         while True:
             requests = [self._command_request, *self._header_requests.values()]
             peers = [coordinator, *self._header_requests]
-            index = self.ctx.waitany(requests, peers)
+            index = self.ctx.waitany(requests, peers, limit=coordinator_patience(self.ctx))
             if index == 0:
                 command = self._command.copy()
                 self._command_request = self.ctx.irecv(self._command, coordinator, Tag.SANDBLASTER_COMMAND)

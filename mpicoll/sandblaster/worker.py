@@ -17,7 +17,7 @@ import numpy as np
 from ..context import Context
 from ..straggler import Straggler
 from ..tags import Tag
-from .protocol import HEADER, Roles, Task, batch_rows
+from .protocol import HEADER, Roles, Task, batch_rows, coordinator_patience
 
 __all__ = ["Worker"]
 
@@ -46,7 +46,8 @@ class Worker:
         """Work until told to stop; returns the final parameters (from the shards)."""
         ctx, coordinator, task = self.ctx, self.roles.coordinator, np.empty(6, HEADER)
         while True:
-            ctx.wait(ctx.irecv(task, coordinator, Tag.SANDBLASTER_TASK), coordinator)
+            ctx.waitall([ctx.irecv(task, coordinator, Tag.SANDBLASTER_TASK)], coordinator,
+                        limit=coordinator_patience(ctx))
             kind, publication, batch, portion, first, end = (int(t) for t in task)
             self._receive_weights(publication)
             if kind == Task.GRADIENT:
@@ -90,5 +91,6 @@ class Worker:
         requests.append(ctx.isend(np.array([-1.0, -1, 0, 0]), self.roles.coordinator, Tag.SANDBLASTER_DONE))
         final = np.empty(self.roles.size)
         requests += [ctx.irecv(final[self.roles.slice(s)], s, Tag.SANDBLASTER_FINAL) for s in self.roles.shards]
-        ctx.waitall(requests, [*self.roles.shards, self.roles.coordinator, *self.roles.shards])
+        ctx.waitall(requests, [*self.roles.shards, self.roles.coordinator, *self.roles.shards],
+                    limit=coordinator_patience(ctx))      # the shards send once the coordinator says FINISH
         return final
