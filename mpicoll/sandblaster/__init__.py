@@ -135,10 +135,12 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
 
 
 def minimize_locally(init: np.ndarray, loss_and_gradient: Callable, *, history: int = 10, iterations: int = 100,
-                     tolerance: float = 1e-10, on_iteration=None) -> tuple[np.ndarray, list[Iteration], str]:
-    """The same L-BFGS in this process, over ``loss_and_gradient(w, batch)``: (final parameters,
-    iterations, why it stopped early if it did).  The reference Sandblaster's iterates are tested against."""
+                     tolerance: float = 1e-10, batch_of: Callable[[int], int] = lambda k: 0,
+                     on_iteration=None) -> tuple[np.ndarray, list[Iteration], str]:
+    """The same L-BFGS in this process, over ``loss_and_gradient(w, batch number)`` (``batch_of(k)``:
+    iteration k's): (final parameters, iterations, why it stopped early if it did).  The reference
+    Sandblaster's iterates are tested against."""
     vectors = LocalVectors(init, loss_and_gradient, history)
     optimizer = LBFGS(vectors, history, tolerance)
-    steps = optimizer.minimize(iterations, on_iteration=on_iteration)
+    steps = optimizer.minimize(iterations, batch_of, on_iteration)
     return vectors.vectors["x"], steps, optimizer.stopped

@@ -72,7 +72,6 @@ class RemoteVectors:
         self._done = {w: np.empty(4) for w in roles.workers}
         self._requests = {w: ctx.irecv(self._done[w], w, Tag.SANDBLASTER_DONE) for w in roles.workers}
         self._sends: list = []
-        self._portion_s: list[float] = []        # how long each counted portion took, hand-out to result
 
     # -- the Vectors operations ----------------------------------------------
 
@@ -173,7 +172,6 @@ class RemoteVectors:
                 copies[int(portion)] -= 1
             if publication == self.publication and int(portion) not in losses:
                 losses[int(portion)] = loss_sum
-                self._portion_s.append(time.perf_counter() - task[2])
                 self.stats.per_worker[worker] += 1
                 self.stats.portions += 1
             else:
@@ -181,16 +179,11 @@ class RemoteVectors:
         return sum(losses[p] for p in range(self.portions)) / self.rows
 
     def _backup_candidate(self, losses: dict, copies: dict) -> int | None:
-        """The portion of this publication running longest with one copy, once it has run longer than a
-        typical portion takes (the median so far), if backups are on: a free worker waits for a laggard
-        to show rather than duplicate work that is on time."""
+        """The portion of this publication running longest with one copy, if backups are on."""
         if not self.backup:
             return None
-        typical = float(np.median(self._portion_s[-4 * self.portions:])) if self._portion_s else 0.0
-        now = time.perf_counter()
         running = [(since, portion) for publication, portion, since in self.busy.values()
-                   if publication == self.publication and portion not in losses and copies.get(portion) == 1
-                   and now - since >= typical]
+                   if publication == self.publication and portion not in losses and copies.get(portion) == 1]
         return min(running)[1] if running else None
 
     def _next_done(self, workers: list[int]) -> tuple[int | None, tuple | None]:

@@ -273,7 +273,7 @@ def _sandblaster(comm, options, model, data, xp, method, run):
     reported = [0]
 
     def report(w, iteration, evaluations):               # on the first worker, after an accepted step
-        epoch = evaluations * batch // samples
+        epoch = min(evaluations * batch // samples, options.epochs)      # a last line search may run over
         if epoch > reported[0]:
             reported[0] = epoch
             reporter.evaluate(xp.asarray(w, model.dtype), epoch, evaluations * batch)
