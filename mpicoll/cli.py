@@ -1,5 +1,5 @@
-"""The ``mpicoll`` command: ``train``, ``bench``, ``bench-ps``, ``bench-gossip``, ``bench-torch``, ``bench-overlap``
-and ``info`` (under mpiexec), ``compare``, ``plot`` and ``bench-kernels`` (one process), ``cluster`` (an emulated
+"""The ``mpicoll`` command: ``train``, ``bench``, ``bench-ps``, ``bench-gossip``, ``bench-torch``, ``bench-overlap``,
+``bench-sandblaster`` and ``info`` (under mpiexec), ``compare``, ``plot`` and ``bench-kernels`` (one process), ``cluster`` (an emulated
 cluster)."""
 
 from __future__ import annotations
@@ -124,6 +124,23 @@ def _bench_overlap_parser(commands) -> None:
     bench.add_argument("--output", metavar="FILE.json", help="write one record per size and work")
 
 
+def _bench_sandblaster_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-sandblaster", help="Sandblaster L-BFGS time per iteration against workers, straggler, backup tasks",
+        description="Run under mpiexec, e.g.: mpiexec -n 6 mpicoll bench-sandblaster (1 coordinator, 1 shard, "
+        "1 to 4 workers)")
+    bench.add_argument("--servers", type=int, default=1, help="server shards (default 1)")
+    bench.add_argument("--params", type=int, default=1 << 20, help="parameters (default 1M)")
+    bench.add_argument("--rows", type=int, default=4096, help="rows per batch (default 4096)")
+    bench.add_argument("--compute-ms", type=float, default=120.0,
+                       help="one worker's time for a whole batch's gradient, simulated (default 120)")
+    bench.add_argument("--portions", type=int, default=4, help="portions per worker (default 4)")
+    bench.add_argument("--straggler-factor", type=float, default=3.0, help="the straggler's slowness (default 3)")
+    bench.add_argument("--iterations", type=int, default=8, help="L-BFGS iterations per case (default 8)")
+    bench.add_argument("--history", type=int, default=10, help="L-BFGS pairs (default 10)")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per (workers, case)")
+
+
 def _info_parser(commands) -> None:
     commands.add_parser("info", help="versions, MPI library, auto rules, kernel backends, GPU and CUDA-awareness")
 
@@ -161,6 +178,7 @@ def info() -> int:
 _RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".benchmarks.kernels", "run"),
             "bench-ps": (".benchmarks.parameter_servers", "run"), "bench-gossip": (".benchmarks.gossip", "run"),
             "bench-torch": (".benchmarks.torch_collectives", "run"), "bench-overlap": (".benchmarks.overlap", "run"),
+            "bench-sandblaster": (".benchmarks.sandblaster", "run"),
             "train": (".train", "main"),
             "compare": (".train", "compare_main"), "reproduce": (".train", "reproduce_main"),
             "plot": (".train", "plot_main"), "cluster": (".cluster", "main")}
@@ -175,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     _bench_gossip_parser(commands)
     _bench_torch_parser(commands)
     _bench_overlap_parser(commands)
+    _bench_sandblaster_parser(commands)
     from .train import add_compare_parsers, add_parser as add_train_parser, add_reproduce_parser
     add_train_parser(commands)
     add_compare_parsers(commands)

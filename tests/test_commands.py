@@ -269,6 +269,20 @@ def test_bench_ps_reports_every_rule(tmp_path):
         assert 0 < record["update_fraction_of_copy"] and record["gbps"] > 0
 
 
+def test_bench_sandblaster_times_every_worker_count_and_case(tmp_path):
+    out = tmp_path / "sandblaster.json"
+    result = launch(4, "-m", "mpicoll", "bench-sandblaster", "--params", "4096", "--rows", "64", "--compute-ms", "4",
+                    "--iterations", "2", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    records = json.loads(out.read_text())
+    assert [(r["workers"], r["straggler"], r["backup"]) for r in records] == \
+        [(1, False, True), (2, False, True), (2, True, False), (2, True, True)]
+    for record in records:
+        assert record["iterations"] == 2 and record["evaluation_s"] > 0 and 0 < record["efficiency"]
+        assert (record["backups"] == 0) if not record["backup"] else record["backups"] >= 0
+    assert "efficiency" in result.stdout
+
+
 def test_train_shows_progress_and_refuses_a_bad_data_file(tmp_path):
     pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
     result = launch(2, "-m", "mpicoll", "train", "--method", "allreduce-auto", "--epochs", "3",
