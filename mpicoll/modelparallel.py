@@ -82,22 +82,21 @@ class Pipeline:
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
 
     def init(self, seed: int):
-        """This stage's slice of the whole model's starting vector (the same on any number of stages)."""
-        return self.model.init(seed)[self.slice].copy()
+        """This stage's slice of the whole model's starting vector (the same on any number of stages),
+        made without making the whole vector."""
+        return self.model.init_layers(seed, *self.bounds[self.stage])
 
     def _receive(self, shape, source: int, dtype):
         buffer = np.empty(shape, dtype)
         self.ctx.wait(self.ctx.irecv(buffer, source, Tag.MODEL_PARALLEL), source)
         return buffer
 
-    def loss_and_gradient(self, params, X, y, gradient: bool = True):
-        """(batch-mean loss, this stage's gradient) for the batch (X, y), over the pipeline."""
+    def _forward(self, layers, X, rows: int, dtype):
+        """Fill: every micro-batch's forward through this stage; (the pieces, their activations)."""
         xp, ctx = self.model.xp, self.ctx
-        layers, rows = dense_layers(params, self.shapes), len(y)
         pieces = [piece for piece in np.array_split(np.arange(rows), self.micro_batches) if len(piece)]
-        dtype = np.asarray(params).dtype
-        kept, sends, loss = [], [], 0.0
-        for piece in pieces:                                    # fill: every forward
+        kept, sends = [], []
+        for piece in pieces:
             a = xp.asarray(X[piece], dtype=dtype) if self.first else \
                 self._receive((len(piece), self.shapes[0][0]), self.stage - 1, dtype)
             activations = dense_forward(xp, layers, a, linear_last=self.last)
@@ -105,7 +104,28 @@ class Pipeline:
                 sends.append(ctx.isend(np.ascontiguousarray(activations[-1]), self.stage + 1, Tag.MODEL_PARALLEL))
             kept.append(activations)
         ctx.waitall(sends, self.stage + 1)
-        sends, grad = [], xp.zeros_like(params) if gradient else None
+        return pieces, kept
+
+    def evaluate(self, params, X, y) -> tuple[float, float]:
+        """(mean loss, accuracy) on a data set, through the pipeline (forward only), known on every stage:
+        no rank ever holds the whole model, as it would to evaluate it alone."""
+        rows = len(y)
+        pieces, kept = self._forward(dense_layers(params, self.shapes), X, rows, np.asarray(params).dtype)
+        total = np.zeros(2)
+        if self.last:
+            for piece, activations in zip(pieces, kept):
+                part, _ = _softmax_cross_entropy(self.model.xp, activations[-1], y[piece])
+                total += [float(part) * len(piece) / rows, float((activations[-1].argmax(axis=1) == y[piece]).sum())]
+        self.ctx.comm.Bcast(total, root=self.stages - 1)
+        return float(total[0]), float(total[1] / rows)
+
+    def loss_and_gradient(self, params, X, y, gradient: bool = True):
+        """(batch-mean loss, this stage's gradient) for the batch (X, y), over the pipeline."""
+        xp, ctx = self.model.xp, self.ctx
+        layers, rows = dense_layers(params, self.shapes), len(y)
+        dtype = np.asarray(params).dtype
+        pieces, kept = self._forward(layers, X, rows, dtype)
+        loss, sends, grad = 0.0, [], xp.zeros_like(params) if gradient else None
         deltas = []
         if self.last:
             for piece, activations in zip(pieces, kept):

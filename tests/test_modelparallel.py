@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from mpicoll.modelparallel import Pipeline, split
 from mpicoll.train.models import MLP, SoftmaxRegression
-from conftest import P, WORLD, everywhere, shared_seed
+from conftest import P, WORLD, everywhere, launch, shared_seed
 
 
 @pytest.mark.parametrize("sizes, stages, expected", [
@@ -60,7 +62,21 @@ def test_a_pipeline_computes_the_whole_models_loss_and_gradient(micro_batches, c
     value, none = pipe.loss_and_gradient(whole[pipe.slice].copy(), X, y, gradient=False)
     everywhere(none is None and abs(value - expected_loss) < 1e-12, f"loss only: {value}")
     everywhere(np.array_equal(pipe.init(3), model.init(3)[pipe.slice]), "init is not the whole model's slice")
+    score, expected_score = pipe.evaluate(whole[pipe.slice].copy(), X, y), model.evaluate(whole, X, y)
+    everywhere(abs(score[0] - expected_score[0]) < 1e-12 and score[1] == expected_score[1],
+               f"evaluated through the pipeline {score}, whole {expected_score}")
     pipe.close()
+
+
+def test_a_stage_is_made_without_making_the_whole_model(monkeypatch):
+    """init_layers skips earlier layers' random draws in pieces: equal to the whole init's slice, also when
+    a layer is longer than a piece."""
+    from mpicoll.train import models
+    monkeypatch.setattr(models, "_SKIP_PIECE", 100)
+    model = MLP(30, 4, [17, 9], dtype=np.float64)
+    whole, offsets = model.init(5), np.cumsum([0] + [a * b + b for a, b in model.shapes])
+    for first, end in [(0, 1), (1, 2), (2, 3), (1, 3), (0, 3)]:
+        assert np.array_equal(model.init_layers(5, first, end), whole[offsets[first]:offsets[end]]), (first, end)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -120,3 +136,22 @@ def test_a_torch_pipeline_leaves_the_whole_models_gradients(micro_batches, uneve
     everywhere(len(ours) == len(theirs) and worst < 1e-12 and abs(loss - expected.item()) < 1e-12,
                f"seed {seed}, cut {pipe.bounds}: gradients off by {worst:.2e}, loss {loss} vs {expected.item()}")
     pipe.close()
+
+
+@pytest.mark.watchdog(200)
+def test_a_model_over_the_memory_budget_trains_only_cut_into_stages(tmp_path):
+    """--max-rank-memory between what a stage and the whole model need: refused whole, in one line naming
+    the --model-parallel that fits; trained with it (2 ranks: one replica of 2 stages)."""
+    pytest.importorskip("sklearn", reason="the digits need scikit-learn (the data extra)")
+    model = MLP(64, 10, [256, 256, 256])
+    layers = [a * b + b for a, b in model.shapes]
+    whole, stage = model.state_bytes(32), max(model.state_bytes(32, a, b) for a, b in split(layers, 2))
+    budget = str((whole + stage) // 2)
+    common = ["-m", "mpicoll", "train", "--model", "mlp", "--hidden", "256,256,256", "--max-rank-memory", budget,
+              "--epochs", "2", "--quiet"]
+    refused = launch(2, *common, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("--model-parallel 2 would fit") == 1, refused.stderr
+    log = tmp_path / "run.jsonl"
+    trained = launch(2, *common, "--model-parallel", "2", "--output", str(log), timeout=120)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert json.loads(log.read_text().splitlines()[-1])["final_accuracy"] > 0.8

@@ -81,6 +81,15 @@ def main(args) -> int:
     return 0
 
 
+def _bytes(text: str) -> int:
+    import argparse
+    from ..config import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_parser(commands) -> None:
     train_ = commands.add_parser(
         "train", help="distributed SGD on real data with any training method (run under mpiexec)",
@@ -108,6 +117,10 @@ def add_parser(commands) -> None:
     train_.add_argument("--model-parallel", type=int, default=1, metavar="K",
                         help="allreduce methods: cut the model into K stages on K ranks (pipelined, "
                         "mpicoll.modelparallel); the ranks make N/K replicas (default 1: no cut)")
+    train_.add_argument("--max-rank-memory", type=_bytes, default=0, metavar="BYTES",
+                        help="allreduce methods: refuse to start if a rank would hold more training state than "
+                        "this (parameters, gradient, allreduce result, a batch's activations), e.g. 16M; with "
+                        "--model-parallel K a rank holds only its stage's (default: no limit)")
     train_.add_argument("--seed", type=int, default=0)
     train_.add_argument("--straggler", help="RANK=FACTOR: make that rank FACTOR times slower, e.g. 3=3")
     train_.add_argument("--delay", metavar="DIST", help="add to every step of every rank a sleep drawn from "

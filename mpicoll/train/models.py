@@ -86,6 +86,9 @@ def _softmax_cross_entropy(xp, logits, y):
     return loss, probabilities / len(y)
 
 
+_SKIP_PIECE = 1 << 20      # random draws made and dropped at a time when skipping layers
+
+
 class _Layers(Model):
     """A stack of dense layers (ReLU between them) over one flat vector."""
 
@@ -99,11 +102,29 @@ class _Layers(Model):
         return dense_layers(params, self.shapes)
 
     def init(self, seed: int):
+        return self.init_layers(seed, 0, len(self.shapes))
+
+    def init_layers(self, seed: int, first: int, end: int):
+        """Layers [first, end) of :meth:`init`'s vector, made without making the others: the random stream
+        is advanced past earlier layers in bounded pieces (a model stage that is all a rank can hold)."""
         rng = np.random.default_rng(seed)
+        for a, b in self.shapes[:first]:
+            for done in range(0, a * b, _SKIP_PIECE):
+                rng.standard_normal(min(_SKIP_PIECE, a * b - done))
         parts = []
-        for a, b in self.shapes:
-            parts += [rng.standard_normal(a * b) * np.sqrt(2.0 / a) * (len(self.shapes) > 1), np.zeros(b)]
-        return self.xp.asarray(np.concatenate(parts).astype(self.dtype))
+        for a, b in self.shapes[first:end]:
+            parts += [(rng.standard_normal(a * b) * np.sqrt(2.0 / a) * (len(self.shapes) > 1)).astype(self.dtype),
+                      np.zeros(b, self.dtype)]
+        return self.xp.asarray(np.concatenate(parts))
+
+    def state_bytes(self, batch: int, first: int = 0, end: int | None = None) -> int:
+        """Bytes one rank holds to train layers [first, end) by allreduce SGD on ``batch`` rows: the
+        parameters, their gradient and the allreduce's result (three vectors), and the activations a
+        batch keeps for the backward pass (its input and every layer's output)."""
+        shapes = self.shapes[first:end]
+        parameters = sum(a * b + b for a, b in shapes)
+        widths = shapes[0][0] + sum(b for _, b in shapes)
+        return self.dtype.itemsize * (3 * parameters + batch * widths)
 
     def _forward(self, params, X):
         layers = self._unpack(params)

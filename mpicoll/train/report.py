@@ -34,8 +34,10 @@ class Reporter:
         self.live = options.progress and self.stream.isatty()
         self.last: dict = {}
 
-    def evaluate(self, params, epoch: int, samples: int) -> dict:
-        loss, accuracy = self.model.evaluate(params, self.X_test, self.y_test)
+    def evaluate(self, params, epoch: int, samples: int, measured: tuple[float, float] | None = None) -> dict:
+        """Record the test loss and accuracy of ``params`` (or ``measured``: (loss, accuracy) found elsewhere,
+        e.g. through a model-parallel pipeline, with ``params`` None)."""
+        loss, accuracy = measured or self.model.evaluate(params, self.X_test, self.y_test)
         elapsed = time.perf_counter() - self.start
         self.samples = samples
         record = {"time_s": round(elapsed, 4), "epoch": epoch, "samples": int(samples), "loss": loss,
@@ -45,10 +47,12 @@ class Reporter:
         self.last = record
         return record
 
-    def finish(self, params, staleness: dict[int, int] | None = None) -> dict:
+    def finish(self, params, staleness: dict[int, int] | None = None,
+               measured: tuple[float, float] | None = None) -> dict:
         """The summary record (logged and returned); ``staleness``: a parameter server's histogram of the
-        updates between the weights a gradient was computed on and the update that used it."""
-        loss, accuracy = self.model.evaluate(params, self.X_test, self.y_test)
+        updates between the weights a gradient was computed on and the update that used it; ``measured``:
+        as for :meth:`evaluate`."""
+        loss, accuracy = measured or self.model.evaluate(params, self.X_test, self.y_test)
         wall = time.perf_counter() - self.start
         options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "extra", "resume")}
         summary = {"summary": True, "method": self.options.method, "ranks": self.ranks,

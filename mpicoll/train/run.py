@@ -60,6 +60,7 @@ class Options:
     graph: str = "time-varying-exponential"
     tau: int = 0                      # sgp overlap
     model_parallel: int = 1           # allreduce methods: stages per replica (mpicoll.modelparallel)
+    max_rank_memory: int = 0          # allreduce methods: bytes of training state one rank may hold (0: no limit)
     history: int = 10                 # sandblaster-lbfgs: L-BFGS pairs kept
     lbfgs_batch: int = 0              # sandblaster-lbfgs: rows per iteration (0: all, full-batch L-BFGS)
     portions: int = 0                 # sandblaster-lbfgs: pieces per gradient evaluation (0: 4 per worker)
@@ -126,6 +127,8 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
     schedules.parse(options.lr_schedule, options.lr)
     if options.model_parallel != 1:
         _check_model_parallel(options, model, method, size)
+    if options.max_rank_memory:
+        _check_memory(options, model, method, size)
     if method.runner is _sandblaster:
         _check_sandblaster(options, size)
     if method.one_rank and size > 1:
@@ -195,11 +198,12 @@ def _allreduce(comm, options, model, data, xp, method, run):
     else:
         channel_comm, params, gradient_of = comm, model.init(options.seed), model.loss_and_gradient
 
-    def whole():            # the whole model, on rank 0 (each replica's first stage gathers its stages)
+    def test_score():       # (loss, accuracy) on the test set, on rank 0; through replica 0's pipeline
         if k == 1:
-            return params
-        parts = pipe_comm.gather(arrays.as_host(params), root=0)
-        return xp.asarray(np.concatenate(parts)) if parts else None
+            return model.evaluate(params, reporter.X_test, reporter.y_test) if reporter else None
+        if replica == 0:    # every stage of it takes part; none holds the whole model
+            return pipe.evaluate(params, data.X_test, data.y_test)
+        return None
 
     start = 0
     if options.resume:                       # every rank holds the same parameters: one file
@@ -219,15 +223,15 @@ def _allreduce(comm, options, model, data, xp, method, run):
             if options.checkpoint and rank == 0:
                 checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
                                 epoch=epoch + 1)
-            model_now = whole()
+            score = test_score()
             if reporter:
-                reporter.evaluate(model_now, epoch + 1, (epoch + 1) * steps * options.batch * replicas)
-        final = whole()
+                reporter.evaluate(None, epoch + 1, (epoch + 1) * steps * options.batch * replicas, measured=score)
+        final = test_score()
     if k > 1:
         pipe.close()
         pipe_comm.Free()
         channel_comm.Free()
-    return reporter.finish(final) if reporter else None
+    return reporter.finish(None, measured=final) if reporter else None
 
 
 def _check_model_parallel(options: Options, model: Model, method: "Method", size: int) -> None:
@@ -241,6 +245,30 @@ def _check_model_parallel(options: Options, model: Model, method: "Method", size
                          f"model has {len(model.shapes)} layer(s) to share among them (e.g. mpiexec -n {2 * k})")
     if options.checkpoint:
         raise ValueError("--model-parallel does not checkpoint yet: drop --checkpoint")
+
+
+def _check_memory(options: Options, model: Model, method: "Method", size: int) -> None:
+    """Refuse a run whose ranks would hold more training state than ``--max-rank-memory``, saying which
+    ``--model-parallel K`` would fit (the stage with the most state decides)."""
+    if method.runner is not _allreduce or not hasattr(model, "state_bytes"):
+        raise ValueError("--max-rank-memory is enforced for the allreduce methods on numpy dense models (mlp, "
+                         "softmax): drop it, or use one of those")
+    from ..modelparallel import split
+    layers = [a * b + b for a, b in model.shapes]
+
+    def need(k: int) -> int:
+        return max(model.state_bytes(options.batch, first, end) for first, end in split(layers, k))
+
+    k, budget = options.model_parallel, options.max_rank_memory
+    if need(k) <= budget:
+        return
+    fits = [j for j in range(k + 1, len(layers) + 1) if need(j) <= budget]
+    advice = (f"--model-parallel {fits[0]} would fit (mpiexec -n a multiple of {fits[0]})" if fits else
+              f"no cut of its {len(layers)} layers fits: each layer is one stage at most; use a smaller model or "
+              f"batch, or more memory")
+    raise ValueError(f"--max-rank-memory {budget:,} bytes: the model ({model.size:,} parameters) needs "
+                     f"{need(k):,} bytes of training state per rank with --model-parallel {k} (parameters, gradient "
+                     f"and allreduce result, and a batch of {options.batch} rows' activations); {advice}")
 
 
 def _check_sandblaster(options: Options, size: int) -> None:
