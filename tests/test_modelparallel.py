@@ -155,3 +155,16 @@ def test_a_model_over_the_memory_budget_trains_only_cut_into_stages(tmp_path):
     trained = launch(2, *common, "--model-parallel", "2", "--output", str(log), timeout=120)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert json.loads(log.read_text().splitlines()[-1])["final_accuracy"] > 0.8
+
+
+@pytest.mark.watchdog(200)
+def test_downpour_trains_replicas_cut_into_stages_from_the_command_line(tmp_path):
+    """mpiexec -n 6 mpicoll train --method downpour --model-parallel 2: a server per stage and two replicas
+    of two stages, asynchronous, to >= 90% on the digits."""
+    pytest.importorskip("sklearn", reason="the digits need scikit-learn (the data extra)")
+    log = tmp_path / "run.jsonl"
+    result = launch(6, "-m", "mpicoll", "train", "--method", "downpour", "--model", "mlp", "--model-parallel", "2",
+                    "--lr", "0.05", "--quiet", "--output", str(log), env={"OPENBLAS_NUM_THREADS": "1"}, timeout=150)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(log.read_text().splitlines()[-1])
+    assert summary["ranks"] == 6 and summary["final_accuracy"] >= 0.9, summary

@@ -100,6 +100,31 @@ def test_model_parallel_training_is_allreduce_training_of_its_replicas():
         train(WORLD, Options(method="allreduce-ring", epochs=1, model_parallel=P + 1, progress=False), model, data)
 
 
+@pytest.mark.mpi(min_size=4)
+def test_downpour_of_one_pipelined_replica_is_adagrad_on_the_whole_model():
+    """--method downpour --model-parallel 2 at 4 ranks: 2 server ranks (one per stage, each holding only its
+    stage's layers) and one replica of 2 stages; Downpour's update is Adagrad, elementwise, so the result
+    must be single-process Adagrad on the whole model over the same batches (float64)."""
+    if P != 4:
+        pytest.skip("one replica of 2 stages and a server per stage: 4 ranks")
+    import math
+    from mpicoll.train.run import _batches
+    data = digits()
+    model = MLP(data.features, data.classes, [16, 12], dtype=np.float64)
+    options = Options(method="downpour", epochs=1, batch=8, lr=0.05, seed=5, progress=False, model_parallel=2)
+    summary = train(WORLD, options, model, data)
+    params, history = model.init(options.seed), np.zeros(model.size)
+    for batch in _batches(len(data.y), options.batch, math.ceil(len(data.y) / options.batch), [options.seed, 0, 0]):
+        g = model.loss_and_gradient(params, data.X[batch], data.y[batch])[1]
+        history += g * g
+        params -= options.lr * g / (np.sqrt(history) + 1e-8)
+    expected = model.evaluate(params, data.X_test, data.y_test)[0]
+    losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
+    everywhere(len(losses) == 1 and abs(losses[0] - expected) < 1e-9, f"final loss {losses}, expected {expected!r}")
+    with pytest.raises(mpicoll.SetupError, match="whole replicas"):
+        train(WORLD, Options(method="downpour", epochs=1, model_parallel=2, servers=2, progress=False), model, data)
+
+
 @pytest.mark.parametrize("arrays, words", [
     (None, "no such file"),
     ("garbage", "not a readable .npz"),

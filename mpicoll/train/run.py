@@ -142,8 +142,8 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
     if parameter_server and size <= options.servers:
         raise ValueError(f"{options.method} needs more ranks than its {options.servers} server(s): "
                          f"mpiexec -n {options.servers + 1} or more")
-    reporting = options.servers + (method.runner is _sandblaster) if parameter_server or \
-        method.runner is _sandblaster else 0
+    reporting = options.servers * options.model_parallel if parameter_server else \
+        options.servers + 1 if method.runner is _sandblaster else 0
     if options.output and rank == reporting:
         folder = Path(options.output).parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
@@ -235,14 +235,17 @@ def _allreduce(comm, options, model, data, xp, method, run):
 
 
 def _check_model_parallel(options: Options, model: Model, method: "Method", size: int) -> None:
-    k = options.model_parallel
-    if method.runner is not _allreduce or method.one_rank:
-        raise ValueError(f"--model-parallel works with the allreduce methods for now, not {options.method}")
+    k, downpour = options.model_parallel, method.name == "downpour"
+    if (method.runner is not _allreduce or method.one_rank) and not downpour:
+        raise ValueError(f"--model-parallel works with the allreduce methods and downpour, not {options.method}")
     if not hasattr(model, "shapes"):
         raise ValueError("--model-parallel cuts dense layers: use --model mlp or softmax (numpy)")
-    if k < 1 or size % k or k > len(model.shapes):
-        raise ValueError(f"--model-parallel {k}: the {size} ranks must make whole replicas of {k} stages, and the "
-                         f"model has {len(model.shapes)} layer(s) to share among them (e.g. mpiexec -n {2 * k})")
+    servers = k * options.servers if downpour else 0              # downpour: --servers shards per stage
+    if k < 1 or (size - servers) % k or size - servers < k or k > len(model.shapes):
+        raise ValueError(f"--model-parallel {k}: the {size - servers} {'worker ' if downpour else ''}ranks must make "
+                         f"whole replicas of {k} stages, and the model has {len(model.shapes)} layer(s) to share "
+                         f"among them (e.g. mpiexec -n {servers + 2 * k}"
+                         f"{f': {servers} servers, {options.servers} per stage, and 2 replicas' if downpour else ''})")
     if options.checkpoint:
         raise ValueError("--model-parallel does not checkpoint yet: drop --checkpoint")
 
@@ -356,6 +359,8 @@ def _sgp(comm, options, model, data, xp, method, run):
 
 
 def _parameter_server(comm, options, model, data, xp, method, run):
+    if options.model_parallel > 1:
+        return _downpour_of_pipelines(comm, options, model, data, xp, method)
     rank, size = comm.Get_rank(), comm.Get_size()
     workers = tuple(range(options.servers, size))
     rule, per_update = method.rule(options, len(workers))
@@ -404,6 +409,54 @@ def _parameter_server(comm, options, model, data, xp, method, run):
         reporter.evaluate(xp.asarray(final), options.epochs, budget * options.batch)
         return reporter.finish(xp.asarray(final), staleness=staleness)
     return None
+
+
+def _downpour_of_pipelines(comm, options, model, data, xp, method):
+    """Downpour over R replicas of a model cut into K pipelined stages (DistBelief): the first K x S ranks
+    serve, S shards per stage, each stage's shards holding only that stage's layers; rank K x S +
+    replica x K + stage computes that stage of that replica, and pushes its gradient to and fetches its
+    weights from its own stage's shards only (one parameter server per stage, over that stage's ranks).
+    Every replica takes ``epochs`` passes over its shard of the data."""
+    from ..modelparallel import Pipeline, split
+    rank, size, k, per_stage = comm.Get_rank(), comm.Get_size(), options.model_parallel, options.servers
+    servers = k * per_stage
+    is_server = rank < servers
+    stage = rank // per_stage if is_server else (rank - servers) % k
+    replica, replicas = (None if is_server else (rank - servers) // k), (size - servers) // k
+    stage_comm = comm.Split(stage, rank)                      # this stage's shards first, then its workers
+    pipe_comm = comm.Split(MPI.UNDEFINED if is_server else replica, rank)
+    first, end = split([a * b + b for a, b in model.shapes], k)[stage]
+    rule, per_update = method.rule(options, replicas)
+    server = ps.ParameterServer(stage_comm, np.asarray(model.init_layers(options.seed, first, end)), rule,
+                                servers=per_stage, transport=options.transport)
+    _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(replicas)), me=replica)
+    reporter = Reporter(options, model, data, xp, ranks=size) if rank == servers else None
+    pipe = None if is_server else Pipeline(pipe_comm, model, micro_batches=min(k, options.batch))
+    if is_server:
+        budget = options.epochs * steps * replicas                      # gradients into each stage
+        lr_at, updates = schedules.parse(options.lr_schedule, options.lr), max(1, budget // per_update)
+        server.serve(warm_start=options.warm_start, lr_at=lambda version: lr_at(version / updates))
+    else:
+        schedule = ps.Schedule(server.client, options.n_fetch, options.n_push)
+        w = xp.asarray(server.client.pull())
+        for epoch in range(options.epochs):
+            for batch in _batches(len(y), options.batch, steps, [options.seed, replica, epoch]):
+                with slow, timeline.span("gradient", "train"):
+                    loss, grad = pipe.loss_and_gradient(w, X[batch], y[batch])
+                with timeline.span("exchange with the servers", "train"):
+                    w = xp.asarray(schedule.step(arrays.as_host(grad)))
+            score = pipe.evaluate(w, data.X_test, data.y_test) if replica == 0 else None
+            if reporter:
+                reporter.evaluate(None, epoch + 1, (epoch + 1) * steps * options.batch * replicas, measured=score)
+        server.client.close()
+    final = server.gather_weights()                           # this stage's, on every rank of the stage
+    server.close()
+    score = pipe.evaluate(xp.asarray(final), data.X_test, data.y_test) if replica == 0 else None
+    if pipe:
+        pipe.close()
+        pipe_comm.Free()
+    stage_comm.Free()
+    return reporter.finish(None, measured=score) if reporter else None
 
 
 STALENESS_BINS = 64        # lags counted one by one; longer ones share the last bin
