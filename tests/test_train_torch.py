@@ -73,11 +73,13 @@ def test_the_numpy_cnn_is_the_torch_cnn(features):
 def test_every_method_trains_a_torch_cnn(method):
     if method.startswith(("ps-", "dcasgd", "downpour")) and P < 2:
         pytest.skip("a parameter server needs a server and a worker")
+    if method == "sandblaster-lbfgs" and P < 3:
+        pytest.skip("Sandblaster needs a coordinator, a server shard and a worker")
     data = digits()
     model = make("cnn", data.features, data.classes, shape=data.shape)
     start_loss, _ = model.evaluate(model.init(3), data.X_test, data.y_test)
-    options = Options(method=method, epochs=2, batch=16, lr=0.05, seed=3, progress=False,
-                      tau=1 if method == "sgp" else 0)
+    options = Options(method=method, epochs=10 if method == "sandblaster-lbfgs" else 2, batch=16, lr=0.05, seed=3,
+                      progress=False, tau=1 if method == "sgp" else 0)      # L-BFGS: 10 full-batch gradients
     alone = METHODS[method].one_rank            # sequential SGD: every rank runs its own
     summary = train(MPI.COMM_SELF if alone else WORLD, options, model, data)
     final = summary if alone else [s for s in WORLD.allgather(summary) if s][0]
