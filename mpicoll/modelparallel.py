@@ -33,7 +33,7 @@ from .context import Context
 from .tags import Tag
 from .train.models import _softmax_cross_entropy, dense_backward, dense_forward, dense_layers
 
-__all__ = ["Pipeline", "TorchPipeline", "split"]
+__all__ = ["Pipeline", "TorchPipeline", "TorchStage", "stage", "stage_init", "layer_sizes", "split"]
 
 
 def split(sizes: list[int], stages: int) -> list[tuple[int, int]]:
@@ -178,6 +178,8 @@ class TorchPipeline:
         self.stage, self.stages = self.ctx.rank, self.ctx.size
         modules = list(model)
         self.bounds = bounds or split([1 + sum(p.numel() for p in m.parameters()) for m in modules], self.stages)
+        if len(self.bounds) != self.stages:
+            raise ValueError(f"bounds {self.bounds}: one (first, end) per stage, {self.stages} stages")
         first, end = self.bounds[self.stage]
         self.module = torch.nn.Sequential(*modules[first:end])
         self.micro_batches = max(1, micro_batches)
@@ -227,5 +229,88 @@ class TorchPipeline:
         self.ctx.comm.Bcast(loss, root=self.stages - 1)
         return float(loss[0])
 
+    def evaluate(self, X, y, loss_fn=None) -> tuple[float, float]:
+        """(mean loss, accuracy) on a data set, forward only through every stage; known on every stage."""
+        torch = self.torch
+        loss_fn = loss_fn or torch.nn.functional.cross_entropy
+        rows, total, sends = len(y), np.zeros(2), []
+        with torch.no_grad():
+            for piece in [p for p in np.array_split(np.arange(rows), self.micro_batches) if len(p)]:
+                outputs = self.module(X[piece] if self.first else self._receive(self.stage - 1))
+                if self.last:
+                    total += [float(loss_fn(outputs, y[piece])) * len(piece) / rows,
+                              float((outputs.argmax(dim=1) == y[piece]).sum())]
+                else:
+                    sends += self._send(outputs, self.stage + 1)
+        self.ctx.waitall(sends, self.stage + 1)
+        self.ctx.comm.Bcast(total, root=self.stages - 1)
+        return float(total[0]), float(total[1] / rows)
+
     def close(self) -> None:
         self.ctx.free()
+
+
+class TorchStage:
+    """A :class:`TorchPipeline` behind :class:`Pipeline`'s flat-vector interface (``slice``, ``init``,
+    ``loss_and_gradient``, ``evaluate``), so the training methods that cut a model into stages train
+    an ``mpicoll.train`` torch model (``--framework torch``; its module an ``nn.Sequential``) unchanged.
+    The stage's parameters and gradient are views of flat vectors (``mpicoll.torch.point_at``)."""
+
+    def __init__(self, comm: MPI.Intracomm, model, *, micro_batches: int = 1):
+        import torch
+        from .torch import point_at
+        self.torch, self.point_at, self.model = torch, point_at, model
+        self.pipe = TorchPipeline(comm, model.module, micro_batches=micro_batches)
+        self.parameters = list(self.pipe.module.parameters())
+        offsets = np.cumsum([0, *(sum(p.numel() for p in m.parameters()) for m in model.module)])
+        first, end = self.pipe.bounds[self.pipe.stage]
+        self.slice = slice(int(offsets[first]), int(offsets[end]))     # this stage's part of the flat vector
+
+    def init(self, seed: int):
+        """This stage's slice of the whole module's start (torch makes the whole module to draw it)."""
+        return stage_init(self.model, self.pipe.stages, self.pipe.stage, seed)
+
+    def _tensors(self, X, y):
+        if self.torch.get_num_threads() != self.model.threads:   # as TorchModel: Numba may have reset it
+            self.torch.set_num_threads(self.model.threads)
+        return self.torch.as_tensor(np.asarray(X)), self.torch.as_tensor(np.asarray(y))
+
+    def loss_and_gradient(self, params, X, y):
+        X, y = self._tensors(X, y)
+        grad = np.zeros_like(params)
+        self.point_at(self.parameters, self.torch.as_tensor(params), self.torch.as_tensor(grad))
+        return self.pipe.forward_backward(X, y), grad
+
+    def evaluate(self, params, X, y) -> tuple[float, float]:
+        X, y = self._tensors(X, y)
+        self.point_at(self.parameters, self.torch.as_tensor(params))
+        return self.pipe.evaluate(X, y)
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+def stage(comm: MPI.Intracomm, model, *, micro_batches: int = 1):
+    """This rank's stage of ``model`` cut over ``comm``: a :class:`Pipeline` for mpicoll's dense models, a
+    :class:`TorchStage` for torch ones."""
+    if hasattr(model, "shapes"):
+        return Pipeline(comm, model, micro_batches=micro_batches)
+    return TorchStage(comm, model, micro_batches=micro_batches)
+
+
+def stage_init(model, stages: int, stage: int, seed: int):
+    """Stage ``stage`` of ``stages``'s slice of ``model.init(seed)`` (the default cut), e.g. for a parameter
+    server that holds that stage: a dense model makes only those layers; torch makes the whole module."""
+    first, end = split(layer_sizes(model), stages)[stage]
+    if hasattr(model, "init_layers"):
+        return model.init_layers(seed, first, end)
+    offsets = np.cumsum([0, *(sum(p.numel() for p in m.parameters()) for m in model.module)])
+    return model.init(seed)[int(offsets[first]):int(offsets[end])].copy()
+
+
+def layer_sizes(model) -> list[int]:
+    """What :func:`split` balances for ``model``: parameters per dense layer, or per module (plus one, so a
+    parameter-free module still counts) of a torch Sequential."""
+    if hasattr(model, "shapes"):
+        return [a * b + b for a, b in model.shapes]
+    return [1 + sum(p.numel() for p in m.parameters()) for m in model.module]

@@ -109,6 +109,37 @@ def deep_torch_model(seed: int):
 
 
 @pytest.mark.mpi
+def test_a_torch_stage_is_the_whole_modules_slice_on_a_flat_vector():
+    """TorchStage (what mpicoll train cuts a torch model with): its loss and gradient laid end to end, and
+    its evaluation, are the whole TorchModel's on the same flat vector."""
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    from mpicoll.modelparallel import TorchStage
+    from mpicoll.train.torch_models import TorchModel
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = TorchModel(lambda: torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5),
+                                                       torch.nn.Tanh(), torch.nn.Linear(5, 4)))
+        model.module.double()
+        for p in model.parameters:
+            p.data = p.data.double()
+        rng = np.random.default_rng(shared_seed())
+        X, y = rng.standard_normal((10, 9)), rng.integers(0, 4, 10)
+        whole = rng.standard_normal(model.size)
+        pipe = TorchStage(WORLD, model, micro_batches=3)
+        loss, grad = pipe.loss_and_gradient(whole[pipe.slice].copy(), X, y)
+        expected_loss, expected = model.loss_and_gradient(whole.copy(), X, y)
+        gathered = np.concatenate(WORLD.allgather(grad))
+        score, expected_score = pipe.evaluate(whole[pipe.slice].copy(), X, y), model.evaluate(whole.copy(), X, y)
+        everywhere(abs(loss - expected_loss) < 1e-12 and np.abs(gathered - expected).max() < 1e-12,
+                   f"loss {loss} vs {expected_loss}, gradient off by {np.abs(gathered - expected).max():.2e}")
+        everywhere(abs(score[0] - expected_score[0]) < 1e-12 and score[1] == expected_score[1],
+                   f"evaluation {score} vs {expected_score}")
+        pipe.close()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("micro_batches", [1, 4])
 @pytest.mark.parametrize("uneven", [False, True])
 def test_a_torch_pipeline_leaves_the_whole_models_gradients(micro_batches, uneven):

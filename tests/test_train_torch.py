@@ -107,6 +107,35 @@ def test_allreduce_on_a_torch_model_is_single_process_sgd_on_the_combined_batch(
                f"final loss {losses[0]!r}, single process {expected!r}")
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("method", ["allreduce-ring", "downpour"])
+def test_model_parallel_trains_a_torch_sequential(method):
+    """--framework torch --model-parallel K: allreduce over P/K replicas of K stages ends where allreduce
+    SGD over P/K ranks does (computed here in one process, float32); downpour (a server per stage) at 4 ranks
+    (one replica) where single-process Adagrad does."""
+    from test_train import allreduce_sgd
+    k = 3 if P == 3 and method != "downpour" else 2
+    if method == "downpour" and P != 4:
+        pytest.skip("one replica of 2 stages and a server per stage: 4 ranks")
+    data = digits()
+    model = make("mlp", data.features, data.classes, [16, 12])
+    options = Options(method=method, epochs=1, batch=8, lr=0.2 if method != "downpour" else 0.05, seed=5,
+                      progress=False, model_parallel=k)
+    summary = train(WORLD, options, model, data)
+    if method == "downpour":
+        params, history = model.init(options.seed).astype(np.float64), np.zeros(model.size)
+        for batch in _batches(len(data.y), options.batch, math.ceil(len(data.y) / options.batch), [5, 0, 0]):
+            g = model.loss_and_gradient(params.astype(np.float32), data.X[batch], data.y[batch])[1]
+            history += g * g
+            params -= options.lr * g / (np.sqrt(history) + 1e-8)
+        expected = model.evaluate(params.astype(np.float32), data.X_test, data.y_test)[0]
+    else:
+        expected = allreduce_sgd(model, data, options, P // k)
+    losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
+    everywhere(len(losses) == 1 and abs(losses[0] - expected) < 1e-3 * abs(expected),
+               f"final loss {losses}, single process {expected!r}")
+
+
 def test_mnist1d_is_generated_once_and_cached(tmp_path, monkeypatch):
     pytest.importorskip("mnist1d", reason="MNIST-1D needs the mnist1d package (the data extra)")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -191,9 +191,9 @@ def _allreduce(comm, options, model, data, xp, method, run):
     replica, replicas = rank // k, size // k
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(0, size, k)), me=replica)
     if k > 1:
-        from ..modelparallel import Pipeline
+        from ..modelparallel import stage
         pipe_comm, channel_comm = comm.Split(replica, rank), comm.Split(rank % k, rank)
-        pipe = Pipeline(pipe_comm, model, micro_batches=min(k, options.batch))
+        pipe = stage(pipe_comm, model, micro_batches=min(k, options.batch))
         params, gradient_of = xp.asarray(pipe.init(options.seed)), pipe.loss_and_gradient
     else:
         channel_comm, params, gradient_of = comm, model.init(options.seed), model.loss_and_gradient
@@ -234,16 +234,28 @@ def _allreduce(comm, options, model, data, xp, method, run):
     return reporter.finish(None, measured=final) if reporter else None
 
 
+def _sequential():
+    """torch's nn.Sequential, or a class nothing is an instance of where torch is not installed."""
+    try:
+        from torch import nn
+    except ImportError:
+        return type("NoTorch", (), {})
+    return nn.Sequential
+
+
 def _check_model_parallel(options: Options, model: Model, method: "Method", size: int) -> None:
     k, downpour = options.model_parallel, method.name == "downpour"
     if (method.runner is not _allreduce or method.one_rank) and not downpour:
         raise ValueError(f"--model-parallel works with the allreduce methods and downpour, not {options.method}")
-    if not hasattr(model, "shapes"):
-        raise ValueError("--model-parallel cuts dense layers: use --model mlp or softmax (numpy)")
+    from ..modelparallel import layer_sizes
+    if not hasattr(model, "shapes") and not isinstance(getattr(model, "module", None), _sequential()):
+        raise ValueError("--model-parallel cuts a sequence of layers: use --model mlp or softmax (numpy), or a torch "
+                         "model whose module is an nn.Sequential (--framework torch --model mlp or cnn)")
+    layers = len(layer_sizes(model))
     servers = k * options.servers if downpour else 0              # downpour: --servers shards per stage
-    if k < 1 or (size - servers) % k or size - servers < k or k > len(model.shapes):
+    if k < 1 or (size - servers) % k or size - servers < k or k > layers:
         raise ValueError(f"--model-parallel {k}: the {size - servers} {'worker ' if downpour else ''}ranks must make "
-                         f"whole replicas of {k} stages, and the model has {len(model.shapes)} layer(s) to share "
+                         f"whole replicas of {k} stages, and the model has {layers} layer(s) to share "
                          f"among them (e.g. mpiexec -n {servers + 2 * k}"
                          f"{f': {servers} servers, {options.servers} per stage, and 2 replicas' if downpour else ''})")
     if options.checkpoint:
@@ -417,7 +429,7 @@ def _downpour_of_pipelines(comm, options, model, data, xp, method):
     replica x K + stage computes that stage of that replica, and pushes its gradient to and fetches its
     weights from its own stage's shards only (one parameter server per stage, over that stage's ranks).
     Every replica takes ``epochs`` passes over its shard of the data."""
-    from ..modelparallel import Pipeline, split
+    from ..modelparallel import stage as cut, stage_init
     rank, size, k, per_stage = comm.Get_rank(), comm.Get_size(), options.model_parallel, options.servers
     servers = k * per_stage
     is_server = rank < servers
@@ -425,13 +437,12 @@ def _downpour_of_pipelines(comm, options, model, data, xp, method):
     replica, replicas = (None if is_server else (rank - servers) // k), (size - servers) // k
     stage_comm = comm.Split(stage, rank)                      # this stage's shards first, then its workers
     pipe_comm = comm.Split(MPI.UNDEFINED if is_server else replica, rank)
-    first, end = split([a * b + b for a, b in model.shapes], k)[stage]
     rule, per_update = method.rule(options, replicas)
-    server = ps.ParameterServer(stage_comm, np.asarray(model.init_layers(options.seed, first, end)), rule,
+    server = ps.ParameterServer(stage_comm, arrays.as_host(stage_init(model, k, stage, options.seed)), rule,
                                 servers=per_stage, transport=options.transport)
     _, steps, X, y, slow = _setup(comm, options, data, xp, tuple(range(replicas)), me=replica)
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == servers else None
-    pipe = None if is_server else Pipeline(pipe_comm, model, micro_batches=min(k, options.batch))
+    pipe = None if is_server else cut(pipe_comm, model, micro_batches=min(k, options.batch))
     if is_server:
         budget = options.epochs * steps * replicas                      # gradients into each stage
         lr_at, updates = schedules.parse(options.lr_schedule, options.lr), max(1, budget // per_update)
