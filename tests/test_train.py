@@ -24,10 +24,8 @@ def digits():
 @pytest.mark.mpi
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_trains_and_logs(method, tmp_path_factory):
-    if method.startswith(("ps-", "dcasgd", "downpour")) and P < 2:
-        pytest.skip("a parameter server needs a server and a worker")
-    if method == "sandblaster-lbfgs" and P < 3:
-        pytest.skip("Sandblaster needs a coordinator, a server shard and a worker")
+    if not METHODS[method].one_rank and P < METHODS[method].min_ranks:
+        pytest.skip(f"{method} needs {METHODS[method].min_ranks} ranks (servers, workers, a coordinator)")
     data = digits()
     alone = METHODS[method].one_rank            # sequential SGD: every rank runs its own, on COMM_SELF
     comm = MPI.COMM_SELF if alone else WORLD

@@ -71,10 +71,8 @@ def test_the_numpy_cnn_is_the_torch_cnn(features):
 @pytest.mark.mpi
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_trains_a_torch_cnn(method):
-    if method.startswith(("ps-", "dcasgd", "downpour")) and P < 2:
-        pytest.skip("a parameter server needs a server and a worker")
-    if method == "sandblaster-lbfgs" and P < 3:
-        pytest.skip("Sandblaster needs a coordinator, a server shard and a worker")
+    if not METHODS[method].one_rank and P < METHODS[method].min_ranks:
+        pytest.skip(f"{method} needs {METHODS[method].min_ranks} ranks (servers, workers, a coordinator)")
     data = digits()
     model = make("cnn", data.features, data.classes, shape=data.shape)
     start_loss, _ = model.evaluate(model.init(3), data.X_test, data.y_test)

@@ -243,7 +243,14 @@ def reproduce_main(args) -> int:
 
 def compare_main(args) -> int:
     from .compare import compare
-    compare(args.methods.split(","), args.ranks, args.output, args.train_args, args.target, args.timeout,
+    methods = args.methods.split(",")
+    if args.methods == ",".join(METHODS):             # every method, by default: those that fit -n
+        fit = [m for m in methods if m not in METHODS or METHODS[m].one_rank or METHODS[m].min_ranks <= args.ranks]
+        if fit != methods:
+            print(f"mpicoll compare: leaving out {', '.join(m for m in methods if m not in fit)}: more than "
+                  f"{args.ranks} ranks needed", file=sys.stderr)
+        methods = fit
+    compare(methods, args.ranks, args.output, args.train_args, args.target, args.timeout,
             repeats=args.repeats, cluster=args.cluster)
     return 0
 

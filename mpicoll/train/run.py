@@ -498,6 +498,12 @@ class Method:
     rule: Callable | None = None           # parameter servers: (options, workers) -> (rule, gradients per update)
     one_rank: bool = False                 # runs on one process only (the sequential reference)
 
+    @property
+    def min_ranks(self) -> int:
+        """The fewest ranks it runs on (with one server): a server and a worker; a coordinator, a shard and
+        a worker."""
+        return 3 if self.runner is _sandblaster else 2 if self.rule is not None else 1
+
 
 def _softsync(options, workers):
     k = options.softsync_k
