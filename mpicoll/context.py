@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from . import arrays, config, failure
 from .errors import CollectiveTimeout, MismatchError, PeerFailed
+from .nodes import ranks_on_this_node
 from .shared import SharedRegions
 from .tags import Tag
 
@@ -26,14 +27,6 @@ __all__ = ["Context"]
 _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
-
-
-def _ranks_on_this_node(comm: MPI.Intracomm) -> int:
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return local.Get_size()
-    finally:
-        local.Free()
 
 
 def _all_done(requests: list) -> bool:
@@ -67,7 +60,7 @@ class Context:
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
         self.segment_bytes = config.segment_bytes()
-        local = _ranks_on_this_node(self.comm)
+        local = ranks_on_this_node(self.comm)
         oversubscribed = local > config.cores()
         # Oversubscribed ranks yield the core while they wait: the peer they
         # wait for may need it to make progress.

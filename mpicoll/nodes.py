@@ -10,11 +10,31 @@ first use (collective), and freed with it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mpi4py import MPI
 
-from .context import Context
+if TYPE_CHECKING:
+    from .context import Context
 
-__all__ = ["NodeLayout", "node_layout"]
+__all__ = ["NodeLayout", "node_layout", "ranks_on_this_node", "node_count"]
+
+
+def ranks_on_this_node(comm: MPI.Intracomm) -> int:
+    """How many of ``comm``'s ranks share this rank's node (its memory); collective."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.Get_size()
+    finally:
+        local.Free()
+
+
+def node_count(comm: MPI.Intracomm) -> int:
+    """How many nodes ``comm``'s ranks span (ranks that share memory make one node); collective."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    first = int(local.Get_rank() == 0)
+    local.Free()
+    return comm.allreduce(first)
 
 
 class NodeLayout:
@@ -27,7 +47,8 @@ class NodeLayout:
     ``local`` and ``cross`` exist where the layout is :attr:`layered`.
     """
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: "Context"):
+        from .context import Context               # contexts use this module's counts: imported on use
         comm = ctx.comm
         ctx.rendezvous()                              # the splits below block until every rank is here
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
@@ -55,7 +76,7 @@ class NodeLayout:
         return self.nodes > 1 and self.per_node > 1 and self.uniform
 
 
-def _names(part: MPI.Intracomm, ctx: Context) -> list[int]:
+def _names(part: MPI.Intracomm, ctx: "Context") -> list[int]:
     """How errors name the ranks of ``part``: by their ranks in ``ctx``'s communicator."""
     mine, theirs = part.Get_group(), ctx.comm.Get_group()
     try:
@@ -65,7 +86,7 @@ def _names(part: MPI.Intracomm, ctx: Context) -> list[int]:
         theirs.Free()
 
 
-def node_layout(ctx: Context) -> NodeLayout:
+def node_layout(ctx: "Context") -> NodeLayout:
     """``ctx``'s layout, built on first use (every rank must be in the same call)."""
     if ctx.node_layout is None:
         ctx.node_layout = NodeLayout(ctx)

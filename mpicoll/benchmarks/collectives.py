@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 from .. import algorithms
 from ..communicator import FINGERPRINT_FROM, Communicator
+from ..nodes import node_count
 from .common import format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run", "default_sizes", "measure", "COLLECTIVES"]
@@ -202,14 +203,6 @@ def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> 
 # with nodes for ranks: the ranks of a node share its link)
 LINK_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                 "allgather": lambda n: (n - 1) / n, "bcast": lambda n: 1.0}
-
-
-def node_count(comm: MPI.Intracomm) -> int:
-    """How many nodes the ranks span (ranks that share memory make one node)."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    first = int(local.Get_rank() == 0)
-    local.Free()
-    return comm.allreduce(first)
 
 
 def link_bound_report(records: list[dict], nodes: int, gbps: float) -> list[str]:
