@@ -188,7 +188,7 @@ def add_reproduce_parser(commands) -> None:
     reproduce = commands.add_parser(
         "reproduce", help="the seeds' claims (DC-ASGD, stragglers, SGP, Downpour) over several seeds, with a report",
         description="Runs every claim's mpicoll train jobs (each under its own mpiexec) and writes claims.json, "
-        "report.md and plots. About 10 minutes on 2 cores; --quick: under a minute.")
+        "report.md and plots. About 14 minutes on 2 cores; --quick: under a minute.")
     reproduce.add_argument("--output", default="docs/results", help="report folder (default docs/results)")
     reproduce.add_argument("--data", default="mnist1d", metavar="mnist1d|digits|FILE.npz",
                            help="the data every claim trains on (default mnist1d)")
