@@ -66,6 +66,7 @@ def _bench_ps_parser(commands) -> None:
     bench.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
     bench.add_argument("--transports", default="p2p", help="comma-separated: p2p, onesided (default p2p)")
     bench.add_argument("--seconds", type=float, default=3.0, help="length of each run (default 3)")
+    _link_option(bench, "report each server's traffic as a share of its node's link")
     _simulated_training_options(bench, "write one record per (rule, size, straggler, server)")
 
 

@@ -17,7 +17,7 @@ from mpi4py import MPI
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["NodeLayout", "node_layout", "ranks_on_this_node", "node_count"]
+__all__ = ["NodeLayout", "node_layout", "ranks_on_this_node", "node_members", "node_count"]
 
 
 def ranks_on_this_node(comm: MPI.Intracomm) -> int:
@@ -25,6 +25,15 @@ def ranks_on_this_node(comm: MPI.Intracomm) -> int:
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         return local.Get_size()
+    finally:
+        local.Free()
+
+
+def node_members(comm: MPI.Intracomm) -> set[int]:
+    """The ranks of ``comm`` on this rank's node; collective."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return set(local.allgather(comm.Get_rank()))
     finally:
         local.Free()
 

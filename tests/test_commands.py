@@ -259,14 +259,16 @@ def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transpor
 def test_bench_ps_reports_every_rule(tmp_path):
     out = tmp_path / "ps.json"
     result = launch(3, "-m", "mpicoll", "bench-ps", "--sizes", "64K", "--seconds", "0.3", "--compute-ms", "2",
-                    "--rules", "sync,async,dcasgd", "--straggler", "2=3", "--output", str(out))
+                    "--rules", "sync,async,dcasgd", "--straggler", "2=3", "--output", str(out), "--link-gbps", "1")
     assert result.returncode == 0, result.stderr
+    assert result.stdout.count("every worker on the server's node, no link crossed") == 6, result.stdout
     records = json.loads(out.read_text())
     assert {(r["rule"], r["straggler"]) for r in records} == {(rule, s) for rule in ("sync", "async", "dcasgd")
                                                               for s in ("", "2=3")}
     for record in records:
         assert record["params"] == 65536 // 4 and record["workers"] == 2 and record["updates_per_s"] > 0
         assert 0 < record["update_fraction_of_copy"] and record["gbps"] > 0
+        assert record["remote_workers"] == 0 and record["of_link_bound"] == 0
 
 
 def test_bench_sandblaster_times_every_worker_count_and_case(tmp_path):
