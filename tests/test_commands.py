@@ -17,6 +17,14 @@ import mpicoll.algorithms
 from mpicoll import ps
 from conftest import ROOT, command, launch, mpiexec
 
+
+def bench(tmp_path, ranks: int, command: str, *options: str):
+    """Run ``mpicoll COMMAND OPTIONS --output FILE`` under mpiexec: (its result, the records it wrote)."""
+    out = tmp_path / f"{command}.json"
+    result = launch(ranks, "-m", "mpicoll", command, *options, "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    return result, json.loads(out.read_text())
+
 def test_bench_writes_table_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = launch(2, "-m", "mpicoll", "bench", "--sizes", "8,64K,3M", "--iters", "3", "--min-iters", "2",
@@ -257,12 +265,9 @@ def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transpor
 
 
 def test_bench_ps_reports_every_rule(tmp_path):
-    out = tmp_path / "ps.json"
-    result = launch(3, "-m", "mpicoll", "bench-ps", "--sizes", "64K", "--seconds", "0.3", "--compute-ms", "2",
-                    "--rules", "sync,async,dcasgd", "--straggler", "2=3", "--output", str(out), "--link-gbps", "1")
-    assert result.returncode == 0, result.stderr
+    result, records = bench(tmp_path, 3, "bench-ps", "--sizes", "64K", "--seconds", "0.3", "--compute-ms", "2",
+                            "--rules", "sync,async,dcasgd", "--straggler", "2=3", "--link-gbps", "1")
     assert result.stdout.count("every worker on the server's node, no link crossed") == 6, result.stdout
-    records = json.loads(out.read_text())
     assert {(r["rule"], r["straggler"]) for r in records} == {(rule, s) for rule in ("sync", "async", "dcasgd")
                                                               for s in ("", "2=3")}
     for record in records:
@@ -272,11 +277,8 @@ def test_bench_ps_reports_every_rule(tmp_path):
 
 
 def test_bench_sandblaster_times_every_worker_count_and_case(tmp_path):
-    out = tmp_path / "sandblaster.json"
-    result = launch(4, "-m", "mpicoll", "bench-sandblaster", "--params", "4096", "--rows", "64", "--compute-ms", "4",
-                    "--iterations", "2", "--output", str(out))
-    assert result.returncode == 0, result.stderr
-    records = json.loads(out.read_text())
+    result, records = bench(tmp_path, 4, "bench-sandblaster", "--params", "4096", "--rows", "64", "--compute-ms", "4",
+                            "--iterations", "2")
     assert [(r["workers"], r["straggler"], r["backup"]) for r in records] == \
         [(1, False, True), (2, False, True), (2, True, False), (2, True, True)]
     for record in records:
@@ -320,11 +322,8 @@ def test_compare_writes_a_report_and_plot_redraws_it(tmp_path):
 
 
 def test_bench_gossip_reports_sgp_against_allreduce(tmp_path):
-    out = tmp_path / "gossip.json"
-    result = launch(3, "-m", "mpicoll", "bench-gossip", "--sizes", "64K", "--iters", "3", "--compute-ms", "1",
-                    "--straggler", "2=2", "--output", str(out))
-    assert result.returncode == 0, result.stderr
-    records = json.loads(out.read_text())
+    result, records = bench(tmp_path, 3, "bench-gossip", "--sizes", "64K", "--iters", "3", "--compute-ms", "1",
+                            "--straggler", "2=2")
     averaging = [r for r in records if r["kind"] == "averaging"]
     assert {r["graph"] for r in averaging} == {"time-varying-exponential", "exponential"}
     assert all(r["rounds"] and r["theory_rounds"] for r in averaging), averaging
@@ -338,11 +337,8 @@ def test_bench_gossip_reports_sgp_against_allreduce(tmp_path):
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "bcast"])
 def test_bench_times_every_collective(tmp_path, collective):
-    out = tmp_path / "bench.json"
-    result = launch(2, "-m", "mpicoll", "bench", "--collective", collective, "--sizes", "8,256K", "--iters", "3",
-                    "--min-iters", "2", "--warmup", "1", "--algorithms", "ring,auto", "--output", str(out))
-    assert result.returncode == 0, result.stderr
-    records = json.loads(out.read_text())
+    _, records = bench(tmp_path, 2, "bench", "--collective", collective, "--sizes", "8,256K", "--iters", "3",
+                       "--min-iters", "2", "--warmup", "1", "--algorithms", "ring,auto")
     assert {r["collective"] for r in records} == {collective}
     assert {r["algorithm"] for r in records} == {"mpi", "ring", "auto"}
     factor = {"reduce_scatter": 0.5, "allgather": 0.5, "bcast": 1.0}[collective]
@@ -367,11 +363,7 @@ def test_bench_gossip_sets_iterations_against_what_the_links_allow():
 
 def test_bench_torch_times_mpicoll_against_gloo_and_mpi(tmp_path):
     pytest.importorskip("torch", reason="the torch extra is not installed")
-    out = tmp_path / "torch.json"
-    result = launch(2, "-m", "mpicoll", "bench-torch", "--sizes", "4K,64K", "--algorithms", "auto,ring",
-                    "--iters", "2", "--output", str(out))
-    assert result.returncode == 0, result.stderr
-    records = json.loads(out.read_text())
+    result, records = bench(tmp_path, 2, "bench-torch", "--sizes", "4K,64K", "--algorithms", "auto,ring", "--iters", "2")
     assert [r["bytes"] for r in records] == [4096, 65536] and all(r["ranks"] == 2 for r in records)
     assert all(r[f"{peer}_s"] > 0 for r in records for peer in ("gloo", "mpi", "auto", "ring")), records
     assert "x gloo" in result.stdout and "x MPI" in result.stdout
