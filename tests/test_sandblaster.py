@@ -49,7 +49,8 @@ class Problem:
 
 def test_the_two_loop_direction_is_the_bfgs_inverse_hessian_times_minus_g():
     """d = -H g with H built densely by the BFGS update from gamma I over the same pairs (Nocedal &
-    Wright eq. 6.17), for a history that has wrapped around its slots."""
+    Wright eq. 6.17), for a history that has wrapped around its slots: the recursion run on the pairs'
+    dot products (vector-free) gives the direction the vectors' own recursion would."""
     rng = np.random.default_rng(shared_seed(MPI.COMM_SELF))
     n, history = 9, 4
     Q = rng.standard_normal((n, n))
@@ -67,6 +68,8 @@ def test_the_two_loop_direction_is_the_bfgs_inverse_hessian_times_minus_g():
     optimizer.gamma = s @ y / (y @ y)
     g = rng.standard_normal(n)
     vectors.vectors["g"][:] = g
+    optimizer._pair_dots(order)                       # as _remember measures each pair when it is stored
+    optimizer.gram[("g", "g")] = g @ g
     optimizer._direction()
     H = optimizer.gamma * np.eye(n)
     for s, y in pairs:
@@ -118,6 +121,8 @@ def test_roles_and_batches():
     a, b = sandblaster.batch_rows(50, 20, 3, seed=1), sandblaster.batch_rows(50, 20, 4, seed=1)
     assert len(set(a)) == 20 and (np.diff(a) > 0).all() and not np.array_equal(a, b)
     assert np.array_equal(a, sandblaster.batch_rows(50, 20, 3, seed=1))
+    with pytest.raises(ValueError, match="history must be 1 to 30"):
+        sandblaster.run(MPI.COMM_SELF, np.zeros(3), None, samples=3, history=31)
 
 
 # -- the distributed job, under mpiexec ---------------------------------------------------------------

@@ -14,8 +14,9 @@ the batch handed out as they become free, with backup tasks for the slowest.
 
 Run with ``mpiexec -n 1+S+W``: rank 0 coordinates, ranks 1..S serve a shard
 each, the rest are workers.  **How to choose S**: a shard holds 5 + 2m vectors'
-slices (m = ``history``) and does O(n/S) work per command, 4m + 10 commands per
-iteration; the coordinator waits on the slowest shard for every one of them.
+slices (m = ``history``) and does O(n/S) work per command (O((2m + 1) n/S) for the
+direction's combination), about 8 commands per iteration and 3 per line-search trial;
+the coordinator waits on the slowest shard for each round trip.
 One shard is right until the vectors (8(5 + 2m) n bytes: 2 GB for 10M parameters
 and m = 10) no longer fit one rank's memory, or the shard's arithmetic per
 command approaches the workers' gradient time; every rank given to a shard is
@@ -51,12 +52,15 @@ from ..ps.protocol import listen_for_failures, tell_workers
 from ..tags import Tag
 from .coordinator import RemoteVectors, Stats, WorkersLost
 from .lbfgs import LBFGS, Iteration, LocalVectors, history_names
-from .protocol import Roles, batch_rows
+from .protocol import COMMAND_WORDS, Roles, batch_rows
 from .server import Shard
 from .worker import Worker
 
 __all__ = ["run", "Result", "Roles", "LBFGS", "LocalVectors", "Iteration", "Stats", "WorkersLost", "batch_rows",
            "minimize_locally"]
+
+
+MAX_HISTORY = ((COMMAND_WORDS - 3) // 2 - 1) // 2      # 2m + 1 terms in one COMBINATION command
 
 
 @dataclass
@@ -91,6 +95,9 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
     ``on_report(w, iteration, evaluations)`` on the first worker, with its parameters.
     ``slow``: a :class:`~mpicoll.straggler.Straggler` around each of this worker's portions.
     """
+    if not 1 <= history <= MAX_HISTORY:
+        raise ValueError(f"history must be 1 to {MAX_HISTORY} pairs (a direction combines 2m + 1 vectors in one "
+                         f"command), got {history}")
     init = np.ravel(np.asarray(init, np.float64))
     roles = Roles(init.size, comm.Get_size(), servers)
     batch = samples if batch is None else batch

@@ -76,15 +76,27 @@ class RemoteVectors:
     # -- the Vectors operations ----------------------------------------------
 
     def dots(self, pairs):
-        words = [Op.DOTS, len(pairs)] + [self.index[name] for pair in pairs for name in pair]
-        self._command(words)
-        partial = {s: np.empty(len(pairs)) for s in self.roles.shards}
-        shards = list(self.roles.shards)
-        self.ctx.waitall([self.ctx.irecv(partial[s], s, Tag.SANDBLASTER_REPLY) for s in shards], shards)
-        return [float(v) for v in sum(partial[s] for s in shards)]
+        """As many DOTS commands as the pairs need, all sent before any answer is awaited: one round trip."""
+        per_command = (COMMAND_WORDS - 2) // 2
+        chunks = [pairs[i:i + per_command] for i in range(0, len(pairs), per_command)]
+        for chunk in chunks:
+            self._command([Op.DOTS, len(chunk)] + [self.index[name] for pair in chunk for name in pair])
+        shards, values = list(self.roles.shards), []
+        for chunk in chunks:                    # a shard's answers come in the order of the commands
+            partial = {s: np.empty(len(chunk)) for s in shards}
+            self.ctx.waitall([self.ctx.irecv(partial[s], s, Tag.SANDBLASTER_REPLY) for s in shards], shards)
+            values += [float(v) for v in sum(partial[s] for s in shards)]
+        return values
 
     def combine(self, out, a, x, b=0.0, y=None):
         self._command([Op.COMBINE, self.index[out], a, self.index[x], b, -1 if y is None else self.index[y]])
+
+    def combination(self, out, terms):
+        if 3 + 2 * len(terms) > COMMAND_WORDS:
+            raise ValueError(f"a combination of {len(terms)} vectors does not fit one command "
+                             f"(at most {(COMMAND_WORDS - 3) // 2}): use a shorter history")
+        self._command([Op.COMBINATION, self.index[out], len(terms)] +
+                      [word for c, name in terms for word in (self.index[name], c)])
 
     def swap(self, a, b):
         self._command([Op.SWAP, self.index[a], self.index[b]])

@@ -38,7 +38,7 @@ from ..chunks import balanced_bounds
 
 __all__ = ["Op", "Task", "Roles", "COMMAND_WORDS", "batch_rows", "coordinator_patience"]
 
-COMMAND_WORDS = 32
+COMMAND_WORDS = 128            # a command's float64 words: 62 dot products or 62 terms of a combination
 HEADER = np.int64
 
 
@@ -50,6 +50,7 @@ class Op(enum.IntEnum):
     COLLECT = 5     # [COLLECT, into, publication, portions, rows]: gradient = sum of the portions / rows
     FINISH = 6      # [FINISH], then a mask of the lost workers on SANDBLASTER_FINAL: drain, send the
                     # parameters to the live workers, stop
+    COMBINATION = 7  # [COMBINATION, out, terms, v1, c1, v2, c2, ...]: out = c1 v1 + c2 v2 + ..., in order
 
 
 class Task(enum.IntEnum):

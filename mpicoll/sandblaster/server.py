@@ -39,6 +39,7 @@ class Shard:
         self._command = np.empty(COMMAND_WORDS)
         self._command_request = ctx.irecv(self._command, roles.coordinator, Tag.SANDBLASTER_COMMAND)
         self._spare = np.empty_like(self.vectors["x"])
+        self._spare_combination = np.empty_like(self.vectors["x"])
 
     def run(self) -> np.ndarray:
         """Serve until FINISH; returns this shard's slice of the final parameters."""
@@ -54,6 +55,9 @@ class Shard:
             elif op is Op.COMBINE:
                 out, a, x, b, y = command[1:6]
                 self._combine(self.names[int(out)], a, self.names[int(x)], b, None if y < 0 else self.names[int(y)])
+            elif op is Op.COMBINATION:
+                terms = command[3:3 + 2 * int(command[2])].reshape(-1, 2)
+                self._combination(self.names[int(command[1])], [(c, self.names[int(n)]) for n, c in terms])
             elif op is Op.SWAP:
                 a, b = (self.names[int(i)] for i in command[1:3])
                 self.vectors[a], self.vectors[b] = self.vectors[b], self.vectors[a]
@@ -105,6 +109,14 @@ class Shard:
         np.multiply(v[x], a, out=v[out])
         if y is not None:
             v[out] += b * v[y]
+
+    def _combination(self, out: str, terms: list[tuple[float, str]]) -> None:
+        """``out = c1 v1 + c2 v2 + ...`` summed in order, as numpy's ``c1*v1 + c2*v2 + ...``."""
+        v, total = self.vectors, self._spare_combination
+        np.multiply(v[terms[0][1]], terms[0][0], out=total)
+        for c, name in terms[1:]:
+            total += c * v[name]
+        v[out][:] = total
 
     def _publish(self, vector: np.ndarray) -> None:
         """Send a snapshot of ``vector``'s slice to every worker (never waited for here: a slow worker

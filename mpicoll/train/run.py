@@ -290,8 +290,9 @@ def _check_sandblaster(options: Options, size: int) -> None:
     if size < options.servers + 2:
         raise ValueError(f"sandblaster-lbfgs needs a coordinator, {options.servers} server shard(s) and at least one "
                          f"worker: mpiexec -n {options.servers + 2} or more, not {size}")
-    if options.history < 1 or options.lbfgs_batch < 0 or options.portions < 0:
-        raise ValueError(f"--history must be at least 1 and --lbfgs-batch, --portions at least 0, got "
+    from ..sandblaster import MAX_HISTORY
+    if not 1 <= options.history <= MAX_HISTORY or options.lbfgs_batch < 0 or options.portions < 0:
+        raise ValueError(f"--history must be 1 to {MAX_HISTORY} and --lbfgs-batch, --portions at least 0, got "
                          f"{options.history}, {options.lbfgs_batch}, {options.portions}")
     if options.checkpoint:
         raise ValueError("sandblaster-lbfgs does not checkpoint yet: drop --checkpoint")
