@@ -262,9 +262,7 @@ class TorchStage:
         self.torch, self.point_at, self.model = torch, point_at, model
         self.pipe = TorchPipeline(comm, model.module, micro_batches=micro_batches)
         self.parameters = list(self.pipe.module.parameters())
-        offsets = np.cumsum([0, *(sum(p.numel() for p in m.parameters()) for m in model.module)])
-        first, end = self.pipe.bounds[self.pipe.stage]
-        self.slice = slice(int(offsets[first]), int(offsets[end]))     # this stage's part of the flat vector
+        self.slice = _modules_slice(model, *self.pipe.bounds[self.pipe.stage])   # its part of the flat vector
 
     def init(self, seed: int):
         """This stage's slice of the whole module's start (torch makes the whole module to draw it)."""
@@ -304,8 +302,13 @@ def stage_init(model, stages: int, stage: int, seed: int):
     first, end = split(layer_sizes(model), stages)[stage]
     if hasattr(model, "init_layers"):
         return model.init_layers(seed, first, end)
+    return model.init(seed)[_modules_slice(model, first, end)].copy()
+
+
+def _modules_slice(model, first: int, end: int) -> slice:
+    """Where modules [first, end) of a torch model's Sequential sit in its flat parameter vector."""
     offsets = np.cumsum([0, *(sum(p.numel() for p in m.parameters()) for m in model.module)])
-    return model.init(seed)[int(offsets[first]):int(offsets[end])].copy()
+    return slice(int(offsets[first]), int(offsets[end]))
 
 
 def layer_sizes(model) -> list[int]:

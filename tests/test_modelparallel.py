@@ -45,8 +45,8 @@ def test_a_pipeline_computes_the_whole_models_loss_and_gradient(micro_batches, c
     """float64, 1e-12: the stages' gradients laid end to end are the unpartitioned MLP's, whatever the cut
     and however the batch is cut into micro-batches (20 > rows: some micro-batches would be empty)."""
     cases = _cases()
-    if case >= len(cases):
-        pytest.skip("no such cut at this rank count")
+    if case >= len(cases) or P > 4:
+        pytest.skip("no such cut at this rank count (the test model has 4 layers)")
     seed = shared_seed()
     rng = np.random.default_rng(seed)
     model = MLP(9, 4, [7, 5, 6], dtype=np.float64)
@@ -83,7 +83,7 @@ def test_a_stage_is_made_without_making_the_whole_model(monkeypatch):
 def test_a_pipeline_trains_like_the_whole_model():
     """Ten steps of SGD, each stage on its own slice, end where the unpartitioned model does."""
     rng = np.random.default_rng(7)
-    model = SoftmaxRegression(6, 3, dtype=np.float64) if P > 4 else MLP(6, 3, [5] * (P - 1), dtype=np.float64)
+    model = SoftmaxRegression(6, 3, dtype=np.float64) if P == 1 else MLP(6, 3, [5] * (P - 1), dtype=np.float64)
     pipe = Pipeline(WORLD, model, micro_batches=2)
     mine, whole = pipe.init(1), model.init(1)
     for _ in range(10):

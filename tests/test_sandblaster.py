@@ -223,7 +223,7 @@ def problem(w, rows):
 if role == "worker" and rank == size - 1:
     problem = die_on_the_fifth_call(problem)
 if role == "server" and rank == 1:
-    server.Shard._combine = die_on_the_fifth_call(server.Shard._combine)
+    server.Shard._combination = die_on_the_fifth_call(server.Shard._combination)
 if role == "coordinator" and rank == 0:
     coordinator.RemoteVectors.dots = die_on_the_fifth_call(coordinator.RemoteVectors.dots)
 try:

@@ -88,10 +88,9 @@ class RemoteVectors:
             values += [float(v) for v in sum(partial[s] for s in shards)]
         return values
 
-    def combine(self, out, a, x, b=0.0, y=None):
-        self._command([Op.COMBINE, self.index[out], a, self.index[x], b, -1 if y is None else self.index[y]])
-
     def combination(self, out, terms):
+        if any(name == out for _, name in terms):
+            raise ValueError(f"combination into {out!r} reads {out!r}: the shards write it as they go")
         if 3 + 2 * len(terms) > COMMAND_WORDS:
             raise ValueError(f"a combination of {len(terms)} vectors does not fit one command "
                              f"(at most {(COMMAND_WORDS - 3) // 2}): use a shorter history")

@@ -3,7 +3,7 @@
 The optimizer below sees the parameters, the gradient, the search direction
 and the history pairs only by name (``"x"``, ``"g"``, ``"s3"``, ...) and acts on
 them through the operations of a :class:`Vectors` store: dot products,
-linear combinations (of two vectors, or of many), swaps and gradient evaluations.  The scalars (losses,
+linear combinations, swaps and gradient evaluations.  The scalars (losses,
 dot products, step lengths, the history's ``rho``) stay with the optimizer.
 :class:`LocalVectors` holds the vectors in this process (the single-process
 reference); :class:`mpicoll.sandblaster.coordinator.RemoteVectors` sends each
@@ -57,14 +57,12 @@ class Vectors(Protocol):
     def dots(self, pairs: list[tuple[str, str]]) -> list[float]:
         """``[a . b for a, b in pairs]``, each over the whole vector."""
 
-    def combine(self, out: str, a: float, x: str, b: float = 0.0, y: str | None = None) -> None:
-        """``out = a x + b y`` (``y`` may be left out; ``out`` may be ``x`` or ``y``)."""
-
     def swap(self, a: str, b: str) -> None:
         """Exchange two vectors' contents (by name: nothing moves)."""
 
     def combination(self, out: str, terms: list[tuple[float, str]]) -> None:
-        """``out = c1 v1 + c2 v2 + ...`` for ``terms = [(c1, v1), ...]``, summed in that order (``out`` none of them)."""
+        """``out = c1 v1 + c2 v2 + ...`` for ``terms = [(c1, v1), ...]``, summed in that order (``out`` none of
+        them: a store may write ``out`` as it goes)."""
 
     def evaluate(self, at: str, gradient: str, batch: int) -> float:
         """The loss at vector ``at`` over batch number ``batch``; its gradient into ``gradient``."""
@@ -85,10 +83,6 @@ class LocalVectors:
 
     def dots(self, pairs):
         return [float(self.vectors[a] @ self.vectors[b]) for a, b in pairs]
-
-    def combine(self, out, a, x, b=0.0, y=None):
-        v = self.vectors
-        v[out][:] = a * v[x] + b * v[y] if y is not None else a * v[x]
 
     def swap(self, a, b):
         self.vectors[a], self.vectors[b] = self.vectors[b], self.vectors[a]
@@ -204,7 +198,7 @@ class LBFGS:
         fell back to ``-g``, the slope ``g.d``)."""
         v = self.vectors
         if not self.pairs:
-            v.combine("d", -1.0, "g")
+            v.combination("d", [(-1.0, "g")])
             return False, -self._dot("g", "g")
         names = [name for slot, _ in self.pairs for name in (f"s{slot}", f"y{slot}")]
         self._measure([("g", name) for name in names])
@@ -227,12 +221,12 @@ class LBFGS:
             v.combination("d", [(-c, name) for name, c in coefficients.items()])
             return False, slope
         self.pairs.clear()                               # not a descent direction: start over
-        v.combine("d", -1.0, "g")
+        v.combination("d", [(-1.0, "g")])
         return True, -self._dot("g", "g")
 
     def _trial(self, t: float) -> tuple[float, float]:
         """(loss, slope) at ``x + t d``, left in ``x_trial`` and ``g_trial`` (and |g_trial|^2 noted)."""
-        self.vectors.combine("x_trial", 1.0, "x", t, "d")
+        self.vectors.combination("x_trial", [(1.0, "x"), (t, "d")])
         loss = self._evaluate("x_trial", "g_trial", self.batch)
         slope, self._trial_gg = self.vectors.dots([("g_trial", "d"), ("g_trial", "g_trial")])
         return loss, slope
@@ -274,8 +268,8 @@ class LBFGS:
         slot = next((i for i in range(self.history) if i not in used), None)
         if slot is None:
             slot = self.pairs.pop(0)[0]
-        v.combine(f"s{slot}", step, "d")
-        v.combine(f"y{slot}", 1.0, "g_trial", -1.0, "g")
+        v.combination(f"s{slot}", [(step, "d")])
+        v.combination(f"y{slot}", [(1.0, "g_trial"), (-1.0, "g")])
         self._pair_dots([slot])
         sy, yy, ss = self._dot(f"s{slot}", f"y{slot}"), self._dot(f"y{slot}", f"y{slot}"), \
             self._dot(f"s{slot}", f"s{slot}")

@@ -44,13 +44,13 @@ HEADER = np.int64
 
 class Op(enum.IntEnum):
     DOTS = 1        # [DOTS, pairs, a1, b1, a2, b2, ...] -> partial dot products
-    COMBINE = 2     # [COMBINE, out, a, x, b, y or -1]: out = a x + b y
     SWAP = 3        # [SWAP, a, b]
     PUBLISH = 4     # [PUBLISH, vector]: send this shard of it to every worker
     COLLECT = 5     # [COLLECT, into, publication, portions, rows]: gradient = sum of the portions / rows
     FINISH = 6      # [FINISH], then a mask of the lost workers on SANDBLASTER_FINAL: drain, send the
                     # parameters to the live workers, stop
     COMBINATION = 7  # [COMBINATION, out, terms, v1, c1, v2, c2, ...]: out = c1 v1 + c2 v2 + ..., in order
+                     # (out none of them)
 
 
 class Task(enum.IntEnum):

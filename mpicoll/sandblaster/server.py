@@ -31,7 +31,6 @@ class Shard:
         self.vectors["x"][:] = init[mine]
         self.publication = 0
         self.portions: dict[int, np.ndarray] = {}      # portion -> gradient slice, of the current publication
-        self.duplicates = 0                            # portions dropped: a backup's twin, or too late
         self.sends: list = []                          # (request, worker, buffer) of published slices in flight
         workers = list(roles.workers)
         self._headers = {w: np.empty(2, HEADER) for w in workers}
@@ -39,7 +38,6 @@ class Shard:
         self._command = np.empty(COMMAND_WORDS)
         self._command_request = ctx.irecv(self._command, roles.coordinator, Tag.SANDBLASTER_COMMAND)
         self._spare = np.empty_like(self.vectors["x"])
-        self._spare_combination = np.empty_like(self.vectors["x"])
 
     def run(self) -> np.ndarray:
         """Serve until FINISH; returns this shard's slice of the final parameters."""
@@ -52,9 +50,6 @@ class Shard:
                 partial = np.array([v[self.names[a]] @ v[self.names[b]] for a, b in pairs])
                 self.ctx.wait(self.ctx.isend(partial, self.roles.coordinator, Tag.SANDBLASTER_REPLY),
                               self.roles.coordinator)
-            elif op is Op.COMBINE:
-                out, a, x, b, y = command[1:6]
-                self._combine(self.names[int(out)], a, self.names[int(x)], b, None if y < 0 else self.names[int(y)])
             elif op is Op.COMBINATION:
                 terms = command[3:3 + 2 * int(command[2])].reshape(-1, 2)
                 self._combination(self.names[int(command[1])], [(c, self.names[int(n)]) for n, c in terms])
@@ -98,25 +93,14 @@ class Shard:
         self._header_requests[worker] = self.ctx.irecv(self._headers[worker], worker, Tag.SANDBLASTER_GRADIENT)
         if fresh:
             self.portions[portion] = into
-        else:
-            self.duplicates += 1
-
-    def _combine(self, out: str, a: float, x: str, b: float, y: str | None) -> None:
-        """``out = a x + b y`` in place, whichever of x and y ``out`` is (the same sums as numpy's ``a*x + b*y``)."""
-        v = self.vectors
-        if y is not None and out == y and out != x:
-            x, a, y, b = y, b, x, a                    # out = b y + a x: scale out first, then add
-        np.multiply(v[x], a, out=v[out])
-        if y is not None:
-            v[out] += b * v[y]
 
     def _combination(self, out: str, terms: list[tuple[float, str]]) -> None:
-        """``out = c1 v1 + c2 v2 + ...`` summed in order, as numpy's ``c1*v1 + c2*v2 + ...``."""
-        v, total = self.vectors, self._spare_combination
-        np.multiply(v[terms[0][1]], terms[0][0], out=total)
+        """``out = c1 v1 + c2 v2 + ...`` summed in order into ``out`` (none of the terms), as numpy's
+        ``c1*v1 + c2*v2 + ...``."""
+        v = self.vectors
+        np.multiply(v[terms[0][1]], terms[0][0], out=v[out])
         for c, name in terms[1:]:
-            total += c * v[name]
-        v[out][:] = total
+            v[out] += c * v[name]
 
     def _publish(self, vector: np.ndarray) -> None:
         """Send a snapshot of ``vector``'s slice to every worker (never waited for here: a slow worker
@@ -126,7 +110,6 @@ class Shard:
         for worker in self.roles.workers:
             self.sends.append((self.ctx.isend(snapshot, worker, Tag.SANDBLASTER_WEIGHTS), worker, snapshot))
         self.publication += 1
-        self.duplicates += len(self.portions)
         self.portions = {}
 
     def _collect(self, into: np.ndarray, publication: int, portions: int, rows: int) -> None:

@@ -268,8 +268,8 @@ def _check_memory(options: Options, model: Model, method: "Method", size: int) -
     if method.runner is not _allreduce or not hasattr(model, "state_bytes"):
         raise ValueError("--max-rank-memory is enforced for the allreduce methods on numpy dense models (mlp, "
                          "softmax): drop it, or use one of those")
-    from ..modelparallel import split
-    layers = [a * b + b for a, b in model.shapes]
+    from ..modelparallel import layer_sizes, split
+    layers = layer_sizes(model)
 
     def need(k: int) -> int:
         return max(model.state_bytes(options.batch, first, end) for first, end in split(layers, k))
@@ -384,10 +384,9 @@ def _parameter_server(comm, options, model, data, xp, method, run):
     reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
     if server.is_server:
         every = max(1, budget // options.epochs // per_update)       # updates per epoch
-        lr_at = schedules.parse(options.lr_schedule, options.lr)
-        updates = max(1, budget // per_update)
         server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
-                     resume=options.resume, identity=run, lr_at=lambda version: lr_at(version / updates))
+                     resume=options.resume, identity=run,
+                     lr_at=schedules.per_update(options.lr_schedule, options.lr, budget // per_update))
     else:
         client = server.client
         schedule = ps.Schedule(client, options.n_fetch, options.n_push) if method.name == "downpour" else None
@@ -446,8 +445,8 @@ def _downpour_of_pipelines(comm, options, model, data, xp, method):
     pipe = None if is_server else cut(pipe_comm, model, micro_batches=min(k, options.batch))
     if is_server:
         budget = options.epochs * steps * replicas                      # gradients into each stage
-        lr_at, updates = schedules.parse(options.lr_schedule, options.lr), max(1, budget // per_update)
-        server.serve(warm_start=options.warm_start, lr_at=lambda version: lr_at(version / updates))
+        server.serve(warm_start=options.warm_start,
+                     lr_at=schedules.per_update(options.lr_schedule, options.lr, budget // per_update))
     else:
         schedule = ps.Schedule(server.client, options.n_fetch, options.n_push)
         w = xp.asarray(server.client.pull())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["parse", "per_step"]
+__all__ = ["parse", "per_step", "per_update"]
 
 USAGE = "write constant, cosine, or step:F1,F2,... (the rate /10 at each fraction of the budget, e.g. step:0.5,0.75)"
 
@@ -40,5 +40,11 @@ def parse(spec: str | None, lr: float) -> Callable[[float], float]:
 
 def per_step(spec: str | None, lr: float, epochs: int, steps: int) -> Callable[[int, int], float]:
     """The rate at step ``step`` of epoch ``epoch`` of a run of ``epochs`` x ``steps`` steps."""
-    at, total = parse(spec, lr), max(1, epochs * steps)
-    return lambda epoch, step: at((epoch * steps + step) / total)
+    at = per_update(spec, lr, epochs * steps)
+    return lambda epoch, step: at(epoch * steps + step)
+
+
+def per_update(spec: str | None, lr: float, updates: int) -> Callable[[int], float]:
+    """The rate a parameter server's rule uses for update ``version`` of a run of ``updates`` updates."""
+    at, total = parse(spec, lr), max(1, updates)
+    return lambda version: at(version / total)
