@@ -8,20 +8,22 @@ of a few integers) and, if they differ, raises the same
 passed.  It also reports NaN or Inf in any rank's float contribution.  It
 costs one small collective, so the communicator runs it on its first call and
 on every call under ``MPICOLL_DEBUG=1``.  In between, large calls carry a
-:class:`Fingerprint`, compared across ranks while the data moves.
+:class:`Fingerprint` in the tags of their own messages.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
 from .errors import MismatchError, NonFiniteError, SetupError
+from .tags import Tag
 
-__all__ = ["Signature", "Fingerprint", "check_call", "agree"]
+__all__ = ["Signature", "Fingerprint", "check_call", "agree", "TAG_SPAN"]
 
 
 class Signature:
@@ -76,53 +78,115 @@ def check_call(context, signature: Signature, contribution: np.ndarray | None = 
         raise NonFiniteError(signature.collective, bad.tolist())
 
 
-class Fingerprint:
-    """A cross-rank comparison of each call, carried alongside the call's own messages.
+# Tags below this are the algorithms' own (mpicoll.tags); a call's stamp is added to them as a multiple of it.
+TAG_SPAN = 128
 
-    One persistent 16-byte allreduce (MAX of the call's hash and of its
-    negation: equal hashes everywhere exactly when max == -min) on a side
-    channel of its own, set up once per communicator and started as each call
-    starts (a persistent start costs well under a microsecond where starting
-    a fresh nonblocking allreduce costs several).  It progresses while the
-    algorithm moves the data.  The context looks at it whenever a wait lasts
-    (:meth:`raise_if_mismatched`), so ranks whose calls disagree and wait for
-    messages that never come learn it at once; :meth:`settle` waits for it as
-    the call ends, so ranks whose calls disagree yet complete never return the
-    result.  The hash covers the collective, count, dtype, op, root and
-    algorithm.  Every rank must create it together.
+# Collectives whose every rank's result needs every rank's messages: a rank that completes one received,
+# through a chain of messages carrying the call's stamp, from every rank, so all ranks made the same call.
+_EVERYONE_HEARS_EVERYONE = frozenset({"Allreduce", "Reduce_scatter_block", "Allgather"})
+
+
+class Fingerprint:
+    """A cross-rank comparison of each call, carried in the tags of the call's own messages.
+
+    Every message of a fingerprinted call is sent and received with its tag
+    raised by a *stamp*: a hash of the call (collective, count, dtype, op,
+    root, algorithm) and the parity of the call's number.  Messages of calls
+    that differ never match, so ranks that disagree can never combine each
+    other's data into a wrong answer; they stop instead, and no message or
+    synchronisation is added to a call that agrees.
+
+    For an allreduce, reduce-scatter or allgather no rank can finish a call
+    the others disagree on (its result needs every rank's messages), so every
+    rank of a disagreeing call is waiting.  A wait that lasts looks (every
+    ``LOOK_EVERY`` seconds of the call: :meth:`raise_if_mismatched` is one of
+    the context's alarms) for a
+    message of this call's parity with another stamp: proof that its sender
+    made a different call.  The rank that finds one sends what it passed to
+    every other rank on a side channel; a rank that sees that there does the
+    same, and each raises :class:`~mpicoll.errors.MismatchError` with what
+    every rank passed.  A message of the other parity is a faster peer's next
+    call (a peer can be at most one call ahead).  The stamps take the bits
+    above the algorithms' tags: MPICH's tag bound leaves 2 million distinct
+    hashes (MPI's guaranteed minimum, 126), the odds that two different calls
+    share one.
+
+    A broadcast's root finishes without hearing from anyone, so broadcasts
+    also start a persistent 16-byte allreduce on the side channel (MAX of
+    the hash and of its negation: the same everywhere exactly when max ==
+    -min) and settle it as the call ends.  So does :meth:`compare_now`, for
+    an algorithm about to hand the call to MPI's own blocking collective.
+    Every rank must create this together.
     """
+
+    LOOK_EVERY = 0.02          # seconds of waiting before a call's first look at the queues, and between looks
 
     def __init__(self, context):
         self.context = context
         self.channel = MPI.Intracomm(MPI.Intracomm.Dup(context.comm))
         self.values = np.zeros(2, np.int64)
         self.request = self.channel.Allreduce_init(MPI.IN_PLACE, self.values, MPI.MAX)
+        # distinct hashes that fit the tags: stamp index 1 + parity + 2 * hash, times TAG_SPAN
+        tag_ub = context.comm.Get_attr(MPI.TAG_UB) or 32767
+        self.hashes = (tag_ub // TAG_SPAN - 2) // 2
         self.signature: Signature | None = None          # the call in flight
-        self.pending = False                             # its comparison not yet in
+        self.stamp = 0
+        self.calls = 0                                   # fingerprinted calls so far (for the parity)
+        self.started = self.pending = False              # the side-channel comparison: this call, not yet in
+        self.next_look = 0.0
+        self._stamps: dict[tuple, int] = {}              # per call signature, before the parity
         context.alarms.append(self.raise_if_mismatched)
 
     def start(self, signature: Signature) -> None:
-        self.values[:] = _fingerprint(signature.collective, signature.count, signature.dtype.str, signature.op,
-                                      signature.root, signature.algorithm)
-        self.signature, self.pending = signature, True
-        self.request.Start()
+        """Stamp this call's messages; start the side-channel comparison for a broadcast.  Runs on every
+        large call, so kept to one dictionary lookup: its Python time is most of what it costs."""
+        key = (signature.collective, signature.count, signature.dtype, signature.op, signature.root,
+               signature.algorithm)
+        stamp = self._stamps.get(key)
+        if stamp is None:
+            code = _fingerprint(key[0], key[1], key[2].str, *key[3:])[0]
+            stamp = self._stamps[key] = (1 + 2 * (int(code) % self.hashes)) * TAG_SPAN
+        self.calls += 1
+        self.stamp = stamp = stamp + (self.calls & 1) * TAG_SPAN
+        self.signature, self.next_look = signature, 0.0
+        self.context.stamp_messages(stamp)
+        if key[0] not in _EVERYONE_HEARS_EVERYONE:
+            self.started = self.pending = False
+            self.compare_now(wait=False)
 
-    def raise_if_mismatched(self) -> None:
-        """Raise the call's MismatchError (on every rank) if the comparison is in and the calls differ."""
-        if self.pending and self.request.Test():
-            self.pending = False
-            if self.values[0] != -self.values[1]:
-                self._raise()
-
-    def settle(self) -> None:
-        """Wait for the comparison in flight, if any (with the deadline); MismatchError if the calls differ."""
-        if self.pending:
+    def compare_now(self, wait: bool = True) -> None:
+        """Start the side-channel comparison of the call in flight (once) and, with ``wait``, settle it."""
+        if self.signature is not None and not self.started:
+            self.values[:] = _hash(self.signature)
+            self.started = self.pending = True
+            self.request.Start()
+        if wait and self.pending:
             if not self.request.Test():
                 self.context.waitall([self.request], self.context.others())
-            self.pending = False
-        if self.signature is not None and self.values[0] != -self.values[1]:
+            self._compared()
+
+    def raise_if_mismatched(self) -> None:
+        """While a wait lasts: raise the call's MismatchError (on every rank) if a rank found the calls differ."""
+        if self.signature is None:
+            return
+        if self.pending and self.request.Test():
+            self._compared()
+        now = time.perf_counter()
+        if not self.next_look:             # the call's first lasting wait: probing costs microseconds on
+            self.next_look = now + self.LOOK_EVERY      # ranks that share cores, so not at once
+        if now < self.next_look:
+            return
+        self.next_look = now + self.LOOK_EVERY
+        if self.channel.Iprobe(MPI.ANY_SOURCE, Tag.MISMATCH) or self._foreign_message():
             self._raise()
-        self.signature = None
+
+    def settle(self) -> None:
+        """As the call ends: wait for its side-channel comparison, if one started (MismatchError if the
+        calls differ), and stop stamping messages."""
+        if self.pending:
+            self.compare_now(wait=True)
+        self.signature, self.started, self.stamp = None, False, 0
+        self.context.stamp_messages(0)
 
     def free(self, abandon: bool = False) -> None:
         """Release the request and the side channel (kept, as the context's own, when abandoned)."""
@@ -130,18 +194,44 @@ class Fingerprint:
             self.request.Free()
             self.channel.Free()
 
+    def _compared(self) -> None:
+        self.pending = False
+        if self.values[0] != -self.values[1]:
+            self._raise()
+
+    def _foreign_message(self) -> bool:
+        """Whether a message of this call's parity but another stamp waits, from any rank, on any of the
+        call's channels: its sender made another call."""
+        status = MPI.Status()
+        parity = self.stamp // TAG_SPAN % 2
+        for context in (self.context, *self.context.children):
+            for peer in context.others():
+                if context.comm.Iprobe(peer, MPI.ANY_TAG, status):
+                    stamp = status.Get_tag() // TAG_SPAN * TAG_SPAN
+                    if stamp and stamp != self.stamp and stamp // TAG_SPAN % 2 == parity:
+                        return True
+        return False
+
     def _raise(self) -> None:
-        """Every rank finds the same difference (the comparison is an allreduce): exchange what each
-        passed (fixed-size, with the deadline), and raise."""
-        signature, self.signature = self.signature, None      # no second look while describing
-        width = 240
-        mine = np.zeros(width, np.uint8)
-        text = str(signature).encode()[:width]
-        mine[:len(text)] = np.frombuffer(text, np.uint8)
+        """Tell every rank what this one passed (which makes those still waiting look here too), hear what
+        each passed (with the deadline), and raise.  Point-to-point, so a comparison one rank started and
+        another did not cannot cross it."""
+        signature, self.signature, self.pending = self.signature, None, False      # no second look
+        width, others = 240, self.context.others()
         everyone = np.zeros((self.context.size, width), np.uint8)
-        self.context.waitall([self.channel.Iallgather(mine, everyone)], self.context.others())
+        text = str(signature).encode()[:width]
+        everyone[self.context.rank, :len(text)] = np.frombuffer(text, np.uint8)
+        mine = everyone[self.context.rank]
+        requests = [self.channel.Isend([mine, MPI.BYTE], peer, Tag.MISMATCH) for peer in others]
+        requests += [self.channel.Irecv([everyone[peer], MPI.BYTE], peer, Tag.MISMATCH) for peer in others]
+        self.context.waitall(requests, others + others)
         described = {rank: bytes(row).rstrip(b"\0").decode(errors="replace") for rank, row in enumerate(everyone)}
         raise MismatchError(signature.collective, described)
+
+
+def _hash(signature: Signature) -> np.ndarray:
+    return _fingerprint(signature.collective, signature.count, signature.dtype.str, signature.op,
+                        signature.root, signature.algorithm)
 
 
 @functools.lru_cache(maxsize=256)

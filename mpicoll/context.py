@@ -28,6 +28,8 @@ _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
 
+_ALARM_EVERY = 2e-3    # seconds between a lasting wait's looks for a reason to stop (Context.alarms)
+
 
 def _all_done(requests: list) -> bool:
     """Whether every request has completed.  One request is tested alone: MPICH 5.0.2's Testall raises
@@ -51,6 +53,7 @@ class Context:
         self.names = names if names is not None else list(range(self.size))
         self.parent: Context | None = None    # the context this one is a part of (mpicoll.nodes)
         self.fingerprint = None     # a checks.Fingerprint, when the communicator compares its calls
+        self.stamp = 0              # added to every message's tag: the fingerprint of the call in flight
         # Checks a wait runs once it lasts; one that raises ends the wait with its error (ranks that
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
@@ -153,13 +156,27 @@ class Context:
 
     def _before_growing(self) -> None:
         """Growing the shared window is a blocking collective: every rank must be here, with the same size."""
-        self.settle_fingerprint()
+        self.compare_calls_now()
         self.rendezvous()
 
+    def compare_calls_now(self) -> None:
+        """Before a blocking MPI collective inside a call: make sure every rank made the same call
+        (MismatchError on every rank if not), since nothing can interrupt MPI's wait."""
+        if self.fingerprint is not None:
+            self.fingerprint.compare_now()
+
     def settle_fingerprint(self) -> None:
-        """Wait for the current call's fingerprint comparison, if any; MismatchError if the calls differ."""
+        """As a call ends: settle its fingerprint, if any (MismatchError if the calls differ)."""
         if self.fingerprint is not None:
             self.fingerprint.settle()
+
+    def stamp_messages(self, stamp: int) -> None:
+        """Raise the tag of every message from now on by ``stamp`` (here and in the contexts over parts of
+        this one): messages of calls with different stamps never match (:class:`~mpicoll.checks.Fingerprint`)."""
+        self.stamp = stamp
+        if self.children:
+            for child in self.children:
+                child.stamp_messages(stamp)
 
     def others(self) -> list[int]:
         return [q for q in range(self.size) if q != self.rank]
@@ -172,10 +189,10 @@ class Context:
     # -- messages -----------------------------------------------------------
 
     def isend(self, array: np.ndarray, dest: int, tag: int = 0) -> MPI.Request:
-        return self.comm.Isend([array.view(np.uint8), MPI.BYTE], dest, tag)
+        return self.comm.Isend([array.view(np.uint8), MPI.BYTE], dest, tag + self.stamp)
 
     def irecv(self, array: np.ndarray, source: int, tag: int = 0) -> MPI.Request:
-        return self.comm.Irecv([array.view(np.uint8), MPI.BYTE], source, tag)
+        return self.comm.Irecv([array.view(np.uint8), MPI.BYTE], source, tag + self.stamp)
 
     def wait(self, request: MPI.Request, peer: int) -> None:
         """Complete one request to or from ``peer``."""
@@ -247,7 +264,7 @@ class Context:
         """
         limit = self.timeout if limit is None else limit
         start = time.perf_counter()
-        nap = 0.0
+        nap, next_alarm = 0.0, self.spin_seconds
         while (result := ready()) is None:
             waited = time.perf_counter() - start
             if limit and waited > limit:
@@ -255,8 +272,10 @@ class Context:
                 return default
             if waited < self.spin_seconds:
                 continue
-            for alarm in self.alarms:              # a wait that lasts: is there a reason to stop waiting?
-                alarm()
+            if waited >= next_alarm:               # a wait that lasts: is there a reason to stop waiting?
+                for alarm in self.alarms:
+                    alarm()
+                next_alarm = waited + _ALARM_EVERY
             if waited < 10 * self.spin_seconds + 1e-3:
                 os.sched_yield()
             else:

@@ -74,7 +74,10 @@ class NodeLayout:
             cross = comm.Split(self.local_rank, ctx.rank)
             self.local, self.cross = (Context(part, ctx.collective, names=_names(part, ctx))
                                       for part in (local, cross))
-            self.local.parent = self.cross.parent = ctx        # roll calls after a timeout are held there
+            for part in (self.local, self.cross):
+                part.parent = ctx                 # roll calls after a timeout are held there
+                part.alarms = ctx.alarms          # a wait in a part looks for what stops the whole call
+                part.stamp = ctx.stamp            # and its messages carry the call's fingerprint
             cross.Free()
             ctx.children += [self.local, self.cross]
         local.Free()

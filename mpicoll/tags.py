@@ -41,5 +41,6 @@ class Tag(IntEnum):
     SANDBLASTER_FINAL = 88    # at the end, each shard's parameters to every worker
     SANDBLASTER_FAILED = 89   # a part's last word when it fails: why, to every other rank
     GOSSIP = 91               # push-sum over point-to-point messages
+    MISMATCH = 97             # a rank that found its call differs from another's: what it passed, to every rank
     TIMELINE = 98             # at exit, every rank's timeline events to rank 0 (on MPI.COMM_WORLD)
     ROLL_CALL = 99            # after a timeout: "I am alive", from every survivor to every rank

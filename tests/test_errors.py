@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -113,6 +115,82 @@ def test_mismatches_after_the_first_call_are_caught_on_every_rank(monkeypatch, a
         MPI.Intracomm.Allreduce(WORLD, data, expected)
         comm.Allreduce(MPI.IN_PLACE, data)                    # a fresh channel after the disagreement
         everywhere(np.allclose(data, expected), "wrong sum after a caught mismatch")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "parallel"])
+def test_skewed_ranks_with_changing_calls_are_never_taken_for_a_mismatch(monkeypatch, algorithm):
+    """The fingerprint's look at the queues must not mistake a faster peer's next call for a different
+    call: ranks arrive up to 40 ms apart (so waits last past Fingerprint.LOOK_EVERY and peers run a
+    call ahead) while the calls alternate in count and collective; every result against MPI's own."""
+    monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
+    n = mpicoll.communicator.FINGERPRINT_FROM
+    rng = np.random.default_rng(RANK)
+    with mpicoll.Communicator(WORLD, algorithm=algorithm) as comm:
+        comm.Allreduce(np.ones(4), np.empty(4))
+        for step in range(24):
+            time.sleep(rng.uniform(0, 0.04))
+            count = n + (step % 3) * P
+            data = rng.standard_normal(count).astype(np.float32)
+            if step % 2:
+                out, expected = np.empty(P * count, np.float32), np.empty(P * count, np.float32)
+                error = raised(lambda: comm.Allgather(data, out))
+                MPI.Intracomm.Allgather(WORLD, data, expected)
+                everywhere(error is None and np.array_equal(out, expected), f"step {step}: {error!r}")
+            else:
+                out, expected = np.empty_like(data), np.empty_like(data)
+                error = raised(lambda: comm.Allreduce(data, out))
+                MPI.Intracomm.Allreduce(WORLD, data, expected)
+                everywhere(error is None and np.allclose(out, expected, rtol=1e-4, atol=1e-4),
+                           f"step {step}: {error!r}")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_message_of_a_peers_next_call_is_not_taken_for_a_mismatch(monkeypatch):
+    """Rank 0 holds back its allgather message to rank 1 for 3x Fingerprint.LOOK_EVERY, so rank 2
+    finishes the allgather and sends rank 1 its part of the next, different call while rank 1 is
+    still waiting: rank 1 looks at its queue, finds that message (the other parity) and must go on
+    waiting, not raise.  Both results against MPI's own."""
+    from mpicoll.context import Context
+    from mpicoll.tags import Tag
+    monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
+    delay = 3 * mpicoll.checks.Fingerprint.LOOK_EVERY
+    if RANK == 0:
+        isend, waitall, held = Context.isend, Context.waitall, []
+
+        def holding_isend(self, array, dest, tag=0):
+            if self.stamp and dest == 1 and tag == Tag.DIRECT_GATHER:
+                held.append((self, array, dest, tag))
+                return MPI.REQUEST_NULL
+            return isend(self, array, dest, tag)
+
+        def late_waitall(self, requests, peers, limit=None):
+            if held:
+                until = time.perf_counter() + delay
+                while time.perf_counter() < until:       # the other transfers progress meanwhile
+                    MPI.Request.Testall(requests)
+                peers = [peers] * len(requests) if isinstance(peers, int) else list(peers)
+                requests = [*requests, *(isend(*message) for message in held)]
+                peers += [1] * len(held)
+                held.clear()
+            return waitall(self, requests, peers, limit)
+
+        monkeypatch.setattr(Context, "isend", holding_isend)
+        monkeypatch.setattr(Context, "waitall", late_waitall)
+    n = mpicoll.communicator.FINGERPRINT_FROM
+    rng = np.random.default_rng(RANK)
+    with mpicoll.Communicator(WORLD, algorithm="direct") as comm:
+        comm.Allreduce(np.ones(4), np.empty(4))
+        data = rng.standard_normal(n)
+        gathered, expected = np.empty(P * n), np.empty(P * n)
+        first = raised(lambda: comm.Allgather(data, gathered))
+        summed = np.empty(n + P)
+        second = raised(lambda: comm.Allreduce(np.resize(data, n + P), summed))
+    MPI.Intracomm.Allgather(WORLD, data, expected)
+    everywhere(first is None and np.array_equal(gathered, expected), f"allgather: {first!r}")
+    total = np.empty(n + P)
+    MPI.Intracomm.Allreduce(WORLD, np.resize(data, n + P), total)
+    everywhere(second is None and np.allclose(summed, total), f"allreduce: {second!r}")
 
 
 @pytest.mark.mpi(min_size=2)

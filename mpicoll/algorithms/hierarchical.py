@@ -50,7 +50,7 @@ class Hierarchical(Algorithm):
             _RING.allreduce(ctx, send, recv, reduction)
             return
         if recv.nbytes < ACROSS_NODES_FROM:
-            ctx.settle_fingerprint()        # MPI's blocking call cannot be interrupted by a disagreement
+            ctx.compare_calls_now()         # MPI's blocking call cannot be interrupted by a disagreement
             _MPI.allreduce(ctx, send, recv, reduction)
             return
         local, cross = layout.local, layout.cross

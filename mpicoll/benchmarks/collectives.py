@@ -23,6 +23,7 @@ result, so a fast wrong answer cannot hide in the table.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -30,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import algorithms
+from ..checks import Signature
 from ..communicator import FINGERPRINT_FROM, Communicator
 from ..nodes import node_count
 from .common import format_bytes, interleaved_times, parse_sizes, write_records
@@ -53,11 +55,8 @@ COLLECTIVES = {
 }
 
 
-def _calls(comm: MPI.Intracomm, names: list[str], collective: str, fingerprints: bool = True):
-    """One function per algorithm: (send, recv) -> None (Bcast uses recv alone, from rank 0).
-
-    ``fingerprints=False``: mpicoll's calls without the cross-rank fingerprint (to time what it costs).
-    """
+def _calls(comm: MPI.Intracomm, names: list[str], collective: str):
+    """One function per algorithm: (send, recv) -> None (Bcast uses recv alone, from rank 0)."""
     method = COLLECTIVES[collective][0]
     calls = {}
     for name in names:
@@ -67,8 +66,6 @@ def _calls(comm: MPI.Intracomm, names: list[str], collective: str, fingerprints:
                            else (lambda s, r, c=target, f=raw: f(c, s, r)))
         else:
             wrapped = Communicator(comm, algorithm=name)
-            if not fingerprints:
-                wrapped.fingerprint_from = float("inf")
             # looked up per call, as user code does (auto installs a faster method after its first call)
             calls[name] = ((lambda s, r, c=wrapped, m=method: getattr(c, m)(r, 0)) if collective == "bcast"
                            else (lambda s, r, c=wrapped, m=method: getattr(c, m)(s, r)))
@@ -221,18 +218,32 @@ def link_bound_report(records: list[dict], nodes: int, gbps: float) -> list[str]
 
 
 def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], dtype, collective: str,
-                      pairs: int = 200, warmup: int = 3) -> list[dict]:
+                      seconds: float = 2.0, warmup: int = 3) -> list[dict]:
     """What the cross-rank fingerprint adds to each own algorithm's calls, timed in the same run.
 
-    For every size from ``FINGERPRINT_FROM`` elements, calls with and without
-    the fingerprint alternate (a barrier before each, the order swapped every
-    pair; ``pairs`` up to 1 MiB, fewer above).  The cost is the median of the pairs' differences (slowest rank's
-    times), which drift in the machine's speed cancels out of, as a share of
-    the median call without it.
+    For every size from ``FINGERPRINT_FROM`` elements, three calls on one
+    communicator rotate: with the fingerprint, without it, and without it
+    again (an A/A control: this machine's noise floor), a barrier before
+    each, for about ``seconds`` per size and algorithm (20 rounds at least,
+    400 at most).  One communicator, its threshold switched per call, so the
+    calls share their scratch memory (separate communicators differed by up
+    to 20% at 4 MiB through where their buffers lay).  The cost is the median
+    of the rounds' differences with - without (slowest rank's), as a share of
+    the median call without it; the control is the same for again - without.
     """
     own = [name for name in names if name not in (PEER, "auto")]
     dtype = np.dtype(dtype)
-    variants = (_calls(comm, own, collective), _calls(comm, own, collective, fingerprints=False))
+    method = COLLECTIVES[collective][0]
+
+    def variant(wrapped, threshold):
+        def call(send, out):
+            wrapped.fingerprint_from = threshold
+            if collective == "bcast":
+                getattr(wrapped, method)(out, 0)
+            else:
+                getattr(wrapped, method)(send, out)
+        return call
+
     rng = np.random.default_rng(99 + comm.Get_rank())
     costs = []
     for nbytes in sizes:
@@ -243,23 +254,39 @@ def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], d
         out = np.empty(recv_count, dtype)
         if collective == "bcast":
             out[...] = send
-        n = _iterations(count * dtype.itemsize, pairs, 10)      # fewer pairs for large messages
         for name in own:
-            calls = [variant[name] for variant in variants]
+            wrapped = Communicator(comm, algorithm=name)
+            calls = [variant(wrapped, threshold) for threshold in (FINGERPRINT_FROM, float("inf"), float("inf"))]
+            start = time.perf_counter()
             for call in calls * warmup:
                 call(send, out)
-            times = np.empty((2, n))
-            for i in range(n):
-                for j in (0, 1) if i % 2 == 0 else (1, 0):
-                    comm.Barrier()
-                    start = time.perf_counter()
-                    calls[j](send, out)
-                    times[j, i] = time.perf_counter() - start
-            comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-            added, without = float(np.median(times[0] - times[1])), float(np.median(times[1]))
-            costs.append({"algorithm": name, "bytes": count * dtype.itemsize, "without_s": without,
-                          "added_s": added, "cost": added / without})
+            each = comm.allreduce(time.perf_counter() - start, MPI.MAX) / (3 * warmup)
+            rounds = int(min(1000, max(20, seconds / (3 * each))))
+            times = interleaved_times(comm, [functools.partial(call, send, out) for call in calls], rounds)
+            without = float(np.median(times[1]))
+            added, control = (float(np.median(times[j] - times[1])) for j in (0, 2))
+            wrapped.close()
+            costs.append({"algorithm": name, "bytes": count * dtype.itemsize, "without_s": without, "rounds": rounds,
+                          "added_s": added, "cost": added / without, "control_s": control,
+                          "control": control / without})
     return costs
+
+
+def fingerprint_work(calls: int = 20000) -> float:
+    """Seconds of Python one fingerprinted call spends on its fingerprint (stamping the call and settling
+    it), timed alone on this rank's own communicator: the part of the cost that is not noise."""
+    comm = Communicator(MPI.COMM_SELF, algorithm="ring")
+    data = np.zeros(FINGERPRINT_FROM, np.float32)
+    comm.Allreduce(MPI.IN_PLACE, data)                     # sets up the context and its fingerprint
+    fingerprint = comm._context.fingerprint
+    signature = Signature("Allreduce", data.size, data.dtype, "MPI_SUM", algorithm="ring")
+    start = time.perf_counter()
+    for _ in range(calls):
+        fingerprint.start(signature)
+        fingerprint.settle()
+    seconds = (time.perf_counter() - start) / calls
+    comm.close()
+    return seconds
 
 
 def run(args) -> int:
@@ -280,15 +307,18 @@ def run(args) -> int:
     nodes = node_count(comm)
     raw, wrapped = python_overhead(comm)
     costs = fingerprint_costs(comm, names, sizes, args.dtype, args.collective) if comm.Get_size() > 1 else []
+    work = fingerprint_work() if costs else 0.0
     if comm.Get_rank() == 0:
         print(f"# per-call overhead of the Python layer at 8 B: {(wrapped - raw) * 1e6:+.2f} us "
               f"(auto {wrapped * 1e6:.2f} us vs mpi {raw * 1e6:.2f} us per call, back to back)", file=out)
         if costs:
-            print(f"# cross-rank fingerprint (calls of {FINGERPRINT_FROM} elements and more): time it adds, "
-                  "median of paired differences with - without:", file=out)
+            print(f"# cross-rank fingerprint (calls of {FINGERPRINT_FROM} elements and more): its own work "
+                  f"{work * 1e6:.2f} us per call; time it adds, median of rounds' with - without, beside an A/A "
+                  "control (again - without: the noise floor):", file=out)
             for c in costs:
                 print(f"#   {format_bytes(c['bytes']):>8} {c['algorithm']:<20} {c['added_s'] * 1e6:+8.1f} us on "
-                      f"{c['without_s'] * 1e6:9.1f} us = {100 * c['cost']:+.1f}%", file=out)
+                      f"{c['without_s'] * 1e6:9.1f} us = {100 * c['cost']:+.1f}%   (control "
+                      f"{c['control_s'] * 1e6:+8.1f} us = {100 * c['control']:+.1f}%, {c['rounds']} rounds)", file=out)
         if args.link_gbps:
             for line in link_bound_report(records, nodes, args.link_gbps):
                 print(line, file=out)
