@@ -161,10 +161,11 @@ def info() -> int:
         print(f"numpy      {numpy.__version__}")
         print(f"MPI        {MPI.Get_library_version().splitlines()[0].strip()} (standard {'.'.join(map(str, MPI.Get_version()))})")
         print(f"ranks      {MPI.COMM_WORLD.Get_size()}")
-        for collective in auto.DEFAULT_RULES:
-            rule = ", ".join(f"{name} below {limit:.0f} B" if limit != float("inf") else name
-                             for name, limit in auto.rule(collective))
-            print(f"auto       {collective}: {rule}")
+        for across_nodes, where in ((False, ""), (True, " (across nodes of several ranks)")):
+            for collective in auto.DEFAULT_RULES:
+                rule = ", ".join(f"{name} below {limit:.0f} B" if limit != float("inf") else name
+                                 for name, limit in auto.rule(collective, across_nodes=across_nodes))
+                print(f"auto       {collective}{where}: {rule}")
         for backend, state in compute.backends().items():
             print(f"kernels    {backend}: {state}")
         count, first = arrays.gpu_count()

@@ -23,6 +23,7 @@ from .buffers import Message, is_in_place, read_message
 from .checks import Fingerprint, Signature, check_call
 from .context import Context
 from .errors import RootError
+from .nodes import node_layout
 from .nonblocking import Request, Worker
 from .reduction import Reduction, op_name
 
@@ -49,6 +50,7 @@ class Communicator(MPI.Intracomm):
     algorithm = "auto"   # also the value for communicators mpi4py builds from this one
     fingerprint_from = FINGERPRINT_FROM     # elements; a benchmark sets it to inf to time calls without
     background = False     # True for a nonblocking worker's channel: see Context.run_in_background
+    across_nodes = False   # auto's rules for nodes of several consecutive ranks (learnt on the first call)
 
     def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -119,8 +121,10 @@ class Communicator(MPI.Intracomm):
         context.begin(signature.collective)
         if first or context.debug:
             check_call(context, signature, contribution if context.debug else None)   # finiteness: debug only
-            if first and not context.debug and self.algorithm == "auto" and not self.background:
-                self._hand_small_calls_to_mpi()
+            if first and self.algorithm == "auto":
+                self.across_nodes = context.spans_nodes and _layered_by_rank(context)
+                if not context.debug and not self.background:
+                    self._hand_small_calls_to_mpi()
         elif signature.algorithm != "mpi" and signature.count >= self.fingerprint_from:
             context.fingerprint.start(signature)
         return context
@@ -214,7 +218,7 @@ class Communicator(MPI.Intracomm):
         if timeline.enabled:           # every call is recorded, small ones too
             return
         for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
-            first, limit = auto.rule(name.lower())[0]
+            first, limit = auto.rule(name.lower(), across_nodes=self.across_nodes)[0]
             if first == "mpi":
                 if name == "Reduce_scatter_block":      # its rule is by the whole input: p blocks
                     limit /= self.Get_size()
@@ -242,7 +246,7 @@ class Communicator(MPI.Intracomm):
                 algorithms.get(self.algorithm, device=True)
             return self.algorithm
         commutative = reduction is None or reduction.commutative
-        return auto.choose(collective, sized.nbytes, self.Get_size(), commutative, device)
+        return auto.choose(collective, sized.nbytes, self.Get_size(), commutative, device, self.across_nodes)
 
     def _run(self, name: str | None, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
         """Check the call if due, then run algorithm ``name`` (None: MPI's own call with the caller's arguments)."""
@@ -271,6 +275,13 @@ class Communicator(MPI.Intracomm):
                 self.__dict__.pop("_context", None)
                 context.free(abandon=True)
             raise
+
+
+def _layered_by_rank(context: Context) -> bool:
+    """Whether the communicator spans nodes of several ranks each, every node holding consecutive ranks
+    (where ``hierarchical`` splits its work); builds the context's node layout (collective)."""
+    layout = node_layout(context)
+    return layout.layered and layout.contiguous
 
 
 def _straight_to_mpi(name: str, mpi_call, checked_call, limit: float):

@@ -64,6 +64,7 @@ class Context:
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
         self.segment_bytes = config.segment_bytes()
         local = ranks_on_this_node(self.comm)
+        self.spans_nodes = local < self.size          # the same answer on every rank
         oversubscribed = local > config.cores()
         # Oversubscribed ranks yield the core while they wait: the peer they
         # wait for may need it to make progress.

@@ -16,6 +16,16 @@ class TestAuto:
         assert auto.choose("allreduce", 64 << 20, 1) == "mpi"
         assert auto.choose("allreduce", 64 << 20, 4, commutative=False) == "mpi"
 
+    def test_across_nodes_of_several_ranks_the_hierarchical_splits_pay_earlier(self, monkeypatch):
+        assert auto.choose("allgather", 1 << 20, 4) == "mpi"
+        assert auto.choose("allgather", 1 << 20, 4, across_nodes=True) == "hierarchical"
+        assert auto.choose("reduce_scatter_block", 64 << 10, 4, across_nodes=True) == "mpi"
+        assert auto.choose("reduce_scatter_block", 1 << 20, 4, across_nodes=True) == "hierarchical"
+        assert auto.choose("allreduce", 3 << 20, 4) == "hierarchical"
+        assert auto.choose("allreduce", 3 << 20, 4, across_nodes=True) == "mpi"
+        monkeypatch.setenv("MPICOLL_AUTO_ALLGATHER", "ring")            # a rule set by hand holds everywhere
+        assert auto.choose("allgather", 8, 4, across_nodes=True) == "ring"
+
     def test_environment_overrides(self, monkeypatch):
         monkeypatch.setenv("MPICOLL_AUTO_ALLREDUCE", "recursive_doubling:4K, parallel:1M, ring")
         assert [auto.choose("allreduce", n, 4) for n in (8, 4096, 1 << 20)] == \

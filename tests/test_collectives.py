@@ -64,7 +64,7 @@ def comm(request, monkeypatch):
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
     if algorithm == "hierarchical":          # its own phases at every test size, not MPI's for small ones
-        monkeypatch.setattr(hierarchical, "ACROSS_NODES_FROM", 0)
+        monkeypatch.setattr(hierarchical, "ACROSS_NODES_FROM", dict.fromkeys(hierarchical.ACROSS_NODES_FROM, 0))
     communicator = mpicoll.Communicator(WORLD, algorithm=algorithm)
     communicator.Barrier()
     with communicator:
@@ -403,3 +403,17 @@ def test_every_buffer_kind_and_count_form_mpi4py_takes(comm):
         except kind:
             pass
     cases.judge()
+
+
+@pytest.mark.mpi
+def test_auto_learns_on_its_first_call_whether_nodes_of_several_ranks_are_spanned():
+    """auto's across-nodes rules apply where every node holds several consecutive ranks (emulated nodes:
+    scripts/run-tests' multi-node tier), and nowhere else."""
+    local = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    members = local.allgather(RANK)
+    local.Free()
+    nodes = WORLD.allgather((len(members), members == list(range(members[0], members[0] + len(members)))))
+    expected = 1 < len(members) < P and len({n for n, _ in nodes}) == 1 and all(run for _, run in nodes)
+    with mpicoll.Communicator(WORLD) as comm:
+        comm.Allreduce(np.ones(4), np.empty(4))
+        everywhere(comm.across_nodes == expected, f"across_nodes {comm.across_nodes}, expected {expected}")

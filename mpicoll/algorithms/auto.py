@@ -6,13 +6,21 @@ defaults below come from ``mpicoll bench`` on one 2-core node with the MPICH
 wheel (docs/benchmarks.md): the ring overtook MPI's allreduce between 1 and
 2 MiB at both 2 and 4 ranks, so one size threshold serves every rank count
 measured; one rank always gets MPI.  Large allreduces go to ``hierarchical``,
-which is the ring on one node (and with one rank per node) and, across nodes
-of several ranks, splits the work between shared memory and the links
-(keeping MPI's own below its ``ACROSS_NODES_FROM``; docs/multi-node.md).  The ring's reduce-scatter is only
-reliably ahead from 16 MiB (2 ranks, 4 MiB: 0.88x), and MPI's allgather and
-broadcast were never beaten by enough to matter, except the parallel broadcast
-with more ranks than cores, which does not scale with p (docs/benchmarks.md).  Override a rule with the environment
-variable ``MPICOLL_AUTO_<COLLECTIVE>``, for example
+which is the ring on one node (and with one rank per node).  The ring's
+reduce-scatter is only reliably ahead from 16 MiB (2 ranks, 4 MiB: 0.88x),
+and MPI's allgather and broadcast were never beaten by enough to matter,
+except the parallel broadcast with more ranks than cores, which does not
+scale with p (docs/benchmarks.md).
+
+A communicator that spans nodes of several ranks each, every node holding
+consecutive ranks, follows ``ACROSS_NODES_RULES`` instead, from its second
+call on (the first call's check comes first; then the communicator learns
+its node layout): there ``hierarchical`` splits each collective between
+shared memory and the links (docs/multi-node.md).  With one rank per node
+the flat ring already crosses each link evenly and the one-node rules stay.
+
+Override a rule with the environment variable ``MPICOLL_AUTO_<COLLECTIVE>``
+(on one node and across nodes alike), for example
 ``MPICOLL_AUTO_ALLREDUCE=mpi:1M,ring``.  Every rank must see the same rule.
 
 Non-commutative ops go to ``mpi`` unless the rule was set by hand: MPI's
@@ -31,12 +39,22 @@ import os
 
 from ..config import parse_bytes
 
-__all__ = ["choose", "rule", "DEFAULT_RULES", "DEVICE_RULES"]
+__all__ = ["choose", "rule", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES"]
 
 DEFAULT_RULES = {
     "allreduce": "mpi:2M,hierarchical",
     "reduce_scatter_block": "mpi:16M,ring",
     "allgather": "mpi",
+    "bcast": "mpi",
+}
+# Across nodes of several ranks each, every node holding consecutive ranks (where ``hierarchical``
+# splits each collective between shared memory and the links): measured on 2 emulated nodes x 2 ranks
+# at 1 Gbit/s (docs/multi-node.md).  MPI's allreduce is ahead to 4 MiB; hierarchical's reduce-scatter
+# and allgather from 128 KiB.  A broadcast's chain already crosses each link once.
+ACROSS_NODES_RULES = {
+    "allreduce": "mpi:4M,hierarchical",
+    "reduce_scatter_block": "mpi:128K,hierarchical",
+    "allgather": "mpi:128K,hierarchical",
     "bcast": "mpi",
 }
 DEVICE_RULES = dict.fromkeys(DEFAULT_RULES, "direct")
@@ -46,9 +64,10 @@ def _variable(collective: str, device: bool) -> str:
     return f"MPICOLL_AUTO_{'DEVICE_' if device else ''}{collective.upper()}"
 
 
-def rule(collective: str, device: bool = False) -> list[tuple[str, float]]:
-    """The rule in force for ``collective``: [(algorithm, exclusive byte limit), ...]."""
-    default = (DEVICE_RULES if device else DEFAULT_RULES)[collective]
+def rule(collective: str, device: bool = False, across_nodes: bool = False) -> list[tuple[str, float]]:
+    """The rule in force for ``collective``: [(algorithm, exclusive byte limit), ...].  ``across_nodes``:
+    the communicator spans nodes of several ranks each, consecutive ranks per node."""
+    default = (DEVICE_RULES if device else ACROSS_NODES_RULES if across_nodes else DEFAULT_RULES)[collective]
     return _parse(_variable(collective, device), os.environ.get(_variable(collective, device), default), device)
 
 
@@ -67,14 +86,15 @@ def _parse(variable: str, text: str, device: bool) -> list[tuple[str, float]]:
     return parsed
 
 
-def choose(collective: str, nbytes: int, size: int, commutative: bool = True, device: bool = False) -> str:
+def choose(collective: str, nbytes: int, size: int, commutative: bool = True, device: bool = False,
+           across_nodes: bool = False) -> str:
     """The algorithm ``auto`` runs for one call."""
     if not device:
         if size == 1:
             return "mpi"
         if not commutative and _variable(collective, device) not in os.environ:
             return "mpi"
-    for name, limit in rule(collective, device):
+    for name, limit in rule(collective, device, across_nodes):
         if nbytes < limit:
             return name
     raise AssertionError("unreachable: the last rule has no limit")
