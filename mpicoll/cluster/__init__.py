@@ -174,7 +174,12 @@ host=$1; shift
 case $host in
 {cases}    *) echo "mpicoll cluster: no node $host in this cluster" >&2; exit 255 ;;
 esac
-exec ip netns exec {network.PREFIX}$host unshare --uts sh -c "hostname $host; exec taskset -c $cores $*"
+# As ssh does, the command line runs in a shell on the node: a plain command (Hydra's proxy) replaces
+# the shell, so the launcher's signals reach it; a snippet (Open MPI's "VAR=...;export VAR;...;prted")
+# runs in it.
+case "$*" in *";"*) line="$*" ;; *) line="exec $*" ;; esac
+exec ip netns exec {network.PREFIX}$host unshare --uts \
+    sh -c 'hostname "$0"; exec taskset -c "$1" sh -c "$2"' "$host" "$cores" "$line"
 """)
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return script
@@ -191,14 +196,18 @@ def run(ranks: int, command: list[str], ranks_per_node: int | None = None) -> in
                            f"{len(nodes)}")
     if not command:
         raise ClusterError("no command given: mpicoll cluster run -n 4 -- COMMAND...")
-    hostfile = STATE_DIR / "hosts"
-    hostfile.write_text("".join(f"{node}:{per_node}\n" for node in nodes[:used]))
-    script = STATE_DIR / "remote-shell"
     mpiexec, flavour = launcher()
+    hostfile = STATE_DIR / "hosts"                 # Hydra's "host:slots", Open MPI's "host slots=N"
+    slots = " slots={}" if flavour == "openmpi" else ":{}"
+    hostfile.write_text("".join(f"{node}{slots.format(per_node)}\n" for node in nodes[:used]))
+    script = STATE_DIR / "remote-shell"
     if flavour == "mpich":
         flags = ["-launcher", "ssh", "-launcher-exec", str(script), "-f", str(hostfile)]
     elif flavour == "openmpi":
-        flags = ["--mca", "plm_rsh_agent", str(script), "--hostfile", str(hostfile), "--oversubscribe",
+        # Open MPI maps by core (all ranks on the first node, oversubscribed) unless told per node; binding
+        # is the node's affinity mask
+        flags = ["--mca", "plm_rsh_agent", str(script), "--hostfile", str(hostfile),
+                 "--map-by", f"ppr:{per_node}:node:OVERSUBSCRIBE", "--bind-to", "none",
                  "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0"]
     else:
         raise ClusterError(f"{mpiexec[0]} is neither MPICH's nor Open MPI's launcher; set MPIEXEC to one")
