@@ -24,6 +24,7 @@ __all__ = ["end_job", "end_at_exit"]
 
 EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
 _SETTLE_S = 2.0
+_FORWARD_S = 0.3
 _reasons: list[str] = []
 
 
@@ -32,6 +33,9 @@ def end_job(reason: str, code: int = EXIT_CODE) -> None:
     sys.stdout.flush()
     print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} ends the job: {reason}", file=sys.stderr, flush=True)
     timeline.write_own()            # MPI_Abort skips the exit hooks that would write the whole trace
+    # The launcher tears its output forwarding down as it ends the job: give the line time to get through
+    # (once in a CI run of test_faults.py, a job ended by MPI_Abort had printed nothing on stderr).
+    time.sleep(_FORWARD_S)
     MPI.COMM_WORLD.Abort(code)
 
 
