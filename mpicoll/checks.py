@@ -144,7 +144,7 @@ class Fingerprint:
                signature.algorithm)
         stamp = self._stamps.get(key)
         if stamp is None:
-            code = _fingerprint(key[0], key[1], key[2].str, *key[3:])[0]
+            code = _hash(signature)[0]
             stamp = self._stamps[key] = (1 + 2 * (int(code) % self.hashes)) * TAG_SPAN
         self.calls += 1
         self.stamp = stamp = stamp + (self.calls & 1) * TAG_SPAN

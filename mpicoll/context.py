@@ -175,9 +175,8 @@ class Context:
         """Raise the tag of every message from now on by ``stamp`` (here and in the contexts over parts of
         this one): messages of calls with different stamps never match (:class:`~mpicoll.checks.Fingerprint`)."""
         self.stamp = stamp
-        if self.children:
-            for child in self.children:
-                child.stamp_messages(stamp)
+        for child in self.children:
+            child.stamp_messages(stamp)
 
     def others(self) -> list[int]:
         return [q for q in range(self.size) if q != self.rank]

@@ -65,11 +65,17 @@ def _calls(comm: MPI.Intracomm, names: list[str], collective: str):
             calls[name] = ((lambda s, r, c=target, f=raw: f(c, r, 0)) if collective == "bcast"
                            else (lambda s, r, c=target, f=raw: f(c, s, r)))
         else:
-            wrapped = Communicator(comm, algorithm=name)
-            # looked up per call, as user code does (auto installs a faster method after its first call)
-            calls[name] = ((lambda s, r, c=wrapped, m=method: getattr(c, m)(r, 0)) if collective == "bcast"
-                           else (lambda s, r, c=wrapped, m=method: getattr(c, m)(s, r)))
+            calls[name] = _own_call(Communicator(comm, algorithm=name), collective)
     return calls
+
+
+def _own_call(wrapped: Communicator, collective: str):
+    """(send, recv) -> None on one of mpicoll's communicators.  The method is looked up per call, as user
+    code does (auto installs a faster method after its first call)."""
+    method = COLLECTIVES[collective][0]
+    if collective == "bcast":
+        return lambda s, r: getattr(wrapped, method)(r, 0)
+    return lambda s, r: getattr(wrapped, method)(s, r)
 
 
 def _buffers(collective: str, count: int, p: int, dtype, rng):
@@ -225,7 +231,7 @@ def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], d
     communicator rotate: with the fingerprint, without it, and without it
     again (an A/A control: this machine's noise floor), a barrier before
     each, for about ``seconds`` per size and algorithm (20 rounds at least,
-    400 at most).  One communicator, its threshold switched per call, so the
+    1000 at most).  One communicator, its threshold switched per call, so the
     calls share their scratch memory (separate communicators differed by up
     to 20% at 4 MiB through where their buffers lay).  The cost is the median
     of the rounds' differences with - without (slowest rank's), as a share of
@@ -233,16 +239,14 @@ def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], d
     """
     own = [name for name in names if name not in (PEER, "auto")]
     dtype = np.dtype(dtype)
-    method = COLLECTIVES[collective][0]
 
     def variant(wrapped, threshold):
-        def call(send, out):
+        call = _own_call(wrapped, collective)
+
+        def switched(send, out):
             wrapped.fingerprint_from = threshold
-            if collective == "bcast":
-                getattr(wrapped, method)(out, 0)
-            else:
-                getattr(wrapped, method)(send, out)
-        return call
+            call(send, out)
+        return switched
 
     rng = np.random.default_rng(99 + comm.Get_rank())
     costs = []
