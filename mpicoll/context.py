@@ -29,6 +29,7 @@ _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
 
 _ALARM_EVERY = 2e-3    # seconds between a lasting wait's looks for a reason to stop (Context.alarms)
+_DEATHS_EVERY = 0.1    # seconds between a roll call's questions to MPI about dead ranks
 
 
 def _all_done(requests: list) -> bool:
@@ -322,24 +323,50 @@ class Context:
         A rank that times out may have been waiting for a live neighbour that is
         itself waiting for the lost rank.  Every survivor of a failed call sends
         "alive" to every other rank and listens for a grace period (the timeout,
-        at most 10 s): those never heard from are the missing ones.  Empty when
-        all were heard (nobody is gone: a rank called something else).
+        at most 10 s): those never heard from are the missing ones.  Ranks the MPI
+        library knows to be dead get no message and are not waited for
+        (:meth:`living`).  Empty when all were heard (nobody is gone: a rank
+        called something else).
         """
         if self.comm == MPI.COMM_NULL or self.size == 1:
             return []
         note = np.zeros(1, np.uint8)
-        for peer in self.others():
+        awaited = self.living(self.others())
+        for peer in awaited:
             self.comm.Isend([note, MPI.BYTE], peer, Tag.ROLL_CALL)      # abandoned if the peer is gone
         heard, status, incoming = set(), MPI.Status(), np.empty(1, np.uint8)
+        next_look = time.perf_counter() + _DEATHS_EVERY
 
         def heard_everyone():
+            nonlocal awaited, next_look
             while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
                 heard.add(status.Get_source())
                 self.comm.Recv([incoming, MPI.BYTE], status.Get_source(), Tag.ROLL_CALL)
-            return True if len(heard) == self.size - 1 else None
+            if time.perf_counter() > next_look:             # a death may be reported after the call began
+                awaited, next_look = self.living(awaited), time.perf_counter() + _DEATHS_EVERY
+            return True if heard.issuperset(awaited) else None
 
         self._poll(heard_everyone, lambda: None, limit=min(max(self.timeout, 1.0), 10.0))   # past it: stop looking
         return [peer for peer in self.others() if peer not in heard]
+
+    def living(self, peers) -> list[int]:
+        """``peers`` without the ranks the MPI library knows to have died.  Ask before a message that may
+        go to a lost rank: once MPICH's UCX transport has seen the connection to a dead rank on another
+        node close, a send to it crashes the sender (:func:`mpicoll.failure.failed_ranks`)."""
+        dead = failure.failed_ranks(self.comm)
+        return [peer for peer in peers if peer not in dead]
+
+    def shun_the_dead(self, peers) -> None:
+        """If the MPI library knows any of ``peers`` to be dead, send nothing: wait out the deadline like the
+        other survivors, then raise their :class:`CollectiveTimeout` (the roll call names the dead).
+
+        For phases whose first messages go to ranks on other nodes, where a send to a dead rank crashes
+        MPICH's UCX transport.  Asking costs about 0.1 ms, so only before long phases; a death during
+        the phase can still crash a sender (docs/multi-node.md).
+        """
+        dead = [peer for peer in peers if peer not in self.living(peers)]
+        if dead:
+            self.wait_until(lambda: False, dead)
 
     def broken_by(self, error: Exception) -> Exception:
         """Mark the communicator unusable and arrange for the job to end at exit; returns ``error``."""

@@ -8,11 +8,19 @@ which ends every rank of the job.  A communicator that breaks (a
 happen at exit (``MPICOLL_END_BROKEN_JOBS=0`` turns that off, e.g. for test
 harnesses that let ranks fail on purpose), so a program that catches the error
 and returns still ends; one that can do better calls :func:`end_job` itself.
+
+A process that dies on another node is a hazard of its own: once MPICH's UCX
+transport has seen the connection to it close, a send to that rank crashes the
+sender (a segmentation fault inside ``MPI_Isend``).  :func:`failed_ranks` asks
+the MPI library which ranks it knows to be gone (``MPIX_Comm_get_failed``, in
+MPICH and Open MPI), so that no one sends to them.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
 import sys
 import time
 
@@ -20,7 +28,7 @@ from mpi4py import MPI
 
 from . import config, timeline
 
-__all__ = ["end_job", "end_at_exit"]
+__all__ = ["end_job", "end_at_exit", "failed_ranks"]
 
 EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
 _SETTLE_S = 2.0
@@ -52,3 +60,56 @@ def _at_exit() -> None:
     if _reasons and MPI.Is_initialized() and not MPI.Is_finalized():
         time.sleep(_SETTLE_S)          # the other survivors time out about now: let them report first
         end_job(_reasons[0])
+
+
+def failed_ranks(comm: MPI.Comm) -> list[int]:
+    """The ranks of ``comm`` that the MPI library knows to have died, in order.
+
+    Known only where the launcher reports dead processes (MPICH's Hydra under
+    ``-disable-auto-cleanup``, Open MPI's with ULFM); empty where the library
+    has no ``MPIX_Comm_get_failed`` or cannot answer.  A hung or cut-off rank is
+    not dead: only a roll call finds those.
+    """
+    get_failed = _get_failed()
+    if get_failed is None or comm == MPI.COMM_NULL:
+        return []
+    handle_type = get_failed.argtypes[1]._type_
+    group_handle = handle_type()
+    try:
+        if get_failed(comm.handle, ctypes.byref(group_handle)) != MPI.SUCCESS:
+            return []
+    except (ctypes.ArgumentError, OSError):
+        return []
+    failed = MPI.Group.fromhandle(group_handle.value or 0)
+    try:
+        if failed == MPI.GROUP_NULL or failed.Get_size() == 0:
+            return []
+        group = comm.Get_group()
+        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
+        group.Free()
+        return sorted(rank for rank in ranks if rank != MPI.UNDEFINED)
+    finally:
+        if failed != MPI.GROUP_NULL and failed != MPI.GROUP_EMPTY:
+            failed.Free()
+
+
+@functools.cache
+def _get_failed():
+    """``MPIX_Comm_get_failed`` from the MPI library this process loaded, typed for its handles; None if
+    the library lacks it."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi." in line or "/libmpi_" in line}
+    except OSError:                     # not Linux: look the symbol up among the loaded libraries
+        paths = {None}
+    # Handles are ints in MPICH and its derivatives, pointers in Open MPI.
+    handle_type = ctypes.c_uint if MPI._sizeof(MPI.Comm) == ctypes.sizeof(ctypes.c_uint) else ctypes.c_void_p
+    for path in sorted(paths, key=str):
+        try:
+            function = ctypes.CDLL(path).MPIX_Comm_get_failed
+        except (OSError, AttributeError):
+            continue
+        function.argtypes = [handle_type, ctypes.POINTER(handle_type)]
+        function.restype = ctypes.c_int
+        return function
+    return None

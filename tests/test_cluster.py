@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,9 @@ import pytest
 
 from mpicoll import cluster
 from mpicoll.cluster import network
+from mpicoll.launcher import launcher
 from conftest import ROOT
+from test_faults import LOSE_A_RANK, rank_of
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                 reason="mpicoll cluster needs root and iproute2")
@@ -189,28 +193,73 @@ def test_a_node_cut_during_an_allreduce_is_named_and_the_job_ends(fresh, tmp_pat
     assert not still_running(("node0", "node1", "node2")), "processes left behind"
 
 
-def test_a_worker_node_cut_during_async_training_is_dropped_and_the_others_finish(fresh, tmp_path):
-    """Asynchronous parameter-server training (server rank 0, workers 1 and 2, a node each); node2's link goes
-    down mid-run: the server drops worker 2 after the timeout and says so, worker 1 finishes the budget, the
-    result is written, and the job ends (rank 2 can never reach MPI_Finalize) with a line naming rank 2."""
+@pytest.mark.parametrize("algorithm, late", [("ring", 0), ("hierarchical", 0), ("hierarchical", 0.2)])
+def test_a_process_dying_on_another_node_is_named_by_every_survivor(fresh, tmp_path, algorithm, late):
+    """2 nodes x 2 ranks, rank 3 exits before a 4 MiB allreduce that the others start ``late`` seconds
+    after (Hydra told to keep them running): every survivor, the two on the other node included, raises
+    CollectiveTimeout naming rank 3, and the job ends.  Sending to a dead rank on another node crashed
+    MPICH's UCX transport: in the roll call's MPI_Isend on both ranks of node0 (every run), and in
+    hierarchical's first send between nodes on rank 1 (every run with the death known 0.2 s before)."""
+    assert mpicoll_cluster("up", "--nodes", "2").returncode == 0
+    script = tmp_path / "lose.py"
+    script.write_text(LOSE_A_RANK)
+    mpiexec, flavour = launcher()
+    if flavour != "mpich":
+        pytest.skip("keeping survivors of a dead process running is set up here for MPICH's Hydra")
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "mpicoll", "cluster", "run", "-n", "4", "--", sys.executable,
+                             str(script), algorithm, "allreduce", "3", "exit", str(late)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "MPICOLL_TIMEOUT": "3",
+                                 "MPICOLL_END_BROKEN_JOBS": "1",
+                                 "MPIEXEC": shlex.join([*mpiexec, "-disable-auto-cleanup"])})
+    seconds = time.perf_counter() - start
+    output = result.stdout + result.stderr
+    assert "Segmentation" not in output and "signal 11" not in output, output[-3000:]
+    reports = sorted(re.findall(r"rank (\d): (\w+): Allreduce: rank \d waited \S+ s for rank\(s\) ([\d, ]+),",
+                                result.stdout))
+    assert reports == [(str(rank), "CollectiveTimeout", "3") for rank in range(3)], output[-3000:]
+    assert result.returncode == 70 and seconds < 60, (result.returncode, seconds, output[-2000:])
+    assert not still_running(("node0", "node1")), "processes left behind"
+
+
+@pytest.mark.parametrize("how", ["cut", "killed"])
+def test_a_worker_lost_on_its_node_during_async_training_is_dropped_and_the_others_finish(fresh, tmp_path, how):
+    """Asynchronous parameter-server training (server rank 0, workers 1 and 2, a node each); mid-run node2's
+    link goes down, or worker 2's process is killed (Hydra told to keep the others running): the server drops
+    worker 2 after the timeout and says so, worker 1 finishes the budget, the result is written, and the job
+    ends (rank 2 can never reach MPI_Finalize) with a line naming rank 2.  A killed worker on another node
+    used to take the server down with it: the server's last words to it crashed MPICH's UCX transport."""
     assert mpicoll_cluster("up", "--nodes", "3").returncode == 0
+    mpiexec, flavour = launcher()
+    if how == "killed" and flavour != "mpich":
+        pytest.skip("keeping survivors of a dead process running is set up here for MPICH's Hydra")
+    keep_survivors = [*mpiexec, "-disable-auto-cleanup"] if how == "killed" else mpiexec
     log, output = tmp_path / "run.jsonl", tmp_path / "output.txt"
     with open(output, "w") as sink:      # a file, not a pipe: rank 2, cut off, holds its end until the heal
         job = subprocess.Popen([sys.executable, "-m", "mpicoll", "cluster", "run", "-n", "3", "--", sys.executable,
                                 "-m", "mpicoll", "train", "--method", "ps-async", "--epochs", "300", "--quiet",
                                 "--output", str(log)], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONPATH": str(ROOT), "MPICOLL_TIMEOUT": "3",
-                                    "MPICOLL_END_BROKEN_JOBS": "1"})
+                                    "MPICOLL_END_BROKEN_JOBS": "1",
+                                    "MPIEXEC": shlex.join(keep_survivors)})
     deadline = time.perf_counter() + 60
     while time.perf_counter() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
         assert job.poll() is None, output.read_text()
         time.sleep(0.2)                              # until a few epochs are in
-    assert mpicoll_cluster("cut", "node2").returncode == 0
+    if how == "cut":
+        assert mpicoll_cluster("cut", "node2").returncode == 0
+    else:
+        victims = [pid for pid in network.processes("node2") if rank_of(pid) == 2]
+        assert len(victims) == 1, victims
+        os.kill(int(victims[0]), signal.SIGKILL)
     job.wait(timeout=90)
     stderr = output.read_text()
+    assert "Segmentation" not in stderr and "signal 11" not in stderr, stderr[-3000:]
     assert "[server rank 0] worker rank 2 sent nothing for 3 s: dropped" in stderr, stderr[-3000:]
     assert "worker rank(s) [2] were lost during training; the others finished" in stderr, stderr[-3000:]
     summary = json.loads(log.read_text().splitlines()[-1])
     assert job.returncode == 70 and summary["summary"] and summary["final_accuracy"] > 0.8, (job.returncode, summary)
-    assert mpicoll_cluster("heal", "node2").returncode == 0
+    if how == "cut":
+        assert mpicoll_cluster("heal", "node2").returncode == 0
     assert not still_running(("node0", "node1", "node2")), "processes left behind"

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, launch, mpiexec
+from mpicoll.launcher import launcher
 
 TIMEOUT_ENV = {"MPICOLL_TIMEOUT": "600", "OPENBLAS_NUM_THREADS": "1"}
 PROMPT_S = 60          # a failure must reach every rank well within this
@@ -143,6 +144,7 @@ from mpi4py import MPI
 import mpicoll
 world = MPI.COMM_WORLD
 algorithm, collective, victim, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+late = float(sys.argv[5]) if len(sys.argv) > 5 else 0       # seconds the survivors start after the loss
 x = np.ones(1 << 20, np.float32)
 with mpicoll.Communicator(world, algorithm=algorithm) as comm:   # closing after a loss must not hang either
     comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))        # the first call's checks pass
@@ -150,6 +152,7 @@ with mpicoll.Communicator(world, algorithm=algorithm) as comm:   # closing after
         if how == "hang":
             time.sleep(40)
         os._exit(3)
+    time.sleep(late)
     try:
         comm.Bcast(x, root=0) if collective == "bcast" else comm.Allreduce(MPI.IN_PLACE, x)
         print(f"rank {world.rank}: finished", flush=True)
@@ -195,7 +198,38 @@ def test_a_lost_rank_is_named_by_every_survivor_and_the_job_ends(tmp_path, algor
     assert not left, f"processes left behind: {left}"
 
 
-def _rank_of(pid: str) -> int | None:
+DEATH_REPORTED = """
+import os, time
+from mpi4py import MPI
+from mpicoll.failure import failed_ranks
+world = MPI.COMM_WORLD
+reversed_ranks = world.Split(0, world.size - world.rank)      # world rank 2 of 3 is rank 0 here
+before = failed_ranks(reversed_ranks)
+reversed_ranks.Barrier()
+if world.rank == 2:
+    os._exit(3)
+deadline = time.perf_counter() + 20
+while not (after := failed_ranks(reversed_ranks)) and time.perf_counter() < deadline:
+    time.sleep(0.05)
+print(f"rank {world.rank}: before {before} after {after}", flush=True)
+world.sendrecv(None, dest=1 - world.rank, source=1 - world.rank)     # neither leaves before both have asked
+os._exit(0)
+"""
+
+
+def test_mpi_names_a_dead_rank_to_the_survivors(tmp_path):
+    """``failed_ranks`` (what the roll call and the parameter server's last words rely on not to send to
+    the dead): nothing before the death, the dead rank by its rank in the communicator asked about after."""
+    if launcher()[1] != "mpich":
+        pytest.skip("survivors of a dead process are kept running here with MPICH's Hydra")
+    script = tmp_path / "death.py"
+    script.write_text(DEATH_REPORTED)
+    result = launch(3, str(script), timeout=60, extra=["-disable-auto-cleanup"])
+    reports = sorted(re.findall(r"rank \d: before \[[\d, ]*\] after \[[\d, ]*\]", result.stdout))
+    assert reports == ["rank 0: before [] after [0]", "rank 1: before [] after [0]"], result.stdout + result.stderr
+
+
+def rank_of(pid: str) -> int | None:
     """The MPI rank Hydra gave a Python process (PMI_RANK in its environment); None for other processes."""
     try:
         if not open(f"/proc/{pid}/comm").read().startswith("python"):
@@ -226,7 +260,7 @@ def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path):
         while time.perf_counter() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
             time.sleep(0.1)                          # a few epochs logged: training is under way
         victims = [pid for pid in subprocess.run(["pgrep", "-f", marker], capture_output=True,
-                                                 text=True).stdout.split() if _rank_of(pid) == 2]
+                                                 text=True).stdout.split() if rank_of(pid) == 2]
         assert victims, "rank 2 not found"
         killed = time.perf_counter()
         os.kill(int(victims[0]), signal.SIGKILL)

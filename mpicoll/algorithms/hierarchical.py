@@ -69,6 +69,7 @@ class Hierarchical(Algorithm):
         bounds = balanced_bounds(recv.size, layout.per_node)
 
         def between_nodes(chunk):
+            cross.shun_the_dead(cross.others())     # a peer that died during the node phase: no crash
             _RING.allreduce(cross, None, chunk, reduction)
 
         with _parts_break_the_whole(ctx, layout):

@@ -127,12 +127,11 @@ class ParameterServer:
                 peers += [server, server]
         if self.is_server:
             mine = notes[layout.rank]
-            for rank in range(size):
-                if rank != layout.rank:
-                    sends = [ctx.isend(mine, rank, Tag.PS_FINAL), ctx.isend(self.weights, rank, Tag.PS_FINAL)]
-                    if not mine[rank]:        # to a lost worker: sent in case it lives, never waited for
-                        requests += sends
-                        peers += [rank, rank]
+            for rank in ctx.living(ctx.others()):
+                sends = [ctx.isend(mine, rank, Tag.PS_FINAL), ctx.isend(self.weights, rank, Tag.PS_FINAL)]
+                if not mine[rank]:        # to a lost worker: sent in case it lives, never waited for
+                    requests += sends
+                    peers += [rank, rank]
         # a server sends the result once every worker has closed or been dropped after the worker timeout
         # (by default this same timeout) of silence: a worker that finished waits for that, and a margin
         ctx.waitall(requests, peers, limit=None if self.is_server else 2 * ctx.timeout)

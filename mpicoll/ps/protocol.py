@@ -59,7 +59,7 @@ def tell_workers(ctx, workers, error: BaseException, tag: int = Tag.PS_FAILED) -
     jobs with parts that depend on each other (:mod:`mpicoll.sandblaster`) say it on their own ``tag``."""
     text = f"{type(error).__name__}: {error}".encode()[:_REASON_BYTES]
     note = np.frombuffer(text, np.uint8).copy()
-    for worker in workers:
+    for worker in ctx.living(workers):
         ctx.isend(note, worker, tag)
 
 

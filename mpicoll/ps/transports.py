@@ -121,8 +121,9 @@ class OneSidedServer(_ServerSide):
             self.windows.version[0] = version()
 
     def finish(self, workers, finished, lost: int) -> None:
-        """The last word, to every worker: how the run ended (lost workers may still read it)."""
-        for worker in workers:
+        """The last word, to every worker: how the run ended (lost workers may still read it, unless MPI
+        knows them dead)."""
+        for worker in self.ctx.living(workers):
             if worker in finished:
                 self.note(worker, final_note(lost))
             else:
