@@ -122,7 +122,8 @@ class Communicator(MPI.Intracomm):
         if first or context.debug:
             check_call(context, signature, contribution if context.debug else None)   # finiteness: debug only
             if first and self.algorithm == "auto":
-                self.across_nodes = context.spans_nodes and _layered_by_rank(context)
+                # where hierarchical splits every collective (blocks follow rank order); collective
+                self.across_nodes = context.spans_nodes and node_layout(context).splits(in_rank_order=True)
                 if not context.debug and not self.background:
                     self._hand_small_calls_to_mpi()
         elif signature.algorithm != "mpi" and signature.count >= self.fingerprint_from:
@@ -275,13 +276,6 @@ class Communicator(MPI.Intracomm):
                 self.__dict__.pop("_context", None)
                 context.free(abandon=True)
             raise
-
-
-def _layered_by_rank(context: Context) -> bool:
-    """Whether the communicator spans nodes of several ranks each, every node holding consecutive ranks
-    (where ``hierarchical`` splits its work); builds the context's node layout (collective)."""
-    layout = node_layout(context)
-    return layout.layered and layout.contiguous
 
 
 def _straight_to_mpi(name: str, mpi_call, checked_call, limit: float):

@@ -87,6 +87,12 @@ class NodeLayout:
         """Several nodes with several ranks each, all alike: where an intra/inter split pays."""
         return self.nodes > 1 and self.per_node > 1 and self.uniform
 
+    def splits(self, in_rank_order: bool = False) -> bool:
+        """Whether a topology-aware algorithm splits its work here: the layout is :attr:`layered` and, where
+        the result must follow rank order (a non-commutative op, blocks laid out by rank), every node
+        holds consecutive ranks."""
+        return self.layered and (self.contiguous or not in_rank_order)
+
 
 def _names(part: MPI.Intracomm, ctx: "Context") -> list[int]:
     """How errors name the ranks of ``part``: by their ranks in ``ctx``'s communicator."""

@@ -141,11 +141,7 @@ def _layered(ctx, commutative: bool, contiguous: bool = False):
     uneven nodes; a non-commutative op, or a collective whose blocks follow rank order, on nodes that do
     not hold consecutive ranks)."""
     layout = node_layout(ctx) if ctx.size > 1 else None
-    if layout is None or not layout.layered:
-        return None
-    if (contiguous or not commutative) and not layout.contiguous:
-        return None
-    return layout
+    return layout if layout is not None and layout.splits(in_rank_order=contiguous or not commutative) else None
 
 
 def _grouped_by_local_rank(ctx, layout, block: int, dtype):
