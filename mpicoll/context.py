@@ -364,7 +364,8 @@ class Context:
         MPICH's UCX transport.  Asking costs about 0.1 ms, so only before long phases; a death during
         the phase can still crash a sender (docs/multi-node.md).
         """
-        dead = [peer for peer in peers if peer not in self.living(peers)]
+        gone = failure.failed_ranks(self.comm)
+        dead = [peer for peer in peers if peer in gone]
         if dead:
             self.wait_until(lambda: False, dead)
 

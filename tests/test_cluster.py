@@ -200,12 +200,12 @@ def test_a_process_dying_on_another_node_is_named_by_every_survivor(fresh, tmp_p
     CollectiveTimeout naming rank 3, and the job ends.  Sending to a dead rank on another node crashed
     MPICH's UCX transport: in the roll call's MPI_Isend on both ranks of node0 (every run), and in
     hierarchical's first send between nodes on rank 1 (every run with the death known 0.2 s before)."""
-    assert mpicoll_cluster("up", "--nodes", "2").returncode == 0
-    script = tmp_path / "lose.py"
-    script.write_text(LOSE_A_RANK)
     mpiexec, flavour = launcher()
     if flavour != "mpich":
         pytest.skip("keeping survivors of a dead process running is set up here for MPICH's Hydra")
+    assert mpicoll_cluster("up", "--nodes", "2").returncode == 0
+    script = tmp_path / "lose.py"
+    script.write_text(LOSE_A_RANK)
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "mpicoll", "cluster", "run", "-n", "4", "--", sys.executable,
                              str(script), algorithm, "allreduce", "3", "exit", str(late)], cwd=ROOT, capture_output=True,
@@ -230,10 +230,10 @@ def test_a_worker_lost_on_its_node_during_async_training_is_dropped_and_the_othe
     worker 2 after the timeout and says so, worker 1 finishes the budget, the result is written, and the job
     ends (rank 2 can never reach MPI_Finalize) with a line naming rank 2.  A killed worker on another node
     used to take the server down with it: the server's last words to it crashed MPICH's UCX transport."""
-    assert mpicoll_cluster("up", "--nodes", "3").returncode == 0
     mpiexec, flavour = launcher()
     if how == "killed" and flavour != "mpich":
         pytest.skip("keeping survivors of a dead process running is set up here for MPICH's Hydra")
+    assert mpicoll_cluster("up", "--nodes", "3").returncode == 0
     keep_survivors = [*mpiexec, "-disable-auto-cleanup"] if how == "killed" else mpiexec
     log, output = tmp_path / "run.jsonl", tmp_path / "output.txt"
     with open(output, "w") as sink:      # a file, not a pipe: rank 2, cut off, holds its end until the heal
