@@ -22,6 +22,7 @@ from .errors import ReductionError
 
 __all__ = ["Reduction", "ReductionError", "op_name", "resolve_op", "OP_NAMES"]
 
+_UNKNOWN = object()
 _INTEGER = "iu"
 _NUMERIC = "iufc"
 
@@ -73,6 +74,7 @@ class Reduction:
         self.dtype = np.dtype(dtype)
         self.name = op_name(op)
         self.commutative = bool(op.Is_commutative())
+        self._streaming = _UNKNOWN
         entry = _UFUNCS.get(self.name)
         # the kernel layer's ops on its types run its reductions (numpy on the host, the GPU
         # for device arrays); the other ufunc ops stay here, and device arrays refuse them
@@ -95,6 +97,13 @@ class Reduction:
                 f"MPI.{self.name} is not defined for {self.dtype} elements: {error.Get_error_string()}"
             ) from None
 
+    def _streaming_loop(self):
+        """The kernel layer's streaming loop for this op and type (looked up once; None if none)."""
+        if self._streaming is _UNKNOWN:
+            self._streaming = (compute.streaming_reducer(self._kernel, self.dtype)
+                               if self._kernel is not None else None)
+        return self._streaming
+
     def check_device(self) -> None:
         """Refuse, before any message, a reduction the GPU kernels do not have."""
         if self._kernel is None:
@@ -102,14 +111,20 @@ class Reduction:
                             f"{', '.join(map(str, compute.REDUCIBLE))}, not {self.name} on {self.dtype}; "
                             "pass host (numpy) arrays for other ops")
 
-    def combine(self, left: np.ndarray, right: np.ndarray, out: np.ndarray) -> None:
+    def combine(self, left: np.ndarray, right: np.ndarray, out: np.ndarray, *, streaming: bool = False) -> None:
         """Store ``left (op) right`` in ``out``; ``out`` may be either operand.
 
+        ``streaming``: the result will not be read again soon, so write it
+        around the caches where the kernel layer can
+        (:func:`mpicoll.compute.streaming_reducer`; same bits either way).
         Device arrays are reduced on their GPU by :func:`mpicoll.compute.reduce`.
         """
         if type(out) is not np.ndarray:
             self.check_device()
             compute.reduce(left, right, out=out, op=self._kernel)
+            return
+        if streaming and self._streaming_loop() is not None and _contiguous(out, left, right):
+            self._streaming(out, left, right)
             return
         if self._kernel is not None:
             numpy_kernels.reduce(out, left, right, self._kernel)
@@ -132,6 +147,10 @@ class Reduction:
             out[...] = right
         # Reduce_local(inbuf, inoutbuf) stores inbuf (op) inoutbuf in inoutbuf.
         self.op.Reduce_local([left, count, self.datatype], [out, count, self.datatype])
+
+
+def _contiguous(*arrays: np.ndarray) -> bool:
+    return all(a.flags.c_contiguous for a in arrays)
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:

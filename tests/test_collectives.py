@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll.algorithms import hierarchical
+from mpicoll.algorithms import hierarchical, ring
 from conftest import DLPackOnly, InterfaceOnly, P, RANK, WORLD, everywhere, require_one_node, shared_seed
 
 pytestmark = pytest.mark.mpi
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.mpi
 VARIANTS = [
     ("ring-p2p", "ring", {"MPICOLL_CHANNEL": "p2p", "MPICOLL_SEGMENT": "1K"}),
     ("ring-shared", "ring", {"MPICOLL_CHANNEL": "shared", "MPICOLL_SEGMENT": "1K"}),
+    ("ring-streaming", "ring", {"MPICOLL_CHANNEL": "p2p", "MPICOLL_SEGMENT": "1K"}),  # final chunks past the caches
     ("parallel", "parallel", {}),
     ("recursive_doubling", "recursive_doubling", {}),
     ("direct", "direct", {}),
@@ -63,6 +64,8 @@ def comm(request, monkeypatch):
     require_one_node(environment.get("MPICOLL_CHANNEL"))
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
+    if request.param[0] == "ring-streaming":  # at every test size, not only past the caches' size
+        monkeypatch.setattr(ring, "STREAM_FROM", 0)
     if algorithm == "hierarchical":          # its own phases at every test size, not MPI's for small ones
         monkeypatch.setattr(hierarchical, "ACROSS_NODES_FROM", dict.fromkeys(hierarchical.ACROSS_NODES_FROM, 0))
     communicator = mpicoll.Communicator(WORLD, algorithm=algorithm)

@@ -56,3 +56,64 @@ class TestReduction:
         out = np.empty(2)
         reduction.combine(np.array([np.nan, 1.0]), np.array([0.0, 2.0]), out)
         assert np.isnan(out[0]) and out[1] == 1.0
+
+
+class TestStreaming:
+    """Results written around the caches (mpicoll.compute.streaming): the same bits as numpy's."""
+
+    LOOPS = [(op, code) for op in ("sum", "prod") for code in "f d i l".split()]
+
+    @pytest.fixture(autouse=True)
+    def _numba(self):
+        pytest.importorskip("numba", reason="the numba extra is not installed")
+
+    @staticmethod
+    def operands(code, count, rng):
+        dtype = np.dtype(code)
+        draw = (lambda: rng.integers(-1000, 1000, count)) if dtype.kind == "i" else (lambda: rng.standard_normal(count))
+        return draw().astype(dtype), draw().astype(dtype)
+
+    @pytest.mark.parametrize("op, code", LOOPS)
+    @pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 1000, 4099])
+    def test_each_loop_matches_numpy_at_every_alignment(self, op, code, count):
+        from mpicoll.compute import streaming_reducer
+        loop, numpy_op = streaming_reducer(op, code), {"sum": np.add, "prod": np.multiply}[op]
+        rng = np.random.default_rng()
+        for shift in (0, 1, 3, 7):                  # the vector stores start after a scalar head
+            a, b = self.operands(code, count + shift, rng)
+            out = np.full_like(a, 7)
+            loop(out[shift:], a[shift:], b[shift:])
+            assert np.array_equal(out[shift:], numpy_op(a[shift:], b[shift:]))
+            assert np.all(out[:shift] == 7)         # nothing before the output is touched
+
+    @pytest.mark.parametrize("op, code", LOOPS)
+    def test_in_place_on_either_operand(self, op, code):
+        from mpicoll.compute import streaming_reducer
+        loop, numpy_op = streaming_reducer(op, code), {"sum": np.add, "prod": np.multiply}[op]
+        a, b = self.operands(code, 1001, np.random.default_rng())
+        expected = numpy_op(a, b)
+        left, right = a.copy(), b.copy()
+        loop(left, left, right)
+        loop(right, a, right)
+        assert np.array_equal(left, expected) and np.array_equal(right, expected)
+
+    @pytest.mark.parametrize("op, code", [("min", "f"), ("max", "d"), ("sum", "e"), ("sum", "F"), ("sum", ">f4")])
+    def test_what_has_no_loop_says_so(self, op, code):
+        from mpicoll.compute import streaming_reducer
+        assert streaming_reducer(op, code) is None
+
+    def test_numpy_kernels_chosen_by_hand_turn_it_off(self, monkeypatch):
+        from mpicoll.compute import streaming_reducer
+        monkeypatch.setenv("MPICOLL_KERNELS", "numpy")
+        assert streaming_reducer("sum", "f") is None
+
+    @pytest.mark.parametrize("op, code", [("SUM", "f"), ("PROD", "l"), ("MAX", "d"), ("SUM", "F")])
+    def test_a_streaming_combine_gives_the_plain_ones_bits(self, op, code):
+        reduction = Reduction(getattr(MPI, op), MPI.Datatype.fromcode(code), np.dtype(code))
+        left, right = (np.random.default_rng().standard_normal(3001) * 10).astype(code), \
+            (np.random.default_rng().standard_normal(3001) * 10).astype(code)
+        for view in (slice(None), slice(1, None), slice(None, None, 2)):   # strided: the plain path
+            plain, streamed = np.empty_like(left[view]), np.zeros_like(left[view])
+            reduction.combine(left[view], right[view], plain)
+            reduction.combine(left[view], right[view], streamed, streaming=True)
+            assert np.array_equal(plain, streamed)

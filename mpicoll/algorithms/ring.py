@@ -50,6 +50,10 @@ if TYPE_CHECKING:                    # annotations only
 
 __all__ = ["Ring"]
 
+# Bytes of buffer from which the reduce-scatter writes its final chunks around the caches
+# (mpicoll.compute.streaming).  Measured at 2 ranks: 4 MiB 10% slower, 16 and 64 MiB 11% faster.
+STREAM_FROM = 16 << 20
+
 
 
 class Ring(Algorithm):
@@ -126,11 +130,13 @@ def reduce_scatter(ctx: Context, send: np.ndarray, partial: np.ndarray, bounds: 
     sends = [ctx.isend(send[s], destination(first), tag) for s in chunk_segments(first)]
     peers = [destination(first)] * len(sends)
 
+    streams = partial.nbytes >= STREAM_FROM
     for k, s in plan:
         if starts_partials:
             partial[s] = send[s]
         else:
-            reduction.combine(landing.next(), send[s], out=partial[s])
+            # the last step's result is final: past the caches' size it is next read long after
+            reduction.combine(landing.next(), send[s], out=partial[s], streaming=streams and k == p - 2)
             landing.release()
         if k < p - 2:
             chunk = (r - k - 2) % p

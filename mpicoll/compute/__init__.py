@@ -30,6 +30,8 @@ The updates (Zheng et al. 2017 for DC-ASGD; Dean et al. 2012 for Adagrad in Down
 - ``adagrad``: ``h <- h + g*g``, ``w <- w - lr * g / (sqrt(h) + eps)``
 - ``scaled_accumulate``: ``x <- a*x + b*y`` (push-sum mixing)
 - ``reduce``: ``out = a (op) b`` for sum, prod, min, max (NaN propagates through min and max)
+- ``streaming_reducer``: ``out = a (op) b`` stored around the caches (non-temporal stores), for
+  results not read again soon (:mod:`mpicoll.compute.streaming`; host, Numba, sum and prod)
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .. import config
 from ..arrays import kinds     # which memory, and views: the only part of the array layer the kernels need
 
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad", "warm_up",
-           "backend_for", "backends", "set_threads", "ranks_on_this_node", "REDUCIBLE", "REDUCE_OPS", "FLOATS"]
+           "backend_for", "backends", "set_threads", "streaming_reducer", "ranks_on_this_node", "REDUCIBLE", "REDUCE_OPS", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 REDUCE_OPS = ("sum", "prod", "min", "max")
@@ -125,6 +127,22 @@ def set_threads(count: int) -> None:
     if _backend("numba") is not None:
         import numba
         numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
+
+
+def streaming_reducer(op: str, dtype):
+    """``f(out, a, b)`` storing ``a (op) b`` in ``out`` around the caches, or None where there is none.
+
+    For results that are not read again soon (see :mod:`mpicoll.compute.streaming`):
+    sum and prod on contiguous float32/64 and int32/64 host arrays, with Numba.
+    ``out`` may be ``a`` or ``b``.  ``MPICOLL_KERNELS=numpy`` turns it off.
+    """
+    if os.environ.get("MPICOLL_KERNELS", "").lower() == "numpy":
+        return None
+    try:
+        from . import streaming
+    except ImportError:
+        return None
+    return streaming.LOOPS.get(op) if np.dtype(dtype) in streaming.DTYPES else None
 
 
 NUMBA_FROM = 1 << 16     # elements: below this, a numpy pass beats waking Numba's threads (and its JIT)
