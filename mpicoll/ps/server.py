@@ -65,6 +65,7 @@ class Diverged(MpicollError, FloatingPointError):
 
 NONFINITE_STREAK = 2       # per active worker, consecutive, before the server calls training diverged
 _NONFINITE_REPORTS = 5     # non-finite gradients named in the log; the rest are counted
+_DEATHS_EVERY = 0.05       # seconds between the server's questions to MPI about dead workers (0.1 ms each)
 
 
 def _finite(gradient: np.ndarray) -> bool:
@@ -144,12 +145,13 @@ class Server:
         start = time.perf_counter()
         self.active = set(workers)
         self.last_heard = {w: start for w in workers}
+        self.next_death_check = start
         while self.active:
             before = time.perf_counter()
             index = ctx.waitany(self.requests, workers, patience=min(1.0, self.worker_timeout or 1.0))
             stats.idle_s += time.perf_counter() - before
             if index is None:
-                self._drop_silent_workers()
+                self._drop_lost_workers()
                 continue
             worker = workers[index]
             self.last_heard[worker] = time.perf_counter()
@@ -168,15 +170,15 @@ class Server:
                 ready = rule.on_leave(worker)
             if deferred and rule.version >= warm_start:         # the warm start is over
                 ready, deferred = [*ready, *sorted(deferred)], set()
+            if kind is not Kind.DONE:
+                self.requests[index] = ctx.irecv(headers[worker], worker, Tag.PS_REQUEST)
+            self._drop_lost_workers()                        # before answering: never send to the dead
             for target in ready:
                 if target in self.waiting:
                     self._answer(target)
-            if kind is not Kind.DONE:
-                self.requests[index] = ctx.irecv(headers[worker], worker, Tag.PS_REQUEST)
             if checkpoint and rule.version - saved_at >= every:
                 save_checkpoint(checkpoint, self.layout, rule, identity)
                 saved_at = rule.version
-            self._drop_silent_workers()
         finished = [worker for worker in workers if worker not in stats.lost]
         transport.finish(workers, finished, len(stats.lost))
         if checkpoint:
@@ -242,22 +244,38 @@ class Server:
         self.transport.answer(worker, self.rule.version)
         self.stats.bytes_out += self.transport.weights.nbytes
 
-    def _drop_silent_workers(self) -> None:
+    def _drop_lost_workers(self) -> None:
+        """Drop the workers that are gone: dead by the MPI library's account (asked at most every
+        ``_DEATHS_EVERY`` s; an answer sent to a dead worker on another node would crash this server
+        inside MPICH's UCX transport), or silent for ``worker_timeout`` s while not waiting for us."""
         now, timeout = time.perf_counter(), self.worker_timeout
-        for worker in sorted(self.active - set(self.waiting)):    # a worker waiting for us is not silent
-            if timeout and now - self.last_heard[worker] > timeout:
-                message = f"[server rank {self.layout.rank}] worker rank {worker} sent nothing for {timeout:g} s"
-                if not self.rule.tolerates_lost_workers:
-                    raise WorkerLost(f"{message}; {self.rule.name} training cannot go on without it "
-                                     "(softsync, async, dcasgd and downpour drop lost workers)")
-                others = len(self.active) - 1
-                print(f"{message}: dropped; " + (f"training goes on with {others} worker(s)" if others
-                                                 else "every other worker has finished"), file=sys.stderr, flush=True)
-                index = self.workers.index(worker)
-                self.requests[index].Cancel()
-                self.requests[index].Wait()
-                self.active.discard(worker)
-                self.stats.lost.append(worker)
-                for target in self.rule.on_leave(worker):
-                    if target in self.waiting:
-                        self._answer(target)
+        dead = set()
+        if now >= self.next_death_check:
+            self.next_death_check = now + _DEATHS_EVERY
+            dead = self.active.difference(self.ctx.living(sorted(self.active)))
+            for worker in dead:                   # owed nothing: dropping one must not answer another
+                self.waiting.pop(worker, None)
+        for worker in sorted(self.active):
+            if worker in dead:
+                self._drop(worker, "died (the MPI library reports its process gone)")
+            elif worker not in self.waiting and timeout and now - self.last_heard[worker] > timeout:
+                self._drop(worker, f"sent nothing for {timeout:g} s")
+
+    def _drop(self, worker: int, what: str) -> None:
+        """Go on without ``worker`` where the rule can (the log says so), else raise :class:`WorkerLost`."""
+        message = f"[server rank {self.layout.rank}] worker rank {worker} {what}"
+        if not self.rule.tolerates_lost_workers:
+            raise WorkerLost(f"{message}; {self.rule.name} training cannot go on without it "
+                             "(softsync, async, dcasgd and downpour drop lost workers)")
+        others = len(self.active) - 1
+        print(f"{message}: dropped; " + (f"training goes on with {others} worker(s)" if others
+                                         else "every other worker has finished"), file=sys.stderr, flush=True)
+        index = self.workers.index(worker)
+        self.requests[index].Cancel()
+        self.requests[index].Wait()
+        self.active.discard(worker)
+        self.waiting.pop(worker, None)
+        self.stats.lost.append(worker)
+        for target in self.rule.on_leave(worker):
+            if target in self.waiting:
+                self._answer(target)
