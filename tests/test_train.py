@@ -173,6 +173,16 @@ def test_model_gradients_match_finite_differences():
         assert np.allclose(grad, numeric, rtol=1e-4, atol=1e-7), type(model).__name__
 
 
+def test_one_pass_evaluation_is_the_loss_and_the_predictions_accuracy():
+    """Model.evaluate's one forward pass (the models' logits) against its definition: two passes."""
+    rng = np.random.default_rng()
+    X, y = rng.standard_normal((37, 5)).astype(np.float32), rng.integers(0, 3, 37)
+    for model in (SoftmaxRegression(5, 3), MLP(5, 3, [4, 6]), CNN(5, 3, channels=(3, 2))):
+        params = model.init(2) + np.float32(0.5) * rng.standard_normal(model.size).astype(np.float32)
+        loss, _ = model.loss_and_gradient(params, X, y, gradient=False)
+        assert model.evaluate(params, X, y) == (float(loss), float((model.predict(params, X) == y).mean()))
+
+
 def test_the_cli_trains_the_numpy_cnn_without_torch(tmp_path):
     pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
     from mpicoll.cli import main

@@ -68,6 +68,16 @@ def test_the_numpy_cnn_is_the_torch_cnn(features):
     assert np.array_equal(ours.predict(params, X), scores.argmax(dim=1).numpy())
 
 
+@pytest.mark.parametrize("name", ["softmax", "mlp", "cnn"])
+def test_a_torch_models_one_pass_evaluation_is_its_loss_and_its_predictions_accuracy(name):
+    rng = np.random.default_rng()
+    X, y = rng.standard_normal((37, 12)).astype(np.float32), rng.integers(0, 4, 37)
+    model = make(name, 12, 4)
+    params = model.init(3)
+    loss, _ = model.loss_and_gradient(params, X, y, gradient=False)
+    assert model.evaluate(params, X, y) == (loss, float((model.predict(params, X) == y).mean()))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_trains_a_torch_cnn(method):

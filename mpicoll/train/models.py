@@ -2,8 +2,9 @@
 
 A model is anything with ``size`` (parameters), ``init(seed)`` (a starting
 vector), ``loss_and_gradient(params, X, y)`` (mean cross-entropy and its
-gradient, both over the batch) and ``predict(params, X)`` (class indices).
-Every algorithm in ``mpicoll train`` moves only the flat vector, so a user's
+gradient, both over the batch) and ``predict(params, X)`` (class indices);
+with ``logits(params, X)`` (class scores) too, an evaluation takes one forward
+pass instead of two.  Every algorithm in ``mpicoll train`` moves only the flat vector, so a user's
 own model needs nothing else; pass it to :func:`mpicoll.train.run.train`.
 """
 
@@ -30,7 +31,16 @@ class Model:
         raise NotImplementedError
 
     def evaluate(self, params, X, y) -> tuple[float, float]:
-        """(mean loss, accuracy) on a data set."""
+        """(mean loss, accuracy) on a data set.
+
+        One forward pass where the model gives its class scores (``logits``, as
+        mpicoll's own models do), else two (``loss_and_gradient`` and ``predict``):
+        on rank 0 of a training run every epoch, the evaluation holds the others up.
+        """
+        if hasattr(self, "logits"):
+            scores = self.logits(params, X)
+            loss, _ = _softmax_cross_entropy(self.xp, scores, y)
+            return float(loss), float((scores.argmax(axis=1) == y).mean())
         loss, _ = self.loss_and_gradient(params, X, y, gradient=False)
         accuracy = float((self.predict(params, X) == y).mean())
         return float(loss), accuracy
@@ -140,8 +150,11 @@ class _Layers(Model):
         dense_backward(layers, activations, delta, self._unpack(grad))
         return loss, grad
 
+    def logits(self, params, X):
+        return self._forward(params, X)[1][-1]
+
     def predict(self, params, X):
-        return self._forward(params, X)[1][-1].argmax(axis=1)
+        return self.logits(params, X).argmax(axis=1)
 
 
 class SoftmaxRegression(_Layers):
@@ -252,8 +265,11 @@ class CNN(Model):
                 d = d_in[:, :, pad:pad + length]
         return loss, grad
 
+    def logits(self, params, X):
+        return self._forward(params, X)[3]
+
     def predict(self, params, X):
-        return self._forward(params, X)[3].argmax(axis=1)
+        return self.logits(params, X).argmax(axis=1)
 
 
 def make(name: str, features: int, classes: int, hidden: list[int] | None = None, xp=np) -> Model:

@@ -85,13 +85,24 @@ class TorchModel(Model):
         return float(loss.detach()), grad
 
     def predict(self, params, X):
+        predicted = self._scores(params, X).argmax(dim=1)
+        return predicted.numpy() if self.xp is np else self.xp.asarray(predicted)
+
+    def evaluate(self, params, X, y) -> tuple[float, float]:
+        """(mean loss, accuracy) from one forward pass (on numpy data; two passes otherwise)."""
+        if self.xp is not np:
+            return super().evaluate(params, X, y)
+        scores, y = self._scores(params, X), self._tensor(y)
+        return float(functional.cross_entropy(scores, y)), float((scores.argmax(dim=1) == y).double().mean())
+
+    def _scores(self, params, X) -> torch.Tensor:
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         if isinstance(params, np.ndarray) and not params.flags.writeable:
             params = params.copy()
         with torch.no_grad():
             self._point_at(params)
-            scores = self.module(self._tensor(X))
-        predicted = scores.argmax(dim=1)
-        return predicted.numpy() if self.xp is np else self.xp.asarray(predicted)
+            return self.module(self._tensor(X))
 
 
 def _mlp(features: int, classes: int, hidden: list[int]) -> nn.Module:
