@@ -55,7 +55,6 @@ __all__ = ["Ring"]
 STREAM_FROM = 16 << 20
 
 
-
 class Ring(Algorithm):
     name = "ring"
 

@@ -45,7 +45,8 @@ from .. import config
 from ..arrays import kinds     # which memory, and views: the only part of the array layer the kernels need
 
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad", "warm_up",
-           "backend_for", "backends", "set_threads", "streaming_reducer", "ranks_on_this_node", "REDUCIBLE", "REDUCE_OPS", "FLOATS"]
+           "backend_for", "backends", "set_threads", "streaming_reducer", "ranks_on_this_node", "REDUCIBLE",
+           "REDUCE_OPS", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 REDUCE_OPS = ("sum", "prod", "min", "max")

@@ -4,8 +4,9 @@ A model is anything with ``size`` (parameters), ``init(seed)`` (a starting
 vector), ``loss_and_gradient(params, X, y)`` (mean cross-entropy and its
 gradient, both over the batch) and ``predict(params, X)`` (class indices);
 with ``logits(params, X)`` (class scores) too, an evaluation takes one forward
-pass instead of two.  Every algorithm in ``mpicoll train`` moves only the flat vector, so a user's
-own model needs nothing else; pass it to :func:`mpicoll.train.run.train`.
+pass instead of two.  Every algorithm in ``mpicoll train`` moves only the flat
+vector, so a user's own model needs nothing else; pass it to
+:func:`mpicoll.train.run.train`.
 """
 
 from __future__ import annotations
