@@ -138,6 +138,19 @@ def test_refusals_say_what_to_do(monkeypatch):
         assert result.returncode == 2 and "no cluster is up" in result.stderr
 
 
+def test_keeping_survivors_running_is_hydras_and_refused_elsewhere(monkeypatch):
+    from mpicoll import launcher as launchers
+    monkeypatch.setattr(launchers, "launcher", lambda: (["mpiexec"], "mpich"))
+    flags, command = launchers.keep_going(["python", "-c", "pass"])
+    assert flags == ["-disable-auto-cleanup"] and command[:2] == ["sh", "-c"] and command[-3:] == ["python", "-c",
+                                                                                                   "pass"]
+    survived = subprocess.run([*command[:-3], "sh", "-c", "kill -USR1 $PPID; sleep 0.2; exit 3"], timeout=30)
+    assert survived.returncode == 3           # Hydra's SIGUSR1 to the survivors is ignored by the wrapper
+    monkeypatch.setattr(launchers, "launcher", lambda: (["mpirun"], "openmpi"))
+    with pytest.raises(RuntimeError, match="MPICH's Hydra .*ULFM"):
+        launchers.keep_going(["python"])
+
+
 def test_the_subnet_must_be_private(fresh):
     with pytest.raises(cluster.ClusterError, match="private subnet"):
         cluster.up(2, subnet="8.8.8.0/24")
@@ -227,22 +240,22 @@ def test_a_process_dying_on_another_node_is_named_by_every_survivor(fresh, tmp_p
 def test_a_worker_lost_on_its_node_during_async_training_is_dropped_and_the_others_finish(fresh, tmp_path, how):
     """Asynchronous parameter-server training (server rank 0, workers 1 and 2, a node each); mid-run node2's
     link goes down, or worker 2's process is killed (Hydra told to keep the others running): the server drops
-    worker 2 after the timeout (cut) or as soon as MPI reports the process dead (killed) and says so, worker 1 finishes the budget, the result is written, and the job
+    worker 2 after the timeout (cut) or as soon as MPI reports the process dead (killed, under ``mpicoll
+    cluster run --keep-going``) and says so, worker 1 finishes the budget, the result is written, and the job
     ends (rank 2 can never reach MPI_Finalize) with a line naming rank 2.  A killed worker on another node
     used to take the server down with it: the server's last words to it crashed MPICH's UCX transport."""
     mpiexec, flavour = launcher()
     if how == "killed" and flavour != "mpich":
         pytest.skip("keeping survivors of a dead process running is set up here for MPICH's Hydra")
     assert mpicoll_cluster("up", "--nodes", "3").returncode == 0
-    keep_survivors = [*mpiexec, "-disable-auto-cleanup"] if how == "killed" else mpiexec
+    keep_going = ["--keep-going"] if how == "killed" else []       # Hydra keeps the survivors running
     log, output = tmp_path / "run.jsonl", tmp_path / "output.txt"
     with open(output, "w") as sink:      # a file, not a pipe: rank 2, cut off, holds its end until the heal
-        job = subprocess.Popen([sys.executable, "-m", "mpicoll", "cluster", "run", "-n", "3", "--", sys.executable,
-                                "-m", "mpicoll", "train", "--method", "ps-async", "--epochs", "300", "--quiet",
-                                "--output", str(log)], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+        job = subprocess.Popen([sys.executable, "-m", "mpicoll", "cluster", "run", "-n", "3", *keep_going, "--",
+                                sys.executable, "-m", "mpicoll", "train", "--method", "ps-async", "--epochs", "300",
+                                "--quiet", "--output", str(log)], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONPATH": str(ROOT), "MPICOLL_TIMEOUT": "3",
-                                    "MPICOLL_END_BROKEN_JOBS": "1",
-                                    "MPIEXEC": shlex.join(keep_survivors)})
+                                    "MPICOLL_END_BROKEN_JOBS": "1", "MPIEXEC": shlex.join(mpiexec)})
     deadline = time.perf_counter() + 60
     while time.perf_counter() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
         assert job.poll() is None, output.read_text()

@@ -32,7 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..launcher import launcher
+from .. import launcher as launchers
+from ..launcher import KEEP_GOING_REFUSED, launcher
 from . import network
 from .network import ClusterError
 
@@ -185,8 +186,12 @@ exec ip netns exec {network.PREFIX}$host unshare --uts \
     return script
 
 
-def run(ranks: int, command: list[str], ranks_per_node: int | None = None) -> int:
-    """Run ``command`` on ``ranks`` ranks spread over the nodes; returns the launcher's exit status."""
+def run(ranks: int, command: list[str], ranks_per_node: int | None = None, keep_going: bool = False) -> int:
+    """Run ``command`` on ``ranks`` ranks spread over the nodes; returns the launcher's exit status.
+
+    ``keep_going``: a rank that dies does not end the others (MPICH only; :func:`mpicoll.launcher.keep_going`),
+    so that they can name it and finish, as on a cluster whose launcher tolerates a lost process.
+    """
     current = _require()
     nodes = current["nodes"]
     per_node = ranks_per_node or math.ceil(ranks / len(nodes))
@@ -197,6 +202,11 @@ def run(ranks: int, command: list[str], ranks_per_node: int | None = None) -> in
     if not command:
         raise ClusterError("no command given: mpicoll cluster run -n 4 -- COMMAND...")
     mpiexec, flavour = launcher()
+    if keep_going:
+        if flavour != "mpich":
+            raise ClusterError(f"--keep-going: {KEEP_GOING_REFUSED}")
+        survive, command = launchers.keep_going(command)
+        mpiexec = [*mpiexec, *survive]
     hostfile = STATE_DIR / "hosts"                 # Hydra's "host:slots", Open MPI's "host slots=N"
     slots = " slots={}" if flavour == "openmpi" else ":{}"
     hostfile.write_text("".join(f"{node}{slots.format(per_node)}\n" for node in nodes[:used]))
@@ -237,6 +247,8 @@ def add_parser(commands) -> None:
     launch = actions.add_parser("run", help="run a command on the nodes under the MPI launcher")
     launch.add_argument("-n", "--ranks", type=int, required=True)
     launch.add_argument("--ranks-per-node", type=int, help="default: ranks spread evenly over the nodes")
+    launch.add_argument("--keep-going", action="store_true",
+                        help="a rank that dies does not end the others (MPICH's Hydra only)")
     launch.add_argument("job", nargs=argparse.REMAINDER, help="-- COMMAND...")
     actions.add_parser("status", help="the nodes, their links, cores and processes")
     for name, text in (("cut", "take a node's link down"), ("heal", "bring a cut link back")):
@@ -260,7 +272,7 @@ def main(args) -> int:
             print(status())
         elif args.action == "run":
             job = args.job[1:] if args.job[:1] == ["--"] else args.job
-            return run(args.ranks, job, args.ranks_per_node)
+            return run(args.ranks, job, args.ranks_per_node, args.keep_going)
         elif args.action in ("cut", "heal"):
             (cut if args.action == "cut" else heal)(args.node)
             print(status())

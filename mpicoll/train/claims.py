@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..launcher import launcher, mpiexec_command
+from ..launcher import KEEP_GOING_REFUSED, keep_going, launcher, mpiexec_command
 from .compare import read_log, time_to
 
 __all__ = ["Setting", "reproduce", "CLAIMS"]
@@ -438,12 +438,10 @@ def downpour_survives(setting: Setting, runner: Runner) -> tuple[dict, dict]:
                           "target": f"{setting.within:.0%} of the intact runs' mean accuracy"},
               "reproduced": None, "figures": {}, "note": ""}
     if launcher()[1] != "mpich":
-        record["note"] = ("skipped: a job that outlives a killed rank needs MPICH's Hydra (-disable-auto-cleanup); "
-                          "Open MPI needs a fault-tolerant (ULFM) build")
+        record["note"] = f"skipped: {KEEP_GOING_REFUSED}"
         return record, {}
-    # Hydra ends the job when a rank dies of a signal unless told not to, and sends the others SIGUSR1
-    # (default action: exit): each rank runs under a shell that ignores it (as scripts/launch --keep-going)
-    survive = [*mpiexec_command(m + 1, ["-disable-auto-cleanup"]), "sh", "-c", 'trap "" USR1; "$@"; exit $?', "rank"]
+    flags, wrapper = keep_going([])
+    survive = [*mpiexec_command(m + 1, flags), *wrapper]
     runs: dict[str, list[Run]] = {"intact": [], "one worker killed": []}
     for seed in setting.seeds:
         args = setting.args(seed) + ["--lr", str(setting.downpour_lr)]
