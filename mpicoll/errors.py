@@ -66,7 +66,8 @@ class CollectiveTimeout(MpicollError, TimeoutError):
         who = f"one or more of rank(s) {_ranks(self.peers)}" if some_of else f"rank(s) {_ranks(self.peers)}"
         super().__init__(
             f"{collective}: rank {rank} waited {seconds:g} s for {who}, which never took part "
-            "(dead, hung, or calling a different collective). Raise MPICOLL_TIMEOUT if a peer "
+            "(dead, hung, or calling a different collective, or this one with another count or type: "
+            "MPICOLL_DEBUG=1 compares every call across ranks). Raise MPICOLL_TIMEOUT if a peer "
             "is just slow; this communicator is no longer usable."
         )
 

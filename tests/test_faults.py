@@ -229,6 +229,35 @@ def test_mpi_names_a_dead_rank_to_the_survivors(tmp_path):
     assert reports == ["rank 0: before [] after [0]", "rank 1: before [] after [0]"], result.stdout + result.stderr
 
 
+SIZES_APART = """
+import sys, numpy as np
+from mpi4py import MPI
+import mpicoll
+comm = mpicoll.Communicator(MPI.COMM_WORLD)
+comm.Allreduce(np.ones(8, np.float32), np.empty(8, np.float32))         # the first call is always compared
+count = int(sys.argv[1]) if comm.rank == 0 else int(sys.argv[2])
+comm.Allreduce(np.ones(count, np.float32), np.empty(count, np.float32))
+"""
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_counts_that_send_ranks_down_different_paths_are_named(tmp_path, debug):
+    """Rank 0 passes 100 elements (``auto`` hands it to MPI), rank 1 four million (mpicoll's ring): rank 1's
+    timeout names rank 0 and says how to find the mismatch; with MPICOLL_DEBUG=1 every rank names it at once."""
+    script = tmp_path / "apart.py"
+    script.write_text(SIZES_APART)
+    result = launch(2, str(script), "100", "4000000", timeout=90,
+                    env={"MPICOLL_TIMEOUT": "3", "MPICOLL_DEBUG": debug, "MPICOLL_END_BROKEN_JOBS": "1"})
+    if debug == "1":
+        assert result.stderr.count("MismatchError: Allreduce: ranks disagree") == 2, result.stderr[-3000:]
+        assert "ranks 0: Allreduce(count=100," in result.stderr and "ranks 1: Allreduce(count=4000000," in \
+            result.stderr, result.stderr[-3000:]
+    else:
+        assert "rank 1 waited 3 s for rank(s) 0" in result.stderr and "MPICOLL_DEBUG=1 compares every call" in \
+            result.stderr, result.stderr[-3000:]
+    assert result.returncode != 0
+
+
 def rank_of(pid: str) -> int | None:
     """The MPI rank Hydra gave a Python process (PMI_RANK in its environment); None for other processes."""
     try:
