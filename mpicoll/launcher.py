@@ -14,10 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["launcher", "mpiexec_command", "keep_going", "KEEP_GOING_REFUSED"]
-
-KEEP_GOING_REFUSED = ("a job that outlives a dead rank needs MPICH's Hydra (-disable-auto-cleanup); "
-                      "Open MPI needs a fault-tolerant (ULFM) build")
+__all__ = ["launcher", "mpiexec_command", "keep_survivors"]
 
 
 def launcher() -> tuple[list[str], str]:
@@ -38,15 +35,17 @@ def launcher() -> tuple[list[str], str]:
     return command, flavour
 
 
-def keep_going(command: list[str]) -> tuple[list[str], list[str]]:
-    """(launcher flags, ``command`` wrapped): survivors of a dead rank keep running (MPICH's Hydra only).
+def keep_survivors(flavour: str, command: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher flags, ``command`` wrapped): survivors of a dead rank keep running, under the launcher of
+    ``flavour`` (:func:`launcher`'s); RuntimeError, saying why, for any but MPICH's Hydra.
 
     Hydra ends the job when a rank dies unless told not to (``-disable-auto-cleanup``), and even then
     sends the others SIGUSR1, whose default action ends them: each rank runs under a shell that ignores
     it and reports a signal death as an exit code (as ``scripts/launch --keep-going`` does).
     """
-    if launcher()[1] != "mpich":
-        raise RuntimeError(KEEP_GOING_REFUSED)
+    if flavour != "mpich":
+        raise RuntimeError("a job that outlives a dead rank needs MPICH's Hydra (-disable-auto-cleanup); "
+                           "Open MPI needs a fault-tolerant (ULFM) build")
     return ["-disable-auto-cleanup"], ["sh", "-c", 'trap "" USR1; "$@"; exit $?', "rank", *command]
 
 

@@ -7,6 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from mpicoll import ReductionError
+from mpicoll.compute import streaming_reducer
 from mpicoll.reduction import Reduction, op_name
 
 
@@ -76,7 +77,6 @@ class TestStreaming:
     @pytest.mark.parametrize("op, code", LOOPS)
     @pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 1000, 4099])
     def test_each_loop_matches_numpy_at_every_alignment(self, op, code, count):
-        from mpicoll.compute import streaming_reducer
         loop, numpy_op = streaming_reducer(op, code), {"sum": np.add, "prod": np.multiply}[op]
         rng = np.random.default_rng()
         for shift in (0, 1, 3, 7):                  # the vector stores start after a scalar head
@@ -88,7 +88,6 @@ class TestStreaming:
 
     @pytest.mark.parametrize("op, code", LOOPS)
     def test_in_place_on_either_operand(self, op, code):
-        from mpicoll.compute import streaming_reducer
         loop, numpy_op = streaming_reducer(op, code), {"sum": np.add, "prod": np.multiply}[op]
         a, b = self.operands(code, 1001, np.random.default_rng())
         expected = numpy_op(a, b)
@@ -99,11 +98,9 @@ class TestStreaming:
 
     @pytest.mark.parametrize("op, code", [("min", "f"), ("max", "d"), ("sum", "e"), ("sum", "F"), ("sum", ">f4")])
     def test_what_has_no_loop_says_so(self, op, code):
-        from mpicoll.compute import streaming_reducer
         assert streaming_reducer(op, code) is None
 
     def test_numpy_kernels_chosen_by_hand_turn_it_off(self, monkeypatch):
-        from mpicoll.compute import streaming_reducer
         monkeypatch.setenv("MPICOLL_KERNELS", "numpy")
         assert streaming_reducer("sum", "f") is None
 

@@ -32,8 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import launcher as launchers
-from ..launcher import KEEP_GOING_REFUSED, launcher
+from ..launcher import keep_survivors, launcher
 from . import network
 from .network import ClusterError
 
@@ -189,7 +188,7 @@ exec ip netns exec {network.PREFIX}$host unshare --uts \
 def run(ranks: int, command: list[str], ranks_per_node: int | None = None, keep_going: bool = False) -> int:
     """Run ``command`` on ``ranks`` ranks spread over the nodes; returns the launcher's exit status.
 
-    ``keep_going``: a rank that dies does not end the others (MPICH only; :func:`mpicoll.launcher.keep_going`),
+    ``keep_going``: a rank that dies does not end the others (MPICH only; :func:`mpicoll.launcher.keep_survivors`),
     so that they can name it and finish, as on a cluster whose launcher tolerates a lost process.
     """
     current = _require()
@@ -203,9 +202,10 @@ def run(ranks: int, command: list[str], ranks_per_node: int | None = None, keep_
         raise ClusterError("no command given: mpicoll cluster run -n 4 -- COMMAND...")
     mpiexec, flavour = launcher()
     if keep_going:
-        if flavour != "mpich":
-            raise ClusterError(f"--keep-going: {KEEP_GOING_REFUSED}")
-        survive, command = launchers.keep_going(command)
+        try:
+            survive, command = keep_survivors(flavour, command)
+        except RuntimeError as refusal:
+            raise ClusterError(f"--keep-going: {refusal}") from None
         mpiexec = [*mpiexec, *survive]
     hostfile = STATE_DIR / "hosts"                 # Hydra's "host:slots", Open MPI's "host slots=N"
     slots = " slots={}" if flavour == "openmpi" else ":{}"

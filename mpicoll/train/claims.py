@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..launcher import KEEP_GOING_REFUSED, keep_going, launcher, mpiexec_command
+from ..launcher import keep_survivors, launcher, mpiexec_command
 from .compare import read_log, time_to
 
 __all__ = ["Setting", "reproduce", "CLAIMS"]
@@ -437,10 +437,11 @@ def downpour_survives(setting: Setting, runner: Runner) -> tuple[dict, dict]:
                           "dropped after": "5 s of silence (MPICOLL_TIMEOUT=5)", "lr": setting.downpour_lr,
                           "target": f"{setting.within:.0%} of the intact runs' mean accuracy"},
               "reproduced": None, "figures": {}, "note": ""}
-    if launcher()[1] != "mpich":
-        record["note"] = f"skipped: {KEEP_GOING_REFUSED}"
+    try:
+        flags, wrapper = keep_survivors(launcher()[1], [])
+    except RuntimeError as refusal:
+        record["note"] = f"skipped: {refusal}"
         return record, {}
-    flags, wrapper = keep_going([])
     survive = [*mpiexec_command(m + 1, flags), *wrapper]
     runs: dict[str, list[Run]] = {"intact": [], "one worker killed": []}
     for seed in setting.seeds:

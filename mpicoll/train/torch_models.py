@@ -68,19 +68,21 @@ class TorchModel(Model):
             array = array.copy()             # torch will not view read-only memory
         return torch.as_tensor(array)
 
-    def loss_and_gradient(self, params, X, y, gradient: bool = True):
+    def _ready(self, params):
+        """``params`` as torch may view them (a copy of read-only memory), this model's threads set."""
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         if isinstance(params, np.ndarray) and not params.flags.writeable:
             params = params.copy()
-        X, y = self._tensor(X), self._tensor(y)
+        return params
+
+    def loss_and_gradient(self, params, X, y, gradient: bool = True):
         if not gradient:
-            with torch.no_grad():
-                self._point_at(params)
-                return float(functional.cross_entropy(self.module(X), y)), None
+            return float(functional.cross_entropy(self._scores(params, X), self._tensor(y))), None
+        params = self._ready(params)
         grad = self.xp.zeros_like(params)
         self._point_at(params, grad)
-        loss = functional.cross_entropy(self.module(X), y)
+        loss = functional.cross_entropy(self.module(self._tensor(X)), self._tensor(y))
         loss.backward()                      # accumulates into the views of ``grad``
         return float(loss.detach()), grad
 
@@ -89,17 +91,13 @@ class TorchModel(Model):
         return predicted.numpy() if self.xp is np else self.xp.asarray(predicted)
 
     def evaluate(self, params, X, y) -> tuple[float, float]:
-        """(mean loss, accuracy) from one forward pass (on numpy data; two passes otherwise)."""
-        if self.xp is not np:
-            return super().evaluate(params, X, y)
+        """(mean loss, accuracy) from one forward pass."""
         scores, y = self._scores(params, X), self._tensor(y)
         return float(functional.cross_entropy(scores, y)), float((scores.argmax(dim=1) == y).double().mean())
 
     def _scores(self, params, X) -> torch.Tensor:
-        if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
-        if isinstance(params, np.ndarray) and not params.flags.writeable:
-            params = params.copy()
+        """The class scores of ``X``, without a graph for gradients."""
+        params = self._ready(params)
         with torch.no_grad():
             self._point_at(params)
             return self.module(self._tensor(X))
