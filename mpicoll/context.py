@@ -10,6 +10,7 @@ Every wait has a deadline: a dead or hung peer becomes a
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -58,6 +59,7 @@ class Context:
         # Checks a wait runs once it lasts; one that raises ends the wait with its error (ranks that
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
+        self._dead, self._dead_asked_at = frozenset(), -math.inf     # the MPI library's last answer (living)
         self.children: list[Context] = []     # contexts over parts of this one (mpicoll.nodes), freed with it
         self.node_layout = None               # mpicoll.nodes.NodeLayout, once an algorithm asked for it
         # Duplicating is a blocking collective: first make sure every rank is here.
@@ -335,26 +337,30 @@ class Context:
         for peer in awaited:
             self.comm.Isend([note, MPI.BYTE], peer, Tag.ROLL_CALL)      # abandoned if the peer is gone
         heard, status, incoming = set(), MPI.Status(), np.empty(1, np.uint8)
-        next_look = time.perf_counter() + _DEATHS_EVERY
 
         def heard_everyone():
-            nonlocal awaited, next_look
+            nonlocal awaited
             while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
                 heard.add(status.Get_source())
                 self.comm.Recv([incoming, MPI.BYTE], status.Get_source(), Tag.ROLL_CALL)
-            if time.perf_counter() > next_look:             # a death may be reported after the call began
-                awaited, next_look = self.living(awaited), time.perf_counter() + _DEATHS_EVERY
+            awaited = self.living(awaited, stale_after=_DEATHS_EVERY)     # a death reported after the call began
             return True if heard.issuperset(awaited) else None
 
         self._poll(heard_everyone, lambda: None, limit=min(max(self.timeout, 1.0), 10.0))   # past it: stop looking
         return [peer for peer in self.others() if peer not in heard]
 
-    def living(self, peers) -> list[int]:
+    def living(self, peers, stale_after: float = 0.0) -> list[int]:
         """``peers`` without the ranks the MPI library knows to have died.  Ask before a message that may
         go to a lost rank: once MPICH's UCX transport has seen the connection to a dead rank on another
-        node close, a send to it crashes the sender (:func:`mpicoll.failure.failed_ranks`)."""
-        dead = failure.failed_ranks(self.comm)
-        return [peer for peer in peers if peer not in dead]
+        node close, a send to it crashes the sender (:func:`mpicoll.failure.failed_ranks`).
+
+        Asking costs about 0.1 ms: a loop that asks on every turn passes ``stale_after``, and the
+        library's previous answer serves until it is that many seconds old.
+        """
+        now = time.perf_counter()
+        if now - self._dead_asked_at >= stale_after:
+            self._dead, self._dead_asked_at = failure.failed_ranks(self.comm), now
+        return [peer for peer in peers if peer not in self._dead]
 
     def shun_the_dead(self, peers) -> None:
         """If the MPI library knows any of ``peers`` to be dead, send nothing: wait out the deadline like the
@@ -364,8 +370,7 @@ class Context:
         MPICH's UCX transport.  Asking costs about 0.1 ms, so only before long phases; a death during
         the phase can still crash a sender (docs/multi-node.md).
         """
-        gone = failure.failed_ranks(self.comm)
-        dead = [peer for peer in peers if peer in gone]
+        dead = set(peers).difference(self.living(peers))
         if dead:
             self.wait_until(lambda: False, dead)
 

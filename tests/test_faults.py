@@ -229,6 +229,25 @@ def test_mpi_names_a_dead_rank_to_the_survivors(tmp_path):
     assert reports == ["rank 0: before [] after [0]", "rank 1: before [] after [0]"], result.stdout + result.stderr
 
 
+
+def test_the_library_is_asked_about_the_dead_afresh_unless_a_recent_answer_will_do(monkeypatch):
+    """``Context.living``: a fresh question by default (before a send that may go to the dead); loops that
+    ask every turn (the roll call, a parameter server) pass ``stale_after`` and reuse a recent answer."""
+    from mpi4py import MPI
+    from mpicoll import failure
+    from mpicoll.context import Context
+    asked = []
+    monkeypatch.setattr(failure, "failed_ranks", lambda comm: asked.append(comm) or [1])
+    ctx = Context(MPI.COMM_SELF)
+    try:
+        assert ctx.living([0, 1, 2]) == [0, 2] and len(asked) == 1
+        assert ctx.living([1, 2], stale_after=60.0) == [2] and len(asked) == 1
+        assert ctx.living([0, 1]) == [0] and len(asked) == 2
+        time.sleep(0.02)
+        assert ctx.living([2], stale_after=0.01) == [2] and len(asked) == 3
+    finally:
+        ctx.free()
+
 SIZES_APART = """
 import sys, numpy as np
 from mpi4py import MPI

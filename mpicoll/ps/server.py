@@ -145,7 +145,6 @@ class Server:
         start = time.perf_counter()
         self.active = set(workers)
         self.last_heard = {w: start for w in workers}
-        self.next_death_check = start
         while self.active:
             before = time.perf_counter()
             index = ctx.waitany(self.requests, workers, patience=min(1.0, self.worker_timeout or 1.0))
@@ -249,12 +248,9 @@ class Server:
         ``_DEATHS_EVERY`` s; an answer sent to a dead worker on another node would crash this server
         inside MPICH's UCX transport), or silent for ``worker_timeout`` s while not waiting for us."""
         now, timeout = time.perf_counter(), self.worker_timeout
-        dead = set()
-        if now >= self.next_death_check:
-            self.next_death_check = now + _DEATHS_EVERY
-            dead = self.active.difference(self.ctx.living(sorted(self.active)))
-            for worker in dead:                   # owed nothing: dropping one must not answer another
-                self.waiting.pop(worker, None)
+        dead = self.active.difference(self.ctx.living(sorted(self.active), stale_after=_DEATHS_EVERY))
+        for worker in dead:                       # owed nothing: dropping one must not answer another
+            self.waiting.pop(worker, None)
         for worker in sorted(self.active):
             if worker in dead:
                 self._drop(worker, "died (the MPI library reports its process gone)")
