@@ -78,7 +78,7 @@ def check(path: str | Path, identity: dict) -> None:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: --resume continues from the files an earlier run wrote "
-                                "with the same --checkpoint prefix, method and rank count")
+                                "with the same --checkpoint prefix, method, rank count and --model-parallel")
     stored = identity_of(path)
     expected = {"format": FORMAT, **identity}
     differences = [f"{key} {_show(stored.get(key))} there, {_show(value)} here" for key, value in expected.items()
@@ -92,12 +92,12 @@ def _show(value) -> str:
     return "none" if value is None else str(value)
 
 
-_OWNERS = ("rank", "server")      # files kept per training rank (SGP) or per parameter server
+_OWNERS = ("rank", "server", "stage")   # files kept per training rank (SGP), parameter server, model stage
 
 
 def path(prefix: str | Path, owner: str | None = None, rank: int = 0) -> Path:
     """The file of a run with ``--checkpoint prefix``: ``PREFIX.npz`` (one for the whole run), or
-    ``PREFIX.rank<r>.npz`` / ``PREFIX.server<r>.npz`` (one per ``owner`` rank)."""
+    ``PREFIX.rank<r>.npz`` / ``PREFIX.server<r>.npz`` / ``PREFIX.stage<s>.npz`` (one per ``owner``)."""
     if owner is None:
         return Path(f"{prefix}.npz")
     if owner not in _OWNERS:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -247,3 +249,34 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, tmp_path_fac
     everywhere(resumed["final_loss"] == straight["final_loss"],
                f"{method}: resumed run ends at loss {resumed['final_loss']!r}, uninterrupted "
                f"{straight['final_loss']!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_resumed_model_parallel_run_ends_where_an_uninterrupted_one_does(tmp_path_factory):
+    """--model-parallel 2: one checkpoint file per stage, written by the first replica's stages; stop after
+    2 of 4 epochs, resume: the same final model.  Stage files of different epochs are refused on every rank."""
+    if P % 2:
+        pytest.skip(f"{P} ranks make no whole replicas of 2 stages")
+    data = digits()
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("stages")) if RANK == 0 else None)
+    model = MLP(data.features, data.classes, [16, 12], dtype=np.float64)
+
+    def run(epochs, **extra):
+        options = Options(method="allreduce-ring", epochs=epochs, batch=8, lr=0.2, seed=5, progress=False,
+                          model_parallel=2, **extra)
+        summary = train(WORLD, options, model, data)
+        return [s for s in WORLD.allgather(summary) if s][0]
+
+    straight = run(4)
+    run(2, checkpoint=f"{folder}/job")
+    files = sorted(p.name for p in Path(folder).iterdir())
+    everywhere(files == ["job.stage0.npz", "job.stage1.npz"], f"files written: {files}")
+    resumed = run(4, checkpoint=f"{folder}/job", resume=True)
+    everywhere(resumed["final_loss"] == straight["final_loss"],
+               f"resumed run ends at loss {resumed['final_loss']!r}, uninterrupted {straight['final_loss']!r}")
+    run(1, checkpoint=f"{folder}/early")
+    if RANK == 0:
+        shutil.copy(f"{folder}/early.stage1.npz", f"{folder}/job.stage1.npz")      # stage 1 at epoch 1, stage 0 at 4
+    WORLD.Barrier()
+    with pytest.raises(mpicoll.SetupError, match=r"different epochs \(1, 4;"):
+        run(5, checkpoint=f"{folder}/job", resume=True)

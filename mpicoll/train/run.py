@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from .. import arrays, checkpoint, compute, config, failure, gossip, ps, timeline
 from ..communicator import Communicator
+from ..errors import SetupError
 from ..tags import Tag
 from ..checks import agree
 from ..straggler import Straggler, parse as parse_straggler, parse_delay
@@ -109,8 +110,9 @@ def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp
 
 def _identity(comm, options: Options, model: Model, data: Dataset) -> dict:
     """What this run's checkpoints belong to: resuming needs the same method, model, data and ranks."""
+    cut = {"model_parallel": options.model_parallel} if options.model_parallel > 1 else {}
     return {"method": options.method, "model": getattr(model, "name", type(model).__name__),
-            "parameters": int(model.size), "data": data.fingerprint(), "ranks": comm.Get_size()}
+            "parameters": int(model.size), "data": data.fingerprint(), "ranks": comm.Get_size(), **cut}
 
 
 def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Method", run: dict) -> None:
@@ -167,7 +169,10 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
 
 
 def _checkpoint_file(options: Options, method: "Method", rank: int) -> Path:
-    """The file this rank resumes from: one for allreduce methods (every rank holds the same), one per rank for SGP."""
+    """The file this rank resumes from: one for allreduce methods (every rank holds the same), one per stage
+    with ``--model-parallel`` (the replicas of a stage hold the same), one per rank for SGP."""
+    if options.model_parallel > 1:
+        return checkpoint.path(options.checkpoint, "stage", rank % options.model_parallel)
     return checkpoint.path(options.checkpoint, "rank" if method.runner is _sgp else None, rank)
 
 
@@ -206,9 +211,14 @@ def _allreduce(comm, options, model, data, xp, method, run):
         return None
 
     start = 0
-    if options.resume:                       # every rank holds the same parameters: one file
+    if options.resume:                       # every replica holds the same parameters: one file per stage
         state = checkpoint.load(_checkpoint_file(options, method, rank), run)
         params, start = xp.asarray(state["params"]), int(state["epoch"])
+        epochs = sorted(set(comm.allgather(start)))
+        if len(epochs) > 1:                    # a run stopped between its stages' writes: they would train apart
+            raise SetupError(dict.fromkeys(range(size), (
+                f"--resume: the stage checkpoints were written after different epochs ({', '.join(map(str, epochs))}; "
+                "the earlier run stopped while writing them): start afresh, or restore one epoch's files")), size)
     average = xp.empty_like(params)
     lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
     with Communicator(channel_comm, algorithm=method.algorithm) as channel:
@@ -220,7 +230,7 @@ def _allreduce(comm, options, model, data, xp, method, run):
                 channel.Allreduce(grad, average)
                 with timeline.span("update", "train"):
                     params -= (lr_at(epoch, step) / replicas) * average
-            if options.checkpoint and rank == 0:
+            if options.checkpoint and replica == 0:           # its stages write theirs (one: the model)
                 checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
                                 epoch=epoch + 1)
             score = test_score()
@@ -258,8 +268,9 @@ def _check_model_parallel(options: Options, model: Model, method: "Method", size
                          f"whole replicas of {k} stages, and the model has {layers} layer(s) to share "
                          f"among them (e.g. mpiexec -n {servers + 2 * k}"
                          f"{f': {servers} servers, {options.servers} per stage, and 2 replicas' if downpour else ''})")
-    if options.checkpoint:
-        raise ValueError("--model-parallel does not checkpoint yet: drop --checkpoint")
+    if options.checkpoint and downpour:
+        raise ValueError("downpour --model-parallel does not checkpoint yet: drop --checkpoint (the allreduce "
+                         "methods do)")
 
 
 def _check_memory(options: Options, model: Model, method: "Method", size: int) -> None:
