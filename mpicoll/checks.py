@@ -57,6 +57,12 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
+def all_finite(array) -> bool:
+    """No NaN or Inf in ``array`` (numpy or CuPy): one read-only pass (a sum) and no temporary array, but for
+    the rare finite array whose sum overflows, which a full check then clears."""
+    return bool(np.isfinite(array.sum())) or bool(np.isfinite(array).all())
+
+
 def check_call(context, signature: Signature, contribution: np.ndarray | None = None) -> None:
     """Raise on every rank if the ranks' signatures differ or a float contribution is not finite.
 
@@ -65,8 +71,7 @@ def check_call(context, signature: Signature, contribution: np.ndarray | None = 
     never arrives is named instead of hanging the others.
     """
     comm = context.comm
-    nonfinite = int(contribution is not None and contribution.dtype.kind in "fc"
-                    and not bool(np.isfinite(contribution).all()))
+    nonfinite = int(contribution is not None and contribution.dtype.kind in "fc" and not all_finite(contribution))
     mine = np.array(signature.codes() + [nonfinite], np.int64)
     everyone = np.zeros((comm.Get_size(), mine.size), np.int64)
     context.waitall([comm.Iallgather(mine, everyone)], context.others())

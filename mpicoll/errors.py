@@ -5,7 +5,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 __all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
-           "NonFiniteError", "MPIRefusal", "ReductionError", "RootError", "SetupError"]
+           "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError"]
 
 
 class MPIRefusal(MPI.Exception):
@@ -98,6 +98,12 @@ class PartFailed(MpicollError):
     def __init__(self, rank: int, peer: int, reason: str):
         self.rank, self.peer, self.reason = rank, peer, reason
         super().__init__(f"rank {rank}: rank {peer} failed: {reason}")
+
+
+class Diverged(MpicollError, FloatingPointError):
+    """Training diverged: the model's parameters hold NaN or Inf, or every gradient a parameter server
+    receives does, so no step can come that would mend them.  Raised on every rank of the job alike,
+    saying where the values first went bad."""
 
 
 class NonFiniteError(MpicollError, FloatingPointError):

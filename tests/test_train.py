@@ -251,6 +251,41 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, tmp_path_fac
                f"{straight['final_loss']!r}")
 
 
+
+class _PoisonedOnLastRank(MLP):
+    """An MLP whose gradient and loss on the last rank turn NaN at its third gradient (step 3 of epoch 1)."""
+
+    calls = 0
+
+    def loss_and_gradient(self, params, X, y, gradient=True):
+        loss, grad = super().loss_and_gradient(params, X, y, gradient)
+        self.calls += 1
+        if RANK == P - 1 and self.calls == 3:
+            grad[::7] = np.nan
+            loss = np.nan
+        return loss, grad
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("method", ["allreduce-ring", "sgp"])
+def test_training_that_diverges_stops_every_rank_naming_where_it_went_bad(method, tmp_path_factory):
+    """A NaN gradient on one rank: every rank raises Diverged naming that rank and step (the allreduce methods
+    after that epoch, before its checkpoint is written; SGP at the end), instead of a run that ends with
+    loss nan and exit status 0.  A healthy run of the same model is untouched by the check."""
+    data = digits()
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("diverged")) if RANK == 0 else None)
+    model = _PoisonedOnLastRank(data.features, data.classes, [16])
+    options = Options(method=method, epochs=2, batch=16, lr=0.1, seed=3, progress=False,
+                      checkpoint=f"{folder}/job" if method == "allreduce-ring" else None)
+    with pytest.raises(mpicoll.Diverged, match=rf"on rank\(s\) {P - 1}, at step 3 of epoch 1\. Try a smaller --lr"):
+        train(WORLD, options, model, data)
+    if method == "allreduce-ring":
+        everywhere(not list(Path(folder).iterdir()), "a checkpoint of the diverged epoch was written")
+    healthy = train(WORLD, Options(method=method, epochs=1, batch=16, lr=0.1, seed=3, progress=False),
+                    MLP(data.features, data.classes, [16]), data)
+    losses = [s["final_loss"] for s in WORLD.allgather(healthy) if s]
+    everywhere(len(losses) == 1 and np.isfinite(losses[0]), f"healthy run: {losses}")
+
 @pytest.mark.mpi(min_size=2)
 def test_a_resumed_model_parallel_run_ends_where_an_uninterrupted_one_does(tmp_path_factory):
     """--model-parallel 2: one checkpoint file per stage, written by the first replica's stages; stop after

@@ -21,7 +21,8 @@ import numpy as np
 
 from .. import checkpoint
 from ..context import Context
-from ..errors import MpicollError
+from ..checks import all_finite
+from ..errors import Diverged
 from ..tags import Tag
 from .layout import Layout
 from .protocol import Kind
@@ -54,23 +55,11 @@ class WorkerLost(RuntimeError):
     """Synchronous training lost a worker: it cannot go on, and says which."""
 
 
-class Diverged(MpicollError, FloatingPointError):
-    """Every worker keeps sending NaN or Inf: the weights themselves are past saving, so training stops.
-
-    One non-finite gradient is skipped (a bad batch); but once each active
-    worker has sent :data:`NONFINITE_STREAK` of them in a row with no finite
-    one between, no update can come and the loop would wait forever.
-    """
-
-
-NONFINITE_STREAK = 2       # per active worker, consecutive, before the server calls training diverged
+# One non-finite gradient is skipped (a bad batch); once each active worker has sent this many in a row with
+# no finite one between, no update can come and the loop would wait forever: the server raises Diverged.
+NONFINITE_STREAK = 2
 _NONFINITE_REPORTS = 5     # non-finite gradients named in the log; the rest are counted
 _DEATHS_EVERY = 0.05       # seconds between the server's questions to MPI about dead workers (0.1 ms each)
-
-
-def _finite(gradient: np.ndarray) -> bool:
-    """No NaN or Inf, checked with one read-only pass (a sum) and no temporary array."""
-    return bool(np.isfinite(gradient.sum())) or bool(np.isfinite(gradient).all())
 
 
 def checkpoint_identity(layout: Layout, rule: Rule, run: dict | None = None) -> dict:
@@ -210,7 +199,7 @@ class Server:
         stats.gradients[worker] = stats.gradients.get(worker, 0) + 1
         lag = rule.version - version
         stats.staleness[lag] = stats.staleness.get(lag, 0) + 1
-        if not _finite(gradient):                               # never let NaN or Inf into the model
+        if not all_finite(gradient):                               # never let NaN or Inf into the model
             self._skip_nonfinite(worker)
             return [worker]
         self.nonfinite_streak = 0

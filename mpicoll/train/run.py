@@ -26,9 +26,9 @@ from mpi4py import MPI
 
 from .. import arrays, checkpoint, compute, config, failure, gossip, ps, timeline
 from ..communicator import Communicator
-from ..errors import SetupError
+from ..errors import Diverged, SetupError
 from ..tags import Tag
-from ..checks import agree
+from ..checks import agree, all_finite
 from ..straggler import Straggler, parse as parse_straggler, parse_delay
 from .data import Dataset
 from .models import Model
@@ -224,12 +224,15 @@ def _allreduce(comm, options, model, data, xp, method, run):
     with Communicator(channel_comm, algorithm=method.algorithm) as channel:
         reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
         for epoch in range(start, options.epochs):
+            losses = []
             for step, batch in enumerate(_batches(len(y), options.batch, steps, [options.seed, replica, epoch])):
                 with slow, timeline.span("gradient", "train"):
                     loss, grad = gradient_of(params, X[batch], y[batch])
+                losses.append(loss)
                 channel.Allreduce(grad, average)
                 with timeline.span("update", "train"):
                     params -= (lr_at(epoch, step) / replicas) * average
+            _stop_if_diverged(comm, params, [(epoch, losses)], f"after epoch {epoch + 1}")   # before saving it
             if options.checkpoint and replica == 0:           # its stages write theirs (one: the model)
                 checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
                                 epoch=epoch + 1)
@@ -242,6 +245,25 @@ def _allreduce(comm, options, model, data, xp, method, run):
         pipe_comm.Free()
         channel_comm.Free()
     return reporter.finish(None, measured=final) if reporter else None
+
+
+def _stop_if_diverged(comm, params, losses: list[tuple[int, list]], when: str) -> None:
+    """Raise :class:`~mpicoll.errors.Diverged` on every rank alike if any rank's ``params`` hold NaN or Inf,
+    naming the ranks whose training loss went bad first (``losses``: (epoch, that epoch's losses) per
+    epoch, read only then).  Collective: one pass over the parameters and a small allgather."""
+    if all(comm.allgather(all_finite(arrays.as_host(params)))):
+        return
+    first = next(((epoch, step) for epoch, values in losses for step, loss in enumerate(values)
+                  if not math.isfinite(float(loss))), None)
+    firsts = comm.allgather(first)
+    earliest = min((f for f in firsts if f is not None), default=None)
+    if earliest is None:
+        where = "no rank's loss was NaN or Inf first, so a gradient or an update overflowed"
+    else:
+        ranks = [rank for rank, f in enumerate(firsts) if f == earliest]
+        where = (f"the loss first went NaN or Inf on rank(s) {', '.join(map(str, ranks))}, at step "
+                 f"{earliest[1] + 1} of epoch {earliest[0] + 1}")
+    raise Diverged(f"training diverged: the parameters hold NaN or Inf {when}; {where}. Try a smaller --lr")
 
 
 def _sequential():
@@ -361,11 +383,14 @@ def _sgp(comm, options, model, data, xp, method, run):
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
     z = xp.asarray(sgp.parameters)
     lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
+    losses = []                              # (epoch, its losses): where the parameters went bad, if they do
     for epoch in range(start, options.epochs):
+        losses.append((epoch, []))
         for step, batch in enumerate(_batches(len(y), options.batch, steps, [options.seed, rank, epoch])):
             sgp.lr = lr_at(epoch, step)
             with slow, timeline.span("gradient", "train"):
                 loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
+            losses[-1][1].append(loss)
             with timeline.span("push-sum step", "train"):
                 z = xp.asarray(sgp.step(grad))
         if options.checkpoint:               # every rank is at the same round: nothing left in flight
@@ -379,6 +404,9 @@ def _sgp(comm, options, model, data, xp, method, run):
         channel.Allreduce(pushsum.debiased(), consensus)
     consensus /= size
     pushsum.close()
+    # checked once, at the end: ranks hold different parameters, and asking after every epoch would make
+    # every rank wait for the slowest there (the consensus is the same everywhere)
+    _stop_if_diverged(comm, consensus, losses, "at the end (the average of the ranks' parameters)")
     return reporter.finish(xp.asarray(consensus)) if reporter else None
 
 
