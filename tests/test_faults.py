@@ -52,7 +52,8 @@ def assert_refused(result, seconds, words):
     assert "Traceback" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("method, ranks", [("allreduce-ring", 2), ("sgp", 2), ("ps-async", 3)])
+@pytest.mark.parametrize("method, ranks", [("allreduce-ring", 2), ("sgp", 2), ("ps-async", 3),
+                                           ("sandblaster-lbfgs", 3)])
 def test_resuming_into_other_data_is_refused_and_the_checkpoint_kept(tmp_path, method, ranks):
     first, other = data_file(tmp_path, "a.npz"), data_file(tmp_path, "b.npz", seed=1)
     prefix = str(tmp_path / "ck")
@@ -70,6 +71,7 @@ def test_resuming_into_other_data_is_refused_and_the_checkpoint_kept(tmp_path, m
 @pytest.mark.parametrize("method, first, then, words", [
     ("sgp", 2, 3, "ranks 2 there, 3 here"),
     ("ps-async", 3, 4, "workers 2 there, 3 here"),
+    ("sandblaster-lbfgs", 3, 4, "ranks 3 there, 4 here"),
 ])
 def test_resuming_with_other_rank_counts_is_refused(tmp_path, method, first, then, words):
     data, prefix = data_file(tmp_path, "a.npz"), str(tmp_path / "ck")

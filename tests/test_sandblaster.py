@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from mpicoll import sandblaster
+from mpicoll.errors import SetupError
 from mpicoll.sandblaster import lbfgs
 from mpicoll.straggler import Straggler
 from conftest import P, RANK, WORLD, everywhere, launch, shared_seed
@@ -167,6 +169,34 @@ def test_large_batch_sandblaster_follows_the_same_batches():
     everywhere(len(steps) == len(reference) == 8 and worst < 1e-8, f"{len(steps)} iterations, worst {worst:.2e}")
     everywhere(all(np.abs(w - x).max() < 1e-8 for w in finals), "final parameters differ")
 
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("batch", [None, 40])
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(batch, tmp_path_factory):
+    """Checkpoints after every step (each shard its slices, the coordinator its scalars), stopped after 4
+    of 10 steps and resumed: the same iterates and final parameters, bit for bit (a history of 3 pairs,
+    so its slots are reused; full batch, and a fresh batch per step).  Files written after different
+    steps are refused on every rank."""
+    servers = 2 if P >= 4 else 1
+    problem = Problem(shared_seed(), "logistic", lam=0.05)
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("sandblaster")) if RANK == 0 else None)
+    options = dict(servers=servers, history=3, batch=batch, seed=5, identity={"test": "resume"})
+    straight_steps, straight, _ = distributed(problem, 10, **options)
+    distributed(problem, 4, checkpoint=f"{folder}/job", **options)
+    steps, resumed, _ = distributed(problem, 10, checkpoint=f"{folder}/job", resume=True, **options)
+    everywhere([s.number for s in steps] == list(range(5, 11)), f"resumed steps {[s.number for s in steps]}")
+    everywhere([(s.loss, s.step, s.evaluations) for s in steps] ==
+               [(s.loss, s.step, s.evaluations) for s in straight_steps[4:]], "the resumed iterates differ")
+    everywhere(all(np.array_equal(a, b) for a, b in zip(resumed, straight)) and len(resumed) == len(straight),
+               "the resumed run's final parameters differ from the uninterrupted run's")
+    distributed(problem, 2, checkpoint=f"{folder}/early", **options)
+    if RANK == 0:
+        shutil.copy(f"{folder}/early.server1.npz", f"{folder}/job.server1.npz")    # step 2 beside step 10
+    WORLD.Barrier()
+    with pytest.raises(SetupError, match=r"written after different steps \(2, 10;"):
+        distributed(problem, 12, checkpoint=f"{folder}/job", resume=True, **options)
+    with pytest.raises(SetupError, match="belongs to another run"):
+        distributed(problem, 12, checkpoint=f"{folder}/early", resume=True, **{**options, "history": 4})
 
 @pytest.mark.mpi(min_size=4)
 def test_backup_tasks_finish_each_batch_sooner_under_a_3x_straggler():

@@ -45,9 +45,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from .. import checkpoint as checkpoints
 from .. import failure
+from ..checks import agree
 from ..context import Context
-from ..errors import PartFailed
+from ..errors import PartFailed, SetupError
 from ..ps.protocol import listen_for_failures, tell_workers
 from ..tags import Tag
 from .coordinator import RemoteVectors, Stats, WorkersLost
@@ -56,8 +58,8 @@ from .protocol import COMMAND_WORDS, Roles, batch_rows
 from .server import Shard
 from .worker import Worker
 
-__all__ = ["run", "Result", "Roles", "LBFGS", "LocalVectors", "Iteration", "Stats", "WorkersLost", "batch_rows",
-           "minimize_locally"]
+__all__ = ["run", "checkpoint_file", "Result", "Roles", "LBFGS", "LocalVectors", "Iteration", "Stats", "WorkersLost",
+           "batch_rows", "minimize_locally"]
 
 
 MAX_HISTORY = ((COMMAND_WORDS - 3) // 2 - 1) // 2      # 2m + 1 terms in one COMBINATION command
@@ -79,7 +81,8 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
         batch: int | None = None, servers: int = 1, history: int = 10, iterations: int = 100,
         evaluations: int | None = None, portions: int | None = None, backup: bool = True, tolerance: float = 1e-10, seed: int = 0,
         slow=None, on_iteration: Callable[[Iteration], None] | None = None,
-        on_report: Callable | None = None) -> Result:
+        on_report: Callable | None = None, checkpoint: str | None = None, resume: bool = False,
+        identity: dict | None = None) -> Result:
     """Minimise the mean loss over ``samples`` training rows with Sandblaster L-BFGS; collective over ``comm``.
 
     ``loss_and_gradient(w, rows)`` (workers only; ``w`` float64, ``rows`` indices
@@ -94,6 +97,10 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
     ``on_iteration(Iteration)`` runs on the coordinator after each accepted step;
     ``on_report(w, iteration, evaluations)`` on the first worker, with its parameters.
     ``slow``: a :class:`~mpicoll.straggler.Straggler` around each of this worker's portions.
+    ``checkpoint``: a path prefix; after every accepted step each shard writes its slices of x, g and
+    the history (``PREFIX.server<r>.npz``) and then the coordinator the optimizer's scalars
+    (``PREFIX.npz``); ``resume`` continues from them, the same iterates as a run never stopped.
+    ``identity``: what else the files must match on resuming (the run's method, model, data).
     """
     if not 1 <= history <= MAX_HISTORY:
         raise ValueError(f"history must be 1 to {MAX_HISTORY} pairs (a direction combines 2m + 1 vectors in one "
@@ -104,6 +111,9 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
     if batch < 1 or samples < 1:
         raise ValueError(f"Sandblaster needs at least one sample per batch, got batch={batch}, samples={samples}")
     names = history_names(history)
+    identity = {**(identity or {}), "parameters": int(init.size), "servers": servers, "history": history,
+                "batch": batch, "samples": samples}
+    saved = _resume(comm, roles, checkpoint, identity) if resume else None
     ctx = Context(comm, "Sandblaster L-BFGS")
     rank = ctx.rank
     everyone_else = [r for r in range(roles.ranks) if r != rank]
@@ -114,18 +124,25 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
             vectors = RemoteVectors(ctx, roles, names, samples=samples, batch=batch, backup=backup,
                                     portions=portions or 4 * len(roles.workers))
             optimizer = LBFGS(vectors, history, tolerance)
+            if saved:
+                optimizer.load_state(saved)
 
             def accepted(step: Iteration) -> None:
+                if checkpoint:                      # the shards' files first: this one says the set is whole
+                    vectors.save(step.number)
+                    checkpoints.save(checkpoint_file(checkpoint, rank, servers), identity,
+                                     iteration=np.array(step.number), **optimizer.state())
                 vectors.report(step.number, step.evaluations)
                 if on_iteration:
                     on_iteration(step)
 
             steps = optimizer.minimize(iterations, (lambda k: 0) if batch >= samples else (lambda k: k), accepted,
-                                       evaluations)
+                                       evaluations, start=int(saved["iteration"]) if saved else 0)
             lost = vectors.finish()
             result = Result(role, None, steps, vectors.stats, optimizer.stopped)
         elif role == "server":
-            result = Result(role, Shard(ctx, roles, names, init).run())
+            saving = (checkpoint_file(checkpoint, rank, servers), identity) if checkpoint else None
+            result = Result(role, Shard(ctx, roles, names, init, saving, saved).run())
         else:
             worker = Worker(ctx, roles, loss_and_gradient, samples, batch, seed, slow, on_report)
             result = Result(role, worker.run(), portions=worker.portions)
@@ -139,6 +156,34 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
         failure.end_at_exit(f"Sandblaster worker rank(s) {lost} were lost during training; the others finished")
     ctx.free(abandon=bool(lost))
     return result
+
+
+def checkpoint_file(prefix: str, rank: int, servers: int):
+    """The checkpoint file rank ``rank`` writes with ``servers`` shards: the coordinator's (the optimizer's
+    scalars, ``PREFIX.npz``), a shard's (its vectors, ``PREFIX.server<r>.npz``), or None (a worker)."""
+    if rank == Roles.coordinator:
+        return checkpoints.path(prefix)
+    return checkpoints.path(prefix, "server", rank) if rank <= servers else None
+
+
+def _resume(comm, roles: Roles, prefix: str, identity: dict) -> dict | None:
+    """This rank's checkpoint (the coordinator's scalars, a shard's vectors; None on workers), refused on
+    every rank alike if any file is missing, belongs to another run, or was written after another step
+    than the others (a run stopped between its files' writes).  Collective."""
+    rank, state = comm.Get_rank(), {}
+
+    def load():
+        if roles.role(rank) != "worker":
+            state.update(checkpoints.load(checkpoint_file(prefix, rank, roles.servers), identity))
+
+    agree(comm, load)
+    steps = sorted({step for step in comm.allgather(int(state["iteration"]) if state else None) if step is not None})
+    if len(steps) > 1:
+        raise SetupError(dict.fromkeys(range(comm.Get_size()), (
+            f"--resume: the Sandblaster checkpoint files were written after different steps "
+            f"({', '.join(map(str, steps))}; the earlier run stopped while writing them): start afresh")),
+            comm.Get_size())
+    return state or None
 
 
 def minimize_locally(init: np.ndarray, loss_and_gradient: Callable, *, history: int = 10, iterations: int = 100,

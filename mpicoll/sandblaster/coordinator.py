@@ -100,6 +100,14 @@ class RemoteVectors:
     def swap(self, a, b):
         self._command([Op.SWAP, self.index[a], self.index[b]])
 
+    def save(self, iteration: int) -> None:
+        """Have every shard write its checkpoint, and wait until all have (the coordinator's own file,
+        written after, is what says the set is whole)."""
+        self._command([Op.SAVE, iteration])
+        shards = list(self.roles.shards)
+        done = {s: np.empty(1) for s in shards}
+        self.ctx.waitall([self.ctx.irecv(done[s], s, Tag.SANDBLASTER_REPLY) for s in shards], shards)
+
     def evaluate(self, at, gradient, batch):
         """Publish ``at``, have the workers compute the batch's gradient portion by portion, collect it."""
         start = time.perf_counter()

@@ -133,13 +133,13 @@ class LBFGS:
 
     def minimize(self, iterations: int, batch_of: Callable[[int], int] = lambda k: 0,
                  on_iteration: Callable[[Iteration], None] | None = None,
-                 evaluations: int | None = None) -> list[Iteration]:
+                 evaluations: int | None = None, start: int = 0) -> list[Iteration]:
         """Take up to ``iterations`` steps from vector ``"x"``, and no new step once ``evaluations`` gradient
         evaluations are spent; ``batch_of(k)``: iteration k's batch number (constant for full-batch
         L-BFGS).  A new batch re-evaluates the gradient at ``x`` on it, so each history pair compares
-        gradients of one function."""
+        gradients of one function.  ``start``: the steps already taken, when resumed from :meth:`state`."""
         done = []
-        for k in range(iterations):
+        for k in range(start, iterations):
             if evaluations is not None and self.evaluations >= evaluations:
                 break
             batch = batch_of(k)
@@ -151,7 +151,7 @@ class LBFGS:
                 self.stopped = f"converged: |g| = {self.gradient_norm:.3g}"
                 break
             restarted, slope = self._direction()
-            first = 1.0 / self.gradient_norm if not self.pairs and not done else 1.0
+            first = 1.0 / self.gradient_norm if not self.pairs and k == 0 else 1.0
             before = self.evaluations
             step, loss, ok = self._line_search(first, slope)
             if not ok:
@@ -169,6 +169,25 @@ class LBFGS:
             if on_iteration:
                 on_iteration(done[-1])
         return done
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The scalars that, with the vectors x, g and the history's, continue the run exactly (:meth:`load_state`)."""
+        gram = sorted(self.gram.items())
+        return {"pairs": np.array([slot for slot, _ in self.pairs], np.int64),
+                "rhos": np.array([rho for _, rho in self.pairs]),
+                "scalars": np.array([self.gamma, self.loss, self.gradient_norm, self._trial_gg]),
+                "evaluations": np.array(self.evaluations), "batch": np.array(-1 if self.batch is None else self.batch),
+                "gram_names": np.array([f"{a} {b}" for (a, b), _ in gram]),
+                "gram_values": np.array([value for _, value in gram])}
+
+    def load_state(self, state) -> None:
+        """Continue from a :meth:`state` (the vectors restored beside it)."""
+        self.pairs = [(int(slot), float(rho)) for slot, rho in zip(state["pairs"], state["rhos"])]
+        self.gamma, self.loss, self.gradient_norm, self._trial_gg = (float(v) for v in state["scalars"])
+        self.evaluations, batch = int(state["evaluations"]), int(state["batch"])
+        self.batch = None if batch < 0 else batch
+        self.gram = {tuple(str(names).split()): float(value)
+                     for names, value in zip(state["gram_names"], state["gram_values"])}
 
     def _evaluate(self, at: str, gradient: str, batch: int) -> float:
         self.evaluations += 1

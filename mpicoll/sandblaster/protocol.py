@@ -11,7 +11,8 @@ Every message is point to point on the job's private communicator:
 - coordinator -> each shard, ``SANDBLASTER_COMMAND``: a :data:`COMMAND_WORDS`
   float64 array ``[op, operands...]`` (vectors by their index in the name list);
   a ``DOTS`` command is answered on ``SANDBLASTER_REPLY`` with the shard's partial
-  dot products, which the coordinator sums in shard order;
+  dot products, which the coordinator sums in shard order, a ``SAVE`` once the shard's
+  checkpoint is written;
 - shard -> each worker, ``SANDBLASTER_WEIGHTS``: the shard's slice of a published
   vector; publications are numbered 1, 2, ... in order, so a worker that needs
   publication p receives every shard's messages up to p;
@@ -51,6 +52,7 @@ class Op(enum.IntEnum):
                     # parameters to the live workers, stop
     COMBINATION = 7  # [COMBINATION, out, terms, v1, c1, v2, c2, ...]: out = c1 v1 + c2 v2 + ..., in order
                      # (out none of them)
+    SAVE = 8        # [SAVE, iteration]: write this shard's checkpoint, then answer 1.0 on SANDBLASTER_REPLY
 
 
 class Task(enum.IntEnum):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .. import checkpoint
 from ..context import Context
 from ..tags import Tag
 from .protocol import COMMAND_WORDS, HEADER, Op, Roles, coordinator_patience
@@ -21,14 +22,28 @@ from .protocol import COMMAND_WORDS, HEADER, Op, Roles, coordinator_patience
 __all__ = ["Shard"]
 
 
-class Shard:
-    """The loop of one server shard (rank ``comm`` rank in ``roles.shards``)."""
+def kept(names: list[str]) -> list[str]:
+    """The vectors a checkpoint keeps: those an iteration reads before writing them (x, g, the history)."""
+    return [name for name in names if name not in ("d", "x_trial", "g_trial")]
 
-    def __init__(self, ctx: Context, roles: Roles, names: list[str], init: np.ndarray):
-        self.ctx, self.roles, self.names = ctx, roles, names
+
+class Shard:
+    """The loop of one server shard (rank ``comm`` rank in ``roles.shards``).
+
+    ``saving``: (checkpoint file, identity) that a SAVE command writes; ``state``: a checkpoint's vectors
+    to continue from, instead of ``init``.
+    """
+
+    def __init__(self, ctx: Context, roles: Roles, names: list[str], init: np.ndarray,
+                 saving: tuple | None = None, state: dict | None = None):
+        self.ctx, self.roles, self.names, self.saving = ctx, roles, names, saving
         mine = roles.slice(ctx.rank)
         self.vectors = {name: np.zeros(mine.stop - mine.start) for name in names}
-        self.vectors["x"][:] = init[mine]
+        if state is None:
+            self.vectors["x"][:] = init[mine]
+        else:
+            for name in kept(names):
+                self.vectors[name][:] = state[name]
         self.publication = 0
         self.portions: dict[int, np.ndarray] = {}      # portion -> gradient slice, of the current publication
         self.sends: list = []                          # (request, worker, buffer) of published slices in flight
@@ -53,6 +68,12 @@ class Shard:
             elif op is Op.COMBINATION:
                 terms = command[3:3 + 2 * int(command[2])].reshape(-1, 2)
                 self._combination(self.names[int(command[1])], [(c, self.names[int(n)]) for n, c in terms])
+            elif op is Op.SAVE:
+                path, identity = self.saving
+                checkpoint.save(path, identity, iteration=np.array(int(command[1])),
+                                **{name: self.vectors[name] for name in kept(self.names)})
+                self.ctx.wait(self.ctx.isend(np.ones(1), self.roles.coordinator, Tag.SANDBLASTER_REPLY),
+                              self.roles.coordinator)
             elif op is Op.SWAP:
                 a, b = (self.names[int(i)] for i in command[1:3])
                 self.vectors[a], self.vectors[b] = self.vectors[b], self.vectors[a]

@@ -164,6 +164,11 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
             rule, _ = method.rule(options, len(layout.workers))
             checkpoint.check(checkpoint.path(options.checkpoint, "server", rank),
                              ps.server.checkpoint_identity(layout, rule, run))
+    elif method.runner is _sandblaster:           # the coordinator's file and each shard's; workers keep none
+        from ..sandblaster import checkpoint_file
+        mine = checkpoint_file(options.checkpoint, rank, options.servers)
+        if mine is not None:
+            checkpoint.check(mine, run)
     else:
         checkpoint.check(_checkpoint_file(options, method, rank), run)
 
@@ -327,8 +332,6 @@ def _check_sandblaster(options: Options, size: int) -> None:
     if not 1 <= options.history <= MAX_HISTORY or options.lbfgs_batch < 0 or options.portions < 0:
         raise ValueError(f"--history must be 1 to {MAX_HISTORY} and --lbfgs-batch, --portions at least 0, got "
                          f"{options.history}, {options.lbfgs_batch}, {options.portions}")
-    if options.checkpoint:
-        raise ValueError("sandblaster-lbfgs does not checkpoint yet: drop --checkpoint")
 
 
 def _sandblaster(comm, options, model, data, xp, method, run):
@@ -360,7 +363,7 @@ def _sandblaster(comm, options, model, data, xp, method, run):
         servers=options.servers, history=options.history, iterations=10 ** 9, portions=options.portions or None,
         backup=options.backup, seed=options.seed, evaluations=math.ceil(options.epochs * samples / batch),
         slow=Straggler.for_rank(rank, options.straggler, options.delay, options.seed),
-        on_report=report if reporter else None)
+        on_report=report if reporter else None, checkpoint=options.checkpoint, resume=options.resume, identity=run)
     if result.role == "coordinator" and result.stopped and options.progress:
         print(f"sandblaster-lbfgs: stopped early: {result.stopped}", file=sys.stderr, flush=True)
     if reporter:
