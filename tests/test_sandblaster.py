@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from mpicoll import sandblaster
-from mpicoll.errors import SetupError
+from mpicoll.errors import Diverged, SetupError
 from mpicoll.sandblaster import lbfgs
 from mpicoll.straggler import Straggler
 from conftest import P, RANK, WORLD, everywhere, launch, shared_seed
@@ -110,6 +110,27 @@ def test_lbfgs_minimizes_logistic_regression():
     assert all(b.loss <= a.loss for a, b in pairs) and all(b.loss < a.loss for a, b in pairs
                                                            if a.gradient_norm > 1e-6), "the loss must fall"
 
+
+def test_a_loss_that_turns_nan_past_a_wall_is_backed_off_from_and_a_nan_start_is_named():
+    """A loss that is NaN wherever some |w_i| passes a wall (as a model that overflows there): the line
+    search treats such trial points as too far and still reaches the optimum inside; a NaN at the
+    current point raises Diverged instead of a line search that cannot say why it failed."""
+    problem = Problem(7, lam=0.05)
+    optimum = problem.optimum()
+    wall, walled = 1.1 * np.abs(optimum).max(), []
+
+    def behind_a_wall(w, batch=0):
+        loss, grad = problem.full(w)
+        if np.abs(w).max() > wall:
+            walled.append(w)
+            return np.nan, grad * np.nan
+        return loss, grad
+
+    x, _, stopped = sandblaster.minimize_locally(np.zeros(41), behind_a_wall, history=5, iterations=100)
+    assert walled, "no trial point reached the wall: the test does not test it"
+    assert np.abs(x - optimum).max() < 1e-7, (stopped, np.abs(x - optimum).max())
+    with pytest.raises(Diverged, match=r"the loss \(nan\) or the gradient's norm \(nan\) at the current point"):
+        sandblaster.minimize_locally(np.zeros(41), lambda w, batch: (np.nan, np.full(41, np.nan)), iterations=3)
 
 def test_roles_and_batches():
     roles = sandblaster.Roles(size=10, ranks=6, servers=2)

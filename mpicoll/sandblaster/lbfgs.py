@@ -27,6 +27,10 @@ The method (Nocedal & Wright, *Numerical Optimization*, 2nd ed.):
   low end (value and slope) and the high end's value, kept inside the middle 80%
   of the bracket (bisection when the quadratic is useless).  After 20 trials
   without such a step the run ends where it was, saying why (``stopped``).
+  A trial point whose loss is NaN counts as infinitely high (a step too long,
+  as where the model overflows), so the search backs off from it; a current
+  point whose loss or gradient is not finite ends the run with
+  :class:`~mpicoll.errors.Diverged`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+from ..errors import Diverged
 
 __all__ = ["Vectors", "LocalVectors", "LBFGS", "Iteration", "history_names", "C1", "C2"]
 
@@ -147,6 +153,10 @@ class LBFGS:
                 self.loss = self._evaluate("x", "g", batch)
                 self.gram[("g", "g")] = self.vectors.dots([("g", "g")])[0]
             self.gradient_norm = math.sqrt(self.gram[("g", "g")])
+            if not (math.isfinite(self.loss) and math.isfinite(self.gradient_norm)):
+                raise Diverged(f"L-BFGS: the loss ({self.loss}) or the gradient's norm ({self.gradient_norm}) at "
+                               f"the current point (step {k}) is NaN or Inf: check the data, and the model's loss "
+                               "and gradient there")
             if self.gradient_norm <= self.tolerance:
                 self.stopped = f"converged: |g| = {self.gradient_norm:.3g}"
                 break
@@ -248,7 +258,7 @@ class LBFGS:
         self.vectors.combination("x_trial", [(1.0, "x"), (t, "d")])
         loss = self._evaluate("x_trial", "g_trial", self.batch)
         slope, self._trial_gg = self.vectors.dots([("g_trial", "d"), ("g_trial", "g_trial")])
-        return loss, slope
+        return (math.inf if math.isnan(loss) else loss), slope      # NaN: too far, as +inf (back off)
 
     def _line_search(self, t: float, slope0: float) -> tuple[float, float, bool]:
         """(step, loss, found) by Nocedal & Wright's Alg. 3.5 with zoom; the trial point stays in x_trial."""
