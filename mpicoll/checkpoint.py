@@ -17,7 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["save", "load", "check", "identity_of", "path", "existing", "CheckpointMismatch", "FORMAT"]
+from .errors import SetupError
+
+__all__ = ["save", "load", "check", "identity_of", "path", "existing", "written_together", "CheckpointMismatch",
+           "FORMAT"]
 
 FORMAT = 2            # 1: files without an identity (mpicoll before checkpoints recorded it)
 _IDENTITY = "__identity__"
@@ -86,6 +89,18 @@ def check(path: str | Path, identity: dict) -> None:
     if differences:
         raise CheckpointMismatch(f"{path} belongs to another run ({'; '.join(differences)}): resume with the "
                                  "options it was written with, or start afresh under another --checkpoint prefix")
+
+
+def written_together(comm, point: int | None, unit: str) -> None:
+    """Refuse, with one :class:`~mpicoll.errors.SetupError` on every rank, a set of files (one per stage,
+    shard, ...) recording different points of training: a run stopped between their writes, whose parts
+    would resume apart.  ``point``: what this rank's file records (None: it reads none), counted in
+    ``unit`` ("epochs", "steps").  Collective over ``comm``."""
+    points = sorted({p for p in comm.allgather(point) if p is not None})
+    if len(points) > 1:
+        raise SetupError(dict.fromkeys(range(comm.Get_size()), (
+            f"--resume: the checkpoint files were written after different {unit} ({', '.join(map(str, points))}; "
+            "the earlier run stopped while writing them): start afresh, or restore one set's files")), comm.Get_size())
 
 
 def _show(value) -> str:

@@ -49,7 +49,7 @@ from .. import checkpoint as checkpoints
 from .. import failure
 from ..checks import agree
 from ..context import Context
-from ..errors import PartFailed, SetupError
+from ..errors import PartFailed
 from ..ps.protocol import listen_for_failures, tell_workers
 from ..tags import Tag
 from .coordinator import RemoteVectors, Stats, WorkersLost
@@ -177,12 +177,7 @@ def _resume(comm, roles: Roles, prefix: str, identity: dict) -> dict | None:
             state.update(checkpoints.load(checkpoint_file(prefix, rank, roles.servers), identity))
 
     agree(comm, load)
-    steps = sorted({step for step in comm.allgather(int(state["iteration"]) if state else None) if step is not None})
-    if len(steps) > 1:
-        raise SetupError(dict.fromkeys(range(comm.Get_size()), (
-            f"--resume: the Sandblaster checkpoint files were written after different steps "
-            f"({', '.join(map(str, steps))}; the earlier run stopped while writing them): start afresh")),
-            comm.Get_size())
+    checkpoints.written_together(comm, int(state["iteration"]) if state else None, "steps")
     return state or None
 
 

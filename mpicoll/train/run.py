@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from .. import arrays, checkpoint, compute, config, failure, gossip, ps, timeline
 from ..communicator import Communicator
-from ..errors import Diverged, SetupError
+from ..errors import Diverged
 from ..tags import Tag
 from ..checks import agree, all_finite
 from ..straggler import Straggler, parse as parse_straggler, parse_delay
@@ -219,11 +219,7 @@ def _allreduce(comm, options, model, data, xp, method, run):
     if options.resume:                       # every replica holds the same parameters: one file per stage
         state = checkpoint.load(_checkpoint_file(options, method, rank), run)
         params, start = xp.asarray(state["params"]), int(state["epoch"])
-        epochs = sorted(set(comm.allgather(start)))
-        if len(epochs) > 1:                    # a run stopped between its stages' writes: they would train apart
-            raise SetupError(dict.fromkeys(range(size), (
-                f"--resume: the stage checkpoints were written after different epochs ({', '.join(map(str, epochs))}; "
-                "the earlier run stopped while writing them): start afresh, or restore one epoch's files")), size)
+        checkpoint.written_together(comm, start, "epochs")      # stages that would train apart
     average = xp.empty_like(params)
     lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
     with Communicator(channel_comm, algorithm=method.algorithm) as channel:
