@@ -234,7 +234,7 @@ def _allreduce(comm, options, model, data, xp, method, run):
                 with timeline.span("update", "train"):
                     params -= (lr_at(epoch, step) / replicas) * average
             _stop_if_diverged(comm, params, [(epoch, losses)], f"after epoch {epoch + 1}")   # before saving it
-            if options.checkpoint and replica == 0:           # its stages write theirs (one: the model)
+            if options.checkpoint and replica == 0:     # the first replica: a file per stage (one stage: rank 0)
                 checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
                                 epoch=epoch + 1)
             score = test_score()
