@@ -137,16 +137,18 @@ def streaming_reducer(op: str, dtype):
     sum and prod on contiguous float32/64 and int32/64 host arrays, with Numba.
     ``out`` may be ``a`` or ``b``.  ``MPICOLL_KERNELS=numpy`` turns it off.
     """
-    if os.environ.get("MPICOLL_KERNELS", "").lower() == "numpy":
+    if _forced_kernels() == "numpy" or _backend("numba") is None:
         return None
-    try:
-        from . import streaming
-    except ImportError:
-        return None
+    from . import streaming                   # Numba loads (above), so this does
     return streaming.LOOPS.get(op) if np.dtype(dtype) in streaming.DTYPES else None
 
 
 NUMBA_FROM = 1 << 16     # elements: below this, a numpy pass beats waking Numba's threads (and its JIT)
+
+
+def _forced_kernels() -> str:
+    """The host kernels ``MPICOLL_KERNELS`` forces: "numpy", "numba", or "" (chosen by size)."""
+    return os.environ.get("MPICOLL_KERNELS", "").lower()
 
 
 def _host_backend(operands) -> str:
@@ -154,7 +156,7 @@ def _host_backend(operands) -> str:
 
     MPICOLL_KERNELS=numpy or =numba forces one (numba still only where it applies).
     """
-    choice = os.environ.get("MPICOLL_KERNELS", "").lower()
+    choice = _forced_kernels()
     if (choice == "numpy" or any(a.dtype == np.float16 or not a.flags.c_contiguous for a in operands)
             or (choice != "numba" and max(a.size for a in operands) < NUMBA_FROM)
             or _backend("numba") is None):            # last: importing Numba takes a while
