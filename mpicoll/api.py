@@ -7,8 +7,10 @@ and memory layout: a non-contiguous input is packed once, a non-contiguous
 nonblocking form (``iallreduce``, ...) that returns a
 :class:`~mpicoll.nonblocking.Request`.  ``comm`` defaults
 to ``MPI.COMM_WORLD``; a plain mpi4py communicator is wrapped in a
-:class:`~mpicoll.Communicator` once and the wrapper reused, so pass the same
-communicator object from every rank, in the same order.
+:class:`~mpicoll.Communicator` once and the wrapper reused for as long as that
+communicator lives (it is kept on the communicator as an MPI attribute, so freeing
+the communicator releases it); pass the same communicator from every rank, in the
+same order.
 """
 
 from __future__ import annotations
@@ -24,18 +26,35 @@ from .reduction import resolve_op
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast",
            "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "resolve_op"]
 
-_WRAPPED: dict[tuple[int, str], Communicator] = {}
+def _forget(comm, keyval, wrapped: dict) -> None:
+    """MPI frees ``comm``: release the wrappers made for it (their private channels and threads)."""
+    for communicator in wrapped.values():
+        try:
+            communicator.close()
+        except Exception:  # noqa: BLE001 - an error inside MPI_Comm_free's callback would abort the job
+            pass
+
+
+# The wrappers made for a plain communicator live on the communicator itself, as an MPI attribute (a dict
+# algorithm -> Communicator), which MPI deletes when the communicator is freed.  A cache by handle would hand
+# a freed communicator's wrapper, and so its group, to the next communicator given the same handle.
+_WRAPPERS = MPI.Comm.Create_keyval(delete_fn=_forget)
 
 
 def _communicator(comm, algorithm: str) -> Communicator:
     comm = MPI.COMM_WORLD if comm is None else comm
     if isinstance(comm, Communicator) and comm.algorithm == algorithm:
         return comm
-    key = (comm.handle, algorithm)
-    wrapped = _WRAPPED.get(key)
+    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        return Communicator(comm, algorithm=algorithm)      # its own error, naming what was passed
+    wrapped = comm.Get_attr(_WRAPPERS)
     if wrapped is None:
-        wrapped = _WRAPPED[key] = Communicator(comm, algorithm=algorithm)
-    return wrapped
+        wrapped = {}
+        comm.Set_attr(_WRAPPERS, wrapped)
+    communicator = wrapped.get(algorithm)
+    if communicator is None:
+        communicator = wrapped[algorithm] = Communicator(comm, algorithm=algorithm)
+    return communicator
 
 
 def _as_array(x):

@@ -121,3 +121,31 @@ def test_wrapping_anything_but_an_intracomm_is_refused():
     except TypeError as error:
         ok = "Intracomm" in str(error)
     everywhere(ok)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "auto"])
+def test_a_freed_communicators_successor_gets_its_own_group(algorithm):
+    """MPI hands a freed communicator's handle to the next one: the array API must not reuse the freed
+    one's wrapper (its private channel spans the old group), or an allreduce of ones over the world gives
+    the old group's size and an allgather the old group's order."""
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    n = 400_000 if algorithm == "auto" else 1_000          # auto: past MPI's threshold, on mpicoll's own path
+    problems = []
+    for _ in range(2):
+        half = WORLD.Split(RANK % 2, RANK)
+        mpicoll.allreduce(np.ones(n), comm=half, algorithm=algorithm)
+        reversed_ = WORLD.Split(0, P - RANK)
+        mpicoll.allgather(np.array([RANK]), comm=reversed_, algorithm=algorithm)
+        half.Free()
+        reversed_.Free()
+        full = WORLD.Split(0, RANK)
+        x = rng.standard_normal(n)
+        total = mpicoll.allreduce(x, comm=full, algorithm=algorithm)
+        if not np.allclose(total, np.sum(WORLD.allgather(x), axis=0)):
+            problems.append("allreduce over the successor reduced over another group")
+        order = mpicoll.allgather(np.array([RANK]), comm=full, algorithm=algorithm)
+        if not np.array_equal(order, np.arange(P)):
+            problems.append(f"allgather over the successor gave {order.tolist()}")
+        full.Free()
+    everywhere(not problems, f"seed {seed}: {problems}")
