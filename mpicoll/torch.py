@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import api, timeline
+from . import api, timeline, watchdog
 from .checks import agree
 from .nonblocking import Request
 
@@ -431,7 +431,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     - ``synchronize()`` averages without stepping (e.g. to clip the averaged
       gradients), then ``with optimizer.skip_synchronize(): optimizer.step()``.
 
-    Parameters that do not require gradients are left alone.  Sparse
+    Parameters that do not require gradients are left alone.  One whose
+    ``requires_grad`` changes (gradual unfreezing) is followed: ``step()``
+    notices the change, averages the newly trainable parameters' gradients of
+    that step too, and plans the buckets afresh, after checking that every
+    rank made the same change (a rank that differs is named, on every rank
+    that made one, instead of reducing buckets of different layouts).  Sparse
     gradients are refused.  Wrap an optimizer once: each wrapper registers
     its own hooks on the parameters, and a second one would start its own
     buckets during every backward pass too.
@@ -467,14 +472,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's parameters "
                                  f"(the first at position {missing[0]}): pass model.named_parameters() of the model "
                                  "whose parameters the optimizer holds")
-        self._buckets = self._plan([p for p in reversed(parameters) if p.requires_grad])
-        self._bucket_of = {id(p): bucket for bucket in self._buckets for p in bucket.params}
         self._passes: dict[int, int] = {}
         self._next = 0                       # the first bucket not started in this step
         self._lock = threading.Lock()
         self._skip = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
-                       for bucket in self._buckets for p in bucket.params]
+        self._hooks: list = []
+        self._follow(self._trainable())
+
+    def _trainable(self) -> list:
+        """The optimizer's parameters that require gradients now, in reverse order (backward's)."""
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [p for p in reversed(parameters) if p.requires_grad]
+
+    def _follow(self, trainable: list) -> None:
+        """Plan the buckets of ``trainable`` and hook their parameters (dropping the hooks of a former plan)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._buckets = self._plan(trainable)
+        self._bucket_of = {id(p): bucket for bucket in self._buckets for p in bucket.params}
+        self._planned = [id(p) for p in trainable]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in trainable]
 
     def _plan(self, parameters: list) -> list[_Bucket]:
         """Runs of one dtype and device in the given order, each closed once it holds bucket_bytes (as
@@ -521,6 +538,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     bucket.finish(ranks)
             finally:
                 self._next, self._passes = 0, {}
+            trainable = self._trainable()
+            if [id(p) for p in trainable] != self._planned:
+                self._replan(trainable)
+
+    def _replan(self, trainable: list) -> None:
+        """``requires_grad`` changed since the buckets were planned: check that every rank changed alike,
+        average this step's gradients of the newly trainable parameters, and plan afresh."""
+        index = {id(p): i for i, p in enumerate(p for group in self.optimizer.param_groups for p in group["params"])}
+        mine = sorted(index[id(p)] for p in trainable)
+        with watchdog.bounded(self.comm, "DistributedOptimizer: comparing the parameters that require gradients"):
+            everyone = self.comm.allgather(mine)
+        if any(other != mine for other in everyone):
+            differ = [rank for rank, other in enumerate(everyone) if other != everyone[0]]
+            raise RuntimeError(f"DistributedOptimizer: the ranks changed requires_grad differently (rank(s) "
+                               f"{', '.join(map(str, differ))} train other parameters than rank 0): change "
+                               "it alike on every rank, at the same step")
+        planned = set(self._planned)
+        fresh = [p for p in trainable if id(p) not in planned]
+        if fresh:                 # their gradients of this step were not in any bucket
+            ranks = self.comm.Get_size()
+            for bucket in self._plan(fresh):
+                bucket.start(self.comm, self.algorithm)
+                bucket.finish(ranks)
+        self._follow(trainable)
 
     @contextmanager
     def skip_synchronize(self):

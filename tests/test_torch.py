@@ -150,6 +150,52 @@ def test_distributed_optimizer_is_sgd_with_momentum_on_the_averaged_gradient(buc
     everywhere(len(set(WORLD.allgather(flat))) == 1, "replicas are not bitwise identical")
 
 
+@pytest.mark.parametrize("bucket_bytes", [25 << 20, 100])
+def test_distributed_optimizer_follows_parameters_unfrozen_and_frozen_during_training(bucket_bytes):
+    """Gradual unfreezing: the first layer frozen when the optimizer is built and unfrozen after step 2, the
+    last layer frozen after step 4.  Every replica must match a single process applying the ranks' averaged
+    gradients under the same schedule (float64, 1e-9), bit for bit alike: before, the unfrozen layer was
+    never averaged and the replicas drifted apart."""
+    seed, steps = shared_seed(), 6
+    net = model(seed=100 + RANK).double()
+    mt.broadcast_parameters(net.state_dict(), root=0)
+    single = model(seed=100).double()
+
+    def schedule(module, step):
+        for p in module[0].parameters():
+            p.requires_grad_(step >= 2)
+        for p in module[2].parameters():
+            p.requires_grad_(step < 4)
+
+    schedule(net, 0)
+    optimizer = mt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                                        bucket_bytes=bucket_bytes)
+    mine = batches(seed, RANK, steps)
+    for step, (X, y) in enumerate(mine):
+        schedule(net, step)
+        optimizer.zero_grad()
+        gradient_of(net, X, y)
+        optimizer.step()
+
+    reference = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9)
+    everyone = [batches(seed, rank, steps) for rank in range(P)]
+    for step in range(steps):
+        schedule(single, step)
+        total = None
+        for rank in range(P):
+            single.zero_grad()
+            gradient_of(single, *everyone[rank][step])
+            grads = [None if p.grad is None else p.grad.clone() for p in single.parameters()]
+            total = grads if total is None else [None if t is None else t + g for t, g in zip(total, grads)]
+        for p, t in zip(single.parameters(), total):
+            p.grad = None if t is None else t / P
+        reference.step()
+    worst = max(float((a - b).detach().abs().max()) for a, b in zip(net.parameters(), single.parameters()))
+    everywhere(worst < 1e-9, f"seed {seed}: {worst:.2e} from single-process SGD under the same schedule")
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy().tobytes()
+    everywhere(len(set(WORLD.allgather(flat))) == 1, "replicas are not bitwise identical")
+
+
 def test_distributed_optimizer_handles_unused_parameters_mixed_dtypes_and_fp16():
     torch.manual_seed(3)
     a = torch.nn.Parameter(torch.ones(5, dtype=torch.float64))
