@@ -1,48 +1,86 @@
-"""Checkpoint files: written atomically and durably, and read back only into the run they belong to.
+"""Checkpoint files: written atomically and durably, verified on reading, and resumed only as a whole set.
 
 Every file records what it belongs to (its *identity*: the training method, the
 model and its size, a fingerprint of the data, the rank, worker and server
-counts, the file format), and :func:`load` refuses a file whose identity
-differs from the run asking for it, naming both sides, before anything is
-written.  A write goes to ``NAME.partial``, is flushed to disk (``fsync``),
-renamed over the old file and the folder synced, so a crash at any point
-leaves either the previous checkpoint or the new one, whole.
+counts, the file format), the *point* of training it holds (an epoch, an update
+count, a step) and a CRC-32 of every array.  :func:`load` refuses a file whose
+identity differs from the run asking for it, naming both sides, and a file
+damaged anywhere (a flipped byte, a cut-short write) in one line, before
+anything is written.  A write goes to ``NAME.partial``, is flushed to disk
+(``fsync``) and renamed over the old file, which is kept as
+``NAME.previous.npz``, and the folder is synced: a crash at any point leaves
+the previous file or the new one, whole.
+
+A run whose state is spread over several files (one per SGP rank, parameter
+server, model stage or Sandblaster shard) can be stopped between their writes
+(Slurm's SIGTERM reaches every rank at once): :func:`load_set` finds the newest
+point that every file of the set still holds, counting the kept previous files,
+and resumes all ranks from it, saying so when a newer but incomplete set was
+passed over.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
 
+from .checks import agree
 from .errors import SetupError
+from .watchdog import bounded
 
-__all__ = ["save", "load", "check", "identity_of", "path", "existing", "written_together", "CheckpointMismatch",
-           "FORMAT"]
+__all__ = ["save", "load", "load_set", "versions", "check", "path", "existing", "CheckpointMismatch", "FORMAT"]
 
-FORMAT = 2            # 1: files without an identity (mpicoll before checkpoints recorded it)
+FORMAT = 3            # 1: no identity; 2: no point or checksums (mpicoll before checkpoint sets)
 _IDENTITY = "__identity__"
 
 
 class CheckpointMismatch(ValueError):
-    """A checkpoint belongs to another run (different method, model, data, or rank counts)."""
+    """A checkpoint belongs to another run (different method, model, data, or rank counts), or is damaged."""
 
 
-def save(path: str | Path, identity: dict, **arrays) -> Path:
-    """Write ``arrays`` and ``identity`` to ``path`` (.npz); a crash mid-write leaves the previous file intact."""
+def save(path: str | Path, identity: dict, point: int, **arrays) -> Path:
+    """Write ``arrays`` to ``path`` (.npz) as the state at ``point`` (an epoch, update or step count), keeping
+    the file it replaces as the previous one; a crash mid-write leaves the files as they were."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    stamp = json.dumps({"format": FORMAT, **identity}, sort_keys=True)
-    with open(partial, "wb") as handle:
-        np.savez(handle, **{_IDENTITY: np.array(stamp)}, **arrays)
-        handle.flush()
-        os.fsync(handle.fileno())
+    partial = _partial(path)
+    arrays = {name: np.asarray(value) for name, value in arrays.items()}
+    stamp = json.dumps({"format": FORMAT, **identity, "point": int(point),
+                        "crc32": {name: _crc(value) for name, value in arrays.items()}}, sort_keys=True)
+    try:
+        with open(partial, "wb") as handle:
+            np.savez(handle, **{_IDENTITY: np.array(stamp)}, **arrays)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        partial.unlink(missing_ok=True)          # a full disk or a signal: leave no half-written file
+        raise
+    if path.exists():
+        os.replace(path, previous(path))
     os.replace(partial, path)
     _sync_folder(path.parent)
     return path
+
+
+def previous(path: Path) -> Path:
+    """Where :func:`save` keeps the file it replaced."""
+    return path.with_name(path.name[:-len(".npz")] + ".previous.npz" if path.name.endswith(".npz")
+                          else path.name + ".previous")
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+def _crc(array: np.ndarray) -> int:
+    """CRC-32 of an array's dtype, shape and bytes."""
+    head = f"{array.dtype.str}{array.shape}".encode()
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1), zlib.crc32(head))
 
 
 def _sync_folder(folder: Path) -> None:
@@ -59,48 +97,107 @@ def _sync_folder(folder: Path) -> None:
         os.close(handle)
 
 
-def identity_of(path: str | Path) -> dict:
-    """The identity a checkpoint file records ({"format": 1} for files from before identities)."""
+def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(the recorded stamp, the arrays) of one file, every array checked against its recorded CRC.
+
+    Any damage, wherever the byte is (zip headers, the stamp, the data), is one CheckpointMismatch."""
     try:
-        with np.load(path) as stored:
-            return json.loads(str(stored[_IDENTITY])) if _IDENTITY in stored.files else {"format": 1}
-    except Exception as error:  # noqa: BLE001 - a cut-short or foreign file fails in several ways
-        raise CheckpointMismatch(f"{path} is not a readable checkpoint ({type(error).__name__}: {error}); it may "
-                                 "have been cut short or replaced: resume from a copy, or start afresh") from None
+        with np.load(path, allow_pickle=False) as stored:
+            stamp = json.loads(str(stored[_IDENTITY])) if _IDENTITY in stored.files else {"format": 1}
+            if stamp.get("format") != FORMAT:
+                return stamp, {}
+            arrays = {name: stored[name] for name in stored.files if name != _IDENTITY}
+        crcs = stamp["crc32"]
+        if set(crcs) != set(arrays):
+            raise ValueError(f"arrays {sorted(arrays)} where {sorted(crcs)} were written")
+        bad = [name for name, array in arrays.items() if _crc(array) != crcs[name]]
+        if bad:
+            raise ValueError(f"the checksum of {', '.join(bad)} does not match")
+        int(stamp["point"])
+    except Exception as error:  # noqa: BLE001 - a damaged file fails in many ways; all mean the same
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise CheckpointMismatch(f"{path} is damaged ({reason}): it was cut short or changed after it was "
+                                 "written; resume from a copy or an earlier set, or start afresh") from None
+    return stamp, arrays
 
 
-def load(path: str | Path, identity: dict) -> dict[str, np.ndarray]:
-    """The arrays of checkpoint ``path``, which must belong to the run described by ``identity``."""
-    check(path, identity)
-    with np.load(path) as stored:
-        return {name: stored[name] for name in stored.files if name != _IDENTITY}
-
-
-def check(path: str | Path, identity: dict) -> None:
-    """Raise :class:`CheckpointMismatch` unless ``path`` records ``identity`` (and this file format)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}: --resume continues from the files an earlier run wrote "
-                                "with the same --checkpoint prefix, method, rank count and --model-parallel")
-    stored = identity_of(path)
+def _refuse_other_runs(path: Path, stamp: dict, identity: dict) -> None:
     expected = {"format": FORMAT, **identity}
-    differences = [f"{key} {_show(stored.get(key))} there, {_show(value)} here" for key, value in expected.items()
-                   if stored.get(key) != value]
+    differences = [f"{key} {_show(stamp.get(key))} there, {_show(value)} here" for key, value in expected.items()
+                   if stamp.get(key) != value]
     if differences:
         raise CheckpointMismatch(f"{path} belongs to another run ({'; '.join(differences)}): resume with the "
                                  "options it was written with, or start afresh under another --checkpoint prefix")
 
 
-def written_together(comm, point: int | None, unit: str) -> None:
-    """Refuse, with one :class:`~mpicoll.errors.SetupError` on every rank, a set of files (one per stage,
-    shard, ...) recording different points of training: a run stopped between their writes, whose parts
-    would resume apart.  ``point``: what this rank's file records (None: it reads none), counted in
-    ``unit`` ("epochs", "steps").  Collective over ``comm``."""
-    points = sorted({p for p in comm.allgather(point) if p is not None})
-    if len(points) > 1:
+def versions(path: str | Path, identity: dict) -> dict[int, Path]:
+    """The whole files of ``path`` that belong to the run ``identity`` describes, by the point each holds: the
+    file, the one it replaced, and a finished write a stop cut off before its rename.
+
+    The file itself, if there, must be whole and this run's: a damaged or foreign one raises
+    :class:`CheckpointMismatch` naming it (the kept previous file is not taken silently in its place).  A
+    cut-off write or a damaged previous file is passed over.  FileNotFoundError when there is none."""
+    path = Path(path)
+    candidates = [p for p in (path, _partial(path), previous(path)) if p.is_file()]
+    if not candidates:
+        raise FileNotFoundError(f"no checkpoint at {path}: --resume continues from the files an earlier run wrote "
+                                "with the same --checkpoint prefix, method, rank count and --model-parallel")
+    found, problems = {}, []
+    for candidate in candidates:
+        try:
+            stamp, _ = _read(candidate)
+            _refuse_other_runs(candidate, stamp, identity)
+        except CheckpointMismatch as error:
+            if candidate == path:
+                raise
+            problems.append(str(error))
+            continue
+        found.setdefault(int(stamp["point"]), candidate)
+    if not found:
+        raise CheckpointMismatch(problems[0])
+    return found
+
+
+def check(path: str | Path, identity: dict) -> None:
+    """Raise unless ``path`` holds a whole file of the run ``identity`` describes."""
+    versions(path, identity)
+
+
+def load(path: str | Path, identity: dict, point: int | None = None) -> dict[str, np.ndarray]:
+    """The arrays of checkpoint ``path`` at ``point`` (default: the newest whole file), which must belong to
+    the run described by ``identity``."""
+    found = versions(path, identity)
+    if point is None:
+        point = max(found)
+    if point not in found:
+        raise CheckpointMismatch(f"{path} holds no state of point {point} (only {', '.join(map(str, sorted(found)))})")
+    return _read(found[point])[1]
+
+
+def load_set(comm, path: str | Path | None, identity: dict, unit: str) -> dict[str, np.ndarray] | None:
+    """This rank's arrays of the newest point that every rank's files hold (``path`` None: this rank keeps no
+    file, and gets None).  A missing, damaged or foreign file, or no point common to all, is one
+    :class:`~mpicoll.errors.SetupError` on every rank.  ``unit`` names the points ("epochs", "updates").
+    Collective over ``comm``."""
+    found: dict[int, Path] = {}
+    agree(comm, lambda: found.update(versions(path, identity)) if path is not None else None)
+    with bounded(comm, "comparing the checkpoint files"):
+        held = comm.allgather(sorted(found) if path is not None else None)
+    owners = {rank: set(points) for rank, points in enumerate(held) if points is not None}
+    common = set.intersection(*owners.values()) if owners else set()
+    if owners and not common:
+        listing = "; ".join(f"rank {rank}: {', '.join(map(str, sorted(points)))}" for rank, points in owners.items())
         raise SetupError(dict.fromkeys(range(comm.Get_size()), (
-            f"--resume: the checkpoint files were written after different {unit} ({', '.join(map(str, points))}; "
-            "the earlier run stopped while writing them): start afresh, or restore one set's files")), comm.Get_size())
+            f"--resume: the checkpoint files hold no {unit[:-1] if unit.endswith('s') else unit} in common "
+            f"({listing}): no set of files from one point of training is whole; restore one from a copy, or start "
+            "afresh")),
+            comm.Get_size())
+    point = max(common, default=None)
+    newest = max((max(points) for points in owners.values()), default=None)
+    if comm.Get_rank() == 0 and newest is not None and newest > point:
+        print(f"mpicoll: resuming from the checkpoint set after {point} {unit}: not every file of the set after "
+              f"{newest} {unit} was written (the earlier run stopped while writing them)", file=sys.stderr, flush=True)
+    return None if path is None else _read(found[point])[1]
 
 
 def _show(value) -> str:
@@ -120,6 +217,14 @@ def path(prefix: str | Path, owner: str | None = None, rank: int = 0) -> Path:
     return Path(f"{prefix}.{owner}{rank}.npz")
 
 
+def discard(prefix: str | Path) -> None:
+    """Remove the files of an earlier run under ``prefix`` (a fresh run with --overwrite), the kept previous
+    files and cut-off writes included, so that none of them can be taken for this run's own."""
+    for found in existing(prefix):
+        for candidate in (found, previous(found), _partial(found)):
+            candidate.unlink(missing_ok=True)
+
+
 def existing(prefix: str | Path) -> list[Path]:
     """The checkpoint files a run with ``--checkpoint prefix`` writes that exist now."""
     prefix = Path(prefix)
@@ -127,5 +232,6 @@ def existing(prefix: str | Path) -> list[Path]:
         return []
     found = [path(prefix)] if path(prefix).is_file() else []
     for owner in _OWNERS:
-        found += sorted(prefix.parent.glob(f"{prefix.name}.{owner}*.npz"))
+        found += sorted(p for p in prefix.parent.glob(f"{prefix.name}.{owner}*.npz")
+                        if not p.name.endswith(".previous.npz"))
     return found

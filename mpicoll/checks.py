@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from .errors import MismatchError, NonFiniteError, SetupError
 from .tags import Tag
+from .watchdog import bounded
 
 __all__ = ["Signature", "Fingerprint", "check_call", "agree", "TAG_SPAN"]
 
@@ -259,7 +260,8 @@ def agree(comm, check) -> None:
         mine = None
     except Exception as error:  # noqa: BLE001 - whatever stops one rank must stop them all
         mine = str(error) if isinstance(error, (ValueError, OSError, KeyError)) else f"{type(error).__name__}: {error}"
-    everyone = comm.allgather(mine)
+    with bounded(comm, "the checks before the job starts"):
+        everyone = comm.allgather(mine)
     failed = {rank: reason for rank, reason in enumerate(everyone) if reason is not None}
     if failed:
         raise SetupError(failed, comm.Get_size())

@@ -207,10 +207,36 @@ def main(argv: list[str] | None = None) -> int:
     if passthrough and args.command not in ("compare", "cluster"):
         parser.error(f"unrecognized arguments: {' '.join(passthrough)}")
     args.train_args = passthrough                  # compare hands them to every training run
-    if args.command in _RUNNERS:                   # imported on use: each pulls in its own dependencies
-        module, function = _RUNNERS[args.command]
-        return getattr(importlib.import_module(module, __package__), function)(args)
-    return info()
+    if args.command not in _RUNNERS:
+        return info()
+    module, function = _RUNNERS[args.command]
+    run = getattr(importlib.import_module(module, __package__), function)     # each pulls in its dependencies
+    if args.command not in _UNDER_MPIEXEC:
+        return run(args)
+    return _guarded(run, args)
+
+
+# The commands whose ranks run one job together under mpiexec: a rank that stops on an error of its own ends
+# the job at once, telling every other rank why (mpicoll.watchdog), instead of leaving them to wait for it.
+_UNDER_MPIEXEC = {"train", "bench", "bench-ps", "bench-gossip", "bench-torch", "bench-overlap", "bench-sandblaster"}
+
+
+def _guarded(run, args) -> int:
+    from mpi4py import MPI
+
+    from . import watchdog
+    watchdog.guard_job(MPI.COMM_WORLD)
+    try:
+        return run(args)
+    except KeyboardInterrupt:                 # Ctrl-C reaches every rank: one line, not a traceback from each
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"mpicoll {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except SystemExit:
+        raise
+    except BaseException as error:  # noqa: BLE001 - whatever stops one rank must stop the job, saying why
+        watchdog.job_failed(error)
+        raise
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, arrays, timeline
+from . import algorithms, arrays, timeline, watchdog
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from .checks import Fingerprint, Signature, check_call
@@ -75,26 +75,34 @@ class Communicator(MPI.Intracomm):
         base = MPI.Intracomm.Dup(self) if info is None else MPI.Intracomm.Dup(self, info)
         return Communicator(MPI.Intracomm(base), algorithm=self.algorithm)
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         """Release mpicoll's private duplicate, scratch and shared memory; the communicator stays valid.
 
         Called by ``Free()`` and on leaving a ``with`` block; a later
-        collective call sets them up again.
+        collective call sets them up again.  Releasing is collective (the
+        shared window's free waits for every rank); ``abandon`` drops them
+        instead, for a rank leaving on an error while its peers are elsewhere.
         """
         worker = self.__dict__.pop("_worker", None)
         if worker is not None:
-            worker.close()
+            worker.close(abandon)
         context = self.__dict__.pop("_context", None)
         if context is not None:
-            context.free()
+            context.free(abandon=abandon)
         for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
             self.__dict__.pop(name, None)
+
+    def context(self) -> Context | None:
+        """The private channel of this communicator's collectives (None before the first call or after
+        ``close``): what bounds its waits and holds its roll calls."""
+        return self.__dict__.get("_context")
 
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        # leaving on an error: the other ranks may be in a collective, so a collective free would wait forever
+        self.close(abandon=exc_type is not None)
 
     def Free(self) -> None:
         """Free the communicator, as mpi4py does, and mpicoll's resources with it."""
@@ -223,7 +231,7 @@ class Communicator(MPI.Intracomm):
             if first == "mpi":
                 if name == "Reduce_scatter_block":      # its rule is by the whole input: p blocks
                     limit /= self.Get_size()
-                self.__dict__[name] = _straight_to_mpi(name, getattr(MPI.Intracomm, name).__get__(self),
+                self.__dict__[name] = _straight_to_mpi(self, name, getattr(MPI.Intracomm, name).__get__(self),
                                                        getattr(Communicator, name).__get__(self), limit)
 
     # -- shared machinery ---------------------------------------------------
@@ -278,26 +286,40 @@ class Communicator(MPI.Intracomm):
             raise
 
 
-def _straight_to_mpi(name: str, mpi_call, checked_call, limit: float):
-    """``name``, calling MPI directly for numpy buffers under ``limit`` bytes."""
-    ndarray = np.ndarray
+def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, limit: float):
+    """``name``, calling MPI directly for numpy buffers under ``limit`` bytes, under the watchdog's deadline
+    (MPI's blocking call cannot be interrupted: past ``MPICOLL_TIMEOUT`` the watchdog names the missing
+    ranks and ends the job, :mod:`mpicoll.watchdog`)."""
+    ndarray, watching = np.ndarray, watchdog.watching
     if name in ("Allreduce", "Reduce_scatter_block"):
         def collective(sendbuf, recvbuf, op=MPI.SUM):
-            if type(recvbuf) is ndarray and recvbuf.nbytes < limit:
-                return mpi_call(sendbuf, recvbuf, op)
+            if type(recvbuf) is ndarray and recvbuf.nbytes < limit and _apart(sendbuf, recvbuf):
+                with watching(owner, name):
+                    return mpi_call(sendbuf, recvbuf, op)
             return checked_call(sendbuf, recvbuf, op)
     elif name == "Allgather":
         def collective(sendbuf, recvbuf):
-            if type(recvbuf) is ndarray and recvbuf.nbytes < limit:
-                return mpi_call(sendbuf, recvbuf)
+            if type(recvbuf) is ndarray and recvbuf.nbytes < limit and _apart(sendbuf, recvbuf):
+                with watching(owner, name):
+                    return mpi_call(sendbuf, recvbuf)
             return checked_call(sendbuf, recvbuf)
     else:
         def collective(buf, root=0):
             if type(buf) is ndarray and buf.nbytes < limit:
-                return mpi_call(buf, root)
+                with watching(owner, name):
+                    return mpi_call(buf, root)
             return checked_call(buf, root)
     collective.__doc__ = getattr(Communicator, name).__doc__
     return collective
+
+
+def _apart(sendbuf, recvbuf) -> bool:
+    """Whether ``sendbuf`` is ``MPI.IN_PLACE`` or a numpy array that shares no memory with ``recvbuf``:
+    the calls the fast path may hand to MPI.  Others take the checked path, which refuses overlapping
+    buffers in one line (MPICH aborts the whole job on them)."""
+    if is_in_place(sendbuf):
+        return True
+    return type(sendbuf) is np.ndarray and (sendbuf.size == 0 or not np.may_share_memory(sendbuf, recvbuf))
 
 
 def _array(message: Message | None):

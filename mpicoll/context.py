@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import arrays, config, failure
+from . import arrays, config, failure, watchdog
 from .errors import CollectiveTimeout, MismatchError, PeerFailed
 from .nodes import ranks_on_this_node
 from .shared import SharedRegions
@@ -59,6 +59,7 @@ class Context:
         # Checks a wait runs once it lasts; one that raises ends the wait with its error (ranks that
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
+        watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.watchdog.watching)
         self._dead, self._dead_asked_at = frozenset(), -math.inf     # the MPI library's last answer (living)
         self.children: list[Context] = []     # contexts over parts of this one (mpicoll.nodes), freed with it
         self.node_layout = None               # mpicoll.nodes.NodeLayout, once an algorithm asked for it
@@ -181,6 +182,10 @@ class Context:
         for child in self.children:
             child.stamp_messages(stamp)
 
+    def context(self) -> "Context":
+        """This context (what :func:`mpicoll.watchdog.watching` asks its owner for)."""
+        return self
+
     def others(self) -> list[int]:
         return [q for q in range(self.size) if q != self.rank]
 
@@ -222,7 +227,7 @@ class Context:
             if isinstance(peers, int):
                 peers = [peers] * len(requests)
             failed = [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
-            raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self._missing(failed)[0],
+            raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self.missing(failed)[0],
                                          error.Get_error_string())) from None
 
     def waitany(self, requests: list, peers: list[int], patience: float | None = None,
@@ -250,7 +255,7 @@ class Context:
         waits that are not requests, such as data landing in a window; past the
         deadline a :class:`CollectiveTimeout` names ``peers``."""
         def give_up():
-            raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self._missing(peers)[0],
+            raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self.missing(peers)[0],
                                                    self.timeout))
 
         self._poll(lambda: True if ready() else None, give_up)
@@ -296,11 +301,11 @@ class Context:
             peers = [peers] * len(requests)
         collective_request = len(requests) == 1 and len(peers) > 1     # one or more of peers is missing
         stuck = list(peers) if collective_request else [p for r, p in zip(requests, peers) if not r.Test()]
-        missing, sure = self._missing(stuck)
+        missing, sure = self.missing(stuck)
         raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], missing, limit or self.timeout,
                                             some_of=not sure and collective_request))
 
-    def _missing(self, suspects) -> tuple[list[int], bool]:
+    def missing(self, suspects) -> tuple[list[int], bool]:
         """(the ranks to name as missing, by :attr:`names`; whether the roll call confirmed them).
 
         Silent suspects first (a rank that finished its part and left is silent

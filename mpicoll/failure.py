@@ -19,6 +19,7 @@ MPICH and Open MPI), so that no one sends to them.
 from __future__ import annotations
 
 import atexit
+import os
 import ctypes
 import functools
 import sys
@@ -36,15 +37,17 @@ _FORWARD_S = 0.3
 _reasons: list[str] = []
 
 
-def end_job(reason: str, code: int = EXIT_CODE) -> None:
-    """Print ``reason`` (naming this rank) and end every rank of the job with ``MPI_Abort``."""
+def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0) -> None:
+    """Print ``reason`` (naming this rank) and end every rank of the job with ``MPI_Abort``, ``settle``
+    seconds later (time for other ranks to print their own reasons)."""
     sys.stdout.flush()
     print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} ends the job: {reason}", file=sys.stderr, flush=True)
     timeline.write_own()            # MPI_Abort skips the exit hooks that would write the whole trace
     # The launcher tears its output forwarding down as it ends the job: give the line time to get through
     # (once in a CI run of test_faults.py, a job ended by MPI_Abort had printed nothing on stderr).
-    time.sleep(_FORWARD_S)
+    time.sleep(max(settle, _FORWARD_S))
     MPI.COMM_WORLD.Abort(code)
+    os._exit(code)                  # not reached where MPI_Abort ends the process, as it should
 
 
 def end_at_exit(reason: str) -> None:

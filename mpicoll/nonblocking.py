@@ -230,17 +230,19 @@ class Worker:
         self.failed = self.failed or error
         raise error
 
-    def close(self) -> None:
-        """Finish the started calls, stop the thread and release the private channel."""
+    def close(self, abandon: bool = False) -> None:
+        """Finish the started calls, stop the thread and release the private channel; with ``abandon`` (a
+        rank leaving on an error) the thread is told to stop and the channel dropped, without waiting."""
         if self._thread is not None:
             self._queue.put(None)
             limit = config.timeout()
-            self._thread.join(limit + _GRACE_S if limit else None)
+            if not abandon:
+                self._thread.join(limit + _GRACE_S if limit else None)
             stuck = self._thread.is_alive()
             self._thread = None
         else:
             stuck = False
-        abandon = stuck or self.failed is not None
+        abandon = abandon or stuck or self.failed is not None
         if not abandon:
             self.comm.close()
         self._channel.free(abandon=abandon)

@@ -44,3 +44,4 @@ class Tag(IntEnum):
     MISMATCH = 97             # a rank that found its call differs from another's: what it passed, to every rank
     TIMELINE = 98             # at exit, every rank's timeline events to rank 0 (on MPI.COMM_WORLD)
     ROLL_CALL = 99            # after a timeout: "I am alive", from every survivor to every rank
+    JOB_FAILED = 100          # a rank's uncaught error, to every other rank, before it ends the job (watchdog)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, launch, mpiexec
+from mpicoll import checkpoint
 from mpicoll.launcher import launcher
 
 TIMEOUT_ENV = {"MPICOLL_TIMEOUT": "600", "OPENBLAS_NUM_THREADS": "1"}
@@ -89,7 +90,7 @@ def test_a_damaged_checkpoint_is_refused_and_left_as_it_is(tmp_path):
     path.write_bytes(path.read_bytes()[:100])                 # cut short, as by a full disk
     before = snapshot(tmp_path)
     result, seconds = train(2, "--data", data, "--checkpoint", prefix, "--resume", "--epochs", "2")
-    assert_refused(result, seconds, "is not a readable checkpoint")
+    assert_refused(result, seconds, "is damaged")
     assert snapshot(tmp_path) == before
 
 
@@ -291,16 +292,18 @@ def rank_of(pid: str) -> int | None:
     return int(ranks[0]) if ranks else None
 
 
-def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path):
+@pytest.mark.parametrize("method", ["allreduce-ring", "allreduce-auto"])
+def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path, method):
     """``scripts/launch --keep-going`` allreduce training, one of 3 ranks SIGKILLed once training is under
     way: each survivor says once which rank it lost, the job ends with MPI_Abort's status (70) instead
-    of hanging in MPI_Finalize, and no process is left behind."""
+    of hanging in MPI_Finalize, and no process is left behind.  Under ``allreduce-auto`` the model's
+    gradient is small enough for MPI's own blocking allreduce, which only the watchdog bounds."""
     log = tmp_path / "run.jsonl"
     marker = str(tmp_path / "kill-me.npz")          # names this job's processes
     data = data_file(tmp_path, "kill-me.npz", rows=3000)
     job = subprocess.Popen(
         [str(ROOT / "scripts" / "launch"), "--keep-going", "-n", "3", sys.executable, "-m", "mpicoll", "train",
-         "--quiet", "--method", "allreduce-ring", "--model", "mlp", "--epochs", "100000", "--data", data,
+         "--quiet", "--method", method, "--model", "mlp", "--epochs", "100000", "--data", data,
          "--output", str(log)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec(), "MPICOLL_TIMEOUT": "5",
                        "MPICOLL_END_BROKEN_JOBS": "1", "OPENBLAS_NUM_THREADS": "1"},
@@ -320,10 +323,94 @@ def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     # each survivor's report; the launcher may glue two ranks' lines together (seen in CI)
-    reports = re.findall(r"mpicoll train: rank (\d+): (.*?)(?=mpicoll train: rank |\n|$)", stderr)
+    reports = re.findall(r"mpicoll(?: train)?: rank (\d+)(?: ends the job)?: (.*?)(?=mpicoll(?: train)?: rank |\n|$)",
+                         stderr)
     assert job.returncode == 70 and seconds < 30, (job.returncode, seconds, stderr[-2000:])
-    assert sorted(rank for rank, _ in reports) == ["0", "1"], stderr[-2000:]
+    assert sorted({rank for rank, _ in reports}) == ["0", "1"], stderr[-2000:]
     assert all("for rank(s) 2," in text for _, text in reports), reports
     assert "Traceback" not in stderr and "Segmentation" not in stderr, stderr[-2000:]
     left = left_behind(marker)
     assert not left, f"processes left behind: {left}"
+
+
+_FAULT = '''
+import os
+if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == os.environ["FAULTY_RANK"]:
+    from mpicoll.train import models
+    calls = [0]
+    original = models._Layers.loss_and_gradient
+    def loss_and_gradient(self, params, X, y, gradient=True):
+        calls[0] += 1
+        if gradient and calls[0] == 5:
+            raise RuntimeError("injected fault in the fifth gradient")
+        return original(self, params, X, y, gradient)
+    models._Layers.loss_and_gradient = loss_and_gradient
+'''
+
+
+@pytest.mark.parametrize("method, ranks, faulty", [("allreduce-ring", 3, 1), ("allreduce-auto", 3, 2), ("sgp", 3, 1),
+                                                   ("ps-async", 3, 2), ("ps-sync", 3, 1)])
+def test_an_error_on_one_rank_ends_the_job_at_once_and_every_rank_names_it(tmp_path, method, ranks, faulty):
+    """One rank's own exception (here injected into its fifth gradient by a sitecustomize module) ends the
+    whole job within seconds, not after MPICOLL_TIMEOUT (600 s here), and every rank prints the real
+    error: the failing rank its traceback and the reason, every other rank which rank failed and why."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULT)
+    data = data_file(tmp_path, "d.npz", rows=600)
+    start = time.perf_counter()
+    result = launch(ranks, "-m", "mpicoll", "train", "--quiet", "--method", method, "--epochs", "3", "--data", data,
+                    env={**TIMEOUT_ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "FAULTY_RANK": str(faulty)},
+                    timeout=PROMPT_S + 30)
+    seconds = time.perf_counter() - start
+    assert result.returncode == 1 and seconds < PROMPT_S, (result.returncode, seconds, result.stderr[-3000:])
+    named = {int(rank) for rank in re.findall(r"rank (\d+) (?:stops: rank \d+ failed|ends the job): RuntimeError: "
+                                               r"injected fault", result.stderr)}
+    assert named == set(range(ranks)), result.stderr[-3000:]
+    assert result.stderr.count("Traceback") == 1, result.stderr[-3000:]     # the failing rank's own
+    assert f"stops: rank {faulty} failed" in result.stderr, result.stderr[-3000:]
+
+
+_TEAR = '''
+import os, signal, time
+if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
+    from pathlib import Path
+    from mpicoll import checkpoint
+    original, calls = checkpoint.save, [0]
+    def save(path, identity, point, **arrays):
+        calls[0] += 1
+        if calls[0] == 2:          # server 1's second file: wait for server 0's, then stop the job, as Slurm does
+            other = Path(str(path).replace("server1", "server0"))
+            deadline = time.time() + 30
+            while time.time() < deadline and not Path(str(other)[:-4] + ".previous.npz").exists():
+                time.sleep(0.01)
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+            time.sleep(30)
+        return original(path, identity, point, **arrays)
+    checkpoint.save = save
+'''
+
+
+def test_servers_stopped_between_their_writes_resume_from_the_last_whole_set(tmp_path):
+    """``ps-async --servers 2``: SIGTERM to the whole job after server 0 wrote its second checkpoint and
+    before server 1 wrote its own (a sitecustomize module arranges it): the files then hold different update
+    counts, and ``--resume`` continues from the newest count both servers hold, saying so, and finishes."""
+    (tmp_path / "sitecustomize.py").write_text(_TEAR)
+    data, prefix = data_file(tmp_path, "d.npz", rows=600), str(tmp_path / "ck")
+    options = ["--method", "ps-async", "--servers", "2", "--data", data, "--checkpoint", prefix]
+    torn = launch(4, "-m", "mpicoll", "train", "--quiet", "--epochs", "4", *options,
+                  env={**TIMEOUT_ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}, timeout=PROMPT_S)
+    assert torn.returncode != 0, torn.stderr[-2000:]
+    newest = [max(checkpoint.versions(checkpoint.path(prefix, "server", s), identity_of(prefix, s)))
+              for s in (0, 1)]
+    assert newest[0] > newest[1], newest                      # the set is torn
+    result, seconds = train(4, *options, "--epochs", "4", "--resume")
+    assert result.returncode == 0 and seconds < PROMPT_S, result.stderr[-2000:]
+    assert f"resuming from the checkpoint set after {newest[1]} updates" in result.stderr, result.stderr[-2000:]
+    assert result.stderr.count("resuming from") == 1, result.stderr[-2000:]
+
+
+def identity_of(prefix, server) -> dict:
+    """The identity server ``server``'s file records (what the run would ask for)."""
+    import json
+    with np.load(checkpoint.path(prefix, "server", server)) as stored:
+        stamp = json.loads(str(stored["__identity__"]))
+    return {key: value for key, value in stamp.items() if key not in ("format", "point", "crc32")}

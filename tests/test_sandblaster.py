@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import os
 import shutil
 import time
 
@@ -196,8 +197,9 @@ def test_large_batch_sandblaster_follows_the_same_batches():
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(batch, tmp_path_factory):
     """Checkpoints after every step (each shard its slices, the coordinator its scalars), stopped after 4
     of 10 steps and resumed: the same iterates and final parameters, bit for bit (a history of 3 pairs,
-    so its slots are reused; full batch, and a fresh batch per step).  Files written after different
-    steps are refused on every rank."""
+    so its slots are reused; full batch, and a fresh batch per step).  A set torn by a stop between its
+    files' writes resumes from the newest step every file still holds; files with no step in common are
+    refused on every rank."""
     servers = 2 if P >= 4 else 1
     problem = Problem(shared_seed(), "logistic", lam=0.05)
     folder = WORLD.bcast(str(tmp_path_factory.mktemp("sandblaster")) if RANK == 0 else None)
@@ -210,11 +212,20 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(batch, tmp_path_fact
                [(s.loss, s.step, s.evaluations) for s in straight_steps[4:]], "the resumed iterates differ")
     everywhere(all(np.array_equal(a, b) for a, b in zip(resumed, straight)) and len(resumed) == len(straight),
                "the resumed run's final parameters differ from the uninterrupted run's")
+    # a set torn by a stop between its writes: shard 1 never wrote step 10, and still keeps step 9's file
+    if RANK == 0:
+        os.replace(f"{folder}/job.server1.previous.npz", f"{folder}/job.server1.npz")
+    WORLD.Barrier()
+    steps, torn, _ = distributed(problem, 10, checkpoint=f"{folder}/job", resume=True, **options)
+    everywhere([(s.number, s.loss, s.step) for s in steps] == [(s.number, s.loss, s.step) for s in straight_steps[9:]]
+               and all(np.array_equal(a, b) for a, b in zip(torn, straight)),
+               f"resumed from the torn set: steps {[s.number for s in steps]}, not step 10 from step 9's set")
     distributed(problem, 2, checkpoint=f"{folder}/early", **options)
     if RANK == 0:
-        shutil.copy(f"{folder}/early.server1.npz", f"{folder}/job.server1.npz")    # step 2 beside step 10
+        shutil.copy(f"{folder}/early.server1.npz", f"{folder}/job.server1.npz")    # step 2 beside steps 9 and 10
+        os.remove(f"{folder}/job.server1.previous.npz")
     WORLD.Barrier()
-    with pytest.raises(SetupError, match=r"written after different steps \(2, 10;"):
+    with pytest.raises(SetupError, match=r"hold no step in common \(rank 0: 10; rank 1: 2[;)]"):
         distributed(problem, 12, checkpoint=f"{folder}/job", resume=True, **options)
     with pytest.raises(SetupError, match="belongs to another run"):
         distributed(problem, 12, checkpoint=f"{folder}/early", resume=True, **{**options, "history": 4})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from .. import watchdog
 from .base import Algorithm, MpiBuffers
 
 __all__ = ["Mpi"]
@@ -57,10 +58,12 @@ class Mpi(Algorithm):
 
 
 def _call(ctx, name: str, *args) -> None:
-    """MPI's collective ``name`` on the context's channel: blocking, or, for a background context, its
-    nonblocking form waited for by the context (naps instead of MPI's busy wait, and a deadline)."""
+    """MPI's collective ``name`` on the context's channel: blocking, under the watchdog's deadline, or, for a
+    background context, its nonblocking form waited for by the context (naps instead of MPI's busy wait,
+    and a deadline it raises at)."""
     if not ctx.background:
-        getattr(ctx.comm, name)(*args)
+        with watchdog.watching(ctx, name):      # past the deadline the watchdog ends the job, naming who
+            getattr(ctx.comm, name)(*args)
         return
     ctx.waitall([getattr(ctx.comm, "I" + name[0].lower() + name[1:])(*args)], ctx.others() or ctx.rank)
 

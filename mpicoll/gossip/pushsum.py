@@ -23,6 +23,7 @@ from .. import arrays, compute
 from ..checks import agree
 from ..context import Context
 from ..progress import Progress
+from ..watchdog import watching
 from .mailbox import OneSidedMailbox, PointToPointMailbox
 from .mixing import Mixing, UniformMixing
 from .topology import Graph, make
@@ -148,7 +149,8 @@ class PushSum:
             except (KeyError, TypeError, ValueError):
                 return None
 
-        rounds = self.ctx.comm.allgather(round_of(state))
+        with watching(self.ctx, "PushSum.load_state"):
+            rounds = self.ctx.comm.allgather(round_of(state))
 
         def fits() -> None:
             x = state["x"]

@@ -71,7 +71,7 @@ class ParameterServer:
 
     def serve(self, worker_timeout: float | None = None, *, checkpoint: str | None = None, every: int = 100,
               resume: bool = False, warm_start: int = 0, identity: dict | None = None,
-              lr_at=None) -> ServerStats:
+              lr_at=None, state: dict | None = None) -> ServerStats:
         """Run this server's loop until every worker has closed or been dropped; returns its statistics.
 
         ``worker_timeout``: seconds of silence after which a worker counts as lost
@@ -82,6 +82,9 @@ class ParameterServer:
         worker trains alone for k updates before the others' first pull is answered.  ``identity``:
         what else the checkpoint belongs to (e.g. the training run's data), refused on resume if it differs.
         ``lr_at``: a learning-rate schedule, update count -> the rule's rate, set before each update.
+        ``state``: with ``resume``, the arrays of a set of servers' files chosen together
+        (:func:`mpicoll.checkpoint.load_set` over every rank) instead of this server's newest file: servers
+        stopped between their writes then resume from the newest point all of them hold.
         """
         if not self.is_server:
             raise RuntimeError(f"rank {self.layout.rank} is a worker: use .client")
@@ -91,7 +94,7 @@ class ParameterServer:
         try:
             self.stats = Server(self.context, self.layout, self.rule, self.weights, self.windows,
                                 worker_timeout, lr_at).run(checkpoint=checkpoint, every=every, resume=resume,
-                                                    warm_start=warm_start, identity=identity)
+                                                    warm_start=warm_start, identity=identity, state=state)
         except Exception as error:
             tell_workers(self.context, self.layout.workers, error)      # they stop now, not at their timeout
             self.context.broken_by(error)

@@ -70,17 +70,25 @@ def checkpoint_identity(layout: Layout, rule: Rule, run: dict | None = None) -> 
 
 def save_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None) -> Path:
     """Write the rule's state atomically and durably (a crash mid-write leaves the previous checkpoint)."""
-    return checkpoint.save(checkpoint.path(prefix, "server", layout.rank), checkpoint_identity(layout, rule, run),
-                           **rule.state())
+    return checkpoint.save(checkpoint_file(prefix, layout), checkpoint_identity(layout, rule, run),
+                           rule.version, **rule.state())
 
 
-def load_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None) -> int:
+def checkpoint_file(prefix: str, layout: Layout) -> Path:
+    """This server's checkpoint file under ``prefix``."""
+    return checkpoint.path(prefix, "server", layout.rank)
+
+
+def load_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None, state: dict | None = None) -> int:
     """Load this server's checkpoint into ``rule`` (after setup); returns the update count it holds.
 
-    A checkpoint of another rule, layout or run is refused (``CheckpointMismatch``) before anything changes.
+    ``state``: the arrays of a set of servers' files already chosen together (``checkpoint.load_set``, as
+    ``mpicoll train`` does); otherwise this server's newest whole file.  A checkpoint of another rule,
+    layout or run is refused (``CheckpointMismatch``) before anything changes.
     """
-    rule.load_state(checkpoint.load(checkpoint.path(prefix, "server", layout.rank),
-                                    checkpoint_identity(layout, rule, run)))
+    if state is None:
+        state = checkpoint.load(checkpoint_file(prefix, layout), checkpoint_identity(layout, rule, run))
+    rule.load_state(state)
     return rule.version
 
 
@@ -107,7 +115,7 @@ class Server:
         self.nonfinite_streak = 0          # non-finite gradients in a row, from any workers
 
     def run(self, *, checkpoint: str | None = None, every: int = 100, resume: bool = False,
-            warm_start: int = 0, identity: dict | None = None) -> ServerStats:
+            warm_start: int = 0, identity: dict | None = None, state: dict | None = None) -> ServerStats:
         """Serve until every worker is done or dropped; returns the statistics.
 
         With ``checkpoint`` (a path prefix) the state is saved every ``every``
@@ -123,7 +131,7 @@ class Server:
         self.transport = transport = server_side(ctx, self.layout, self.weights, self.windows, rule.refuses_late)
         rule.setup(transport.weights, tuple(workers))
         if resume:
-            load_checkpoint(checkpoint, self.layout, rule, identity)
+            load_checkpoint(checkpoint, self.layout, rule, identity, state)
         with transport.publish(lambda: rule.version):
             pass
         saved_at = rule.version

@@ -47,7 +47,6 @@ from mpi4py import MPI
 
 from .. import checkpoint as checkpoints
 from .. import failure
-from ..checks import agree
 from ..context import Context
 from ..errors import PartFailed
 from ..ps.protocol import listen_for_failures, tell_workers
@@ -130,7 +129,7 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
             def accepted(step: Iteration) -> None:
                 if checkpoint:                      # the shards' files first: this one says the set is whole
                     vectors.save(step.number)
-                    checkpoints.save(checkpoint_file(checkpoint, rank, servers), identity,
+                    checkpoints.save(checkpoint_file(checkpoint, rank, servers), identity, step.number,
                                      iteration=np.array(step.number), **optimizer.state())
                 vectors.report(step.number, step.evaluations)
                 if on_iteration:
@@ -170,15 +169,9 @@ def _resume(comm, roles: Roles, prefix: str, identity: dict) -> dict | None:
     """This rank's checkpoint (the coordinator's scalars, a shard's vectors; None on workers), refused on
     every rank alike if any file is missing, belongs to another run, or was written after another step
     than the others (a run stopped between its files' writes).  Collective."""
-    rank, state = comm.Get_rank(), {}
-
-    def load():
-        if roles.role(rank) != "worker":
-            state.update(checkpoints.load(checkpoint_file(prefix, rank, roles.servers), identity))
-
-    agree(comm, load)
-    checkpoints.written_together(comm, int(state["iteration"]) if state else None, "steps")
-    return state or None
+    rank = comm.Get_rank()
+    mine = checkpoint_file(prefix, rank, roles.servers) if roles.role(rank) != "worker" else None
+    return checkpoints.load_set(comm, mine, identity, "steps")
 
 
 def minimize_locally(init: np.ndarray, loss_and_gradient: Callable, *, history: int = 10, iterations: int = 100,

@@ -70,7 +70,7 @@ class Shard:
                 self._combination(self.names[int(command[1])], [(c, self.names[int(n)]) for n, c in terms])
             elif op is Op.SAVE:
                 path, identity = self.saving
-                checkpoint.save(path, identity, iteration=np.array(int(command[1])),
+                checkpoint.save(path, identity, int(command[1]), iteration=np.array(int(command[1])),
                                 **{name: self.vectors[name] for name in kept(self.names)})
                 self.ctx.wait(self.ctx.isend(np.ones(1), self.roles.coordinator, Tag.SANDBLASTER_REPLY),
                               self.roles.coordinator)

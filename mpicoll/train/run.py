@@ -29,6 +29,7 @@ from ..communicator import Communicator
 from ..errors import Diverged
 from ..tags import Tag
 from ..checks import agree, all_finite
+from ..watchdog import bounded
 from ..straggler import Straggler, parse as parse_straggler, parse_delay
 from .data import Dataset
 from .models import Model
@@ -103,6 +104,11 @@ def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp
     method = METHODS[options.method]
     run = _identity(comm, options, model, data) if options.checkpoint else {}
     agree(comm, lambda: _preflight(comm, options, model, data, method, run))
+    if options.checkpoint and not options.resume:     # --overwrite: no file of the earlier run may remain
+        if comm.Get_rank() == 0:
+            checkpoint.discard(options.checkpoint)
+        with bounded(comm, "removing the earlier run's checkpoint"):
+            comm.barrier()
     if xp is np:
         compute.warm_up(model.dtype, model.size)     # kernels ready before any method's clock starts
     return method.runner(comm, options, model, data, xp, method, run)
@@ -217,9 +223,8 @@ def _allreduce(comm, options, model, data, xp, method, run):
 
     start = 0
     if options.resume:                       # every replica holds the same parameters: one file per stage
-        state = checkpoint.load(_checkpoint_file(options, method, rank), run)
+        state = checkpoint.load_set(comm, _checkpoint_file(options, method, rank), run, "epochs")
         params, start = xp.asarray(state["params"]), int(state["epoch"])
-        checkpoint.written_together(comm, start, "epochs")      # stages that would train apart
     average = xp.empty_like(params)
     lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
     with Communicator(channel_comm, algorithm=method.algorithm) as channel:
@@ -235,8 +240,8 @@ def _allreduce(comm, options, model, data, xp, method, run):
                     params -= (lr_at(epoch, step) / replicas) * average
             _stop_if_diverged(comm, params, [(epoch, losses)], f"after epoch {epoch + 1}")   # before saving it
             if options.checkpoint and replica == 0:     # the first replica: a file per stage (one stage: rank 0)
-                checkpoint.save(_checkpoint_file(options, method, rank), run, params=arrays.as_host(params),
-                                epoch=epoch + 1)
+                checkpoint.save(_checkpoint_file(options, method, rank), run, epoch + 1,
+                                params=arrays.as_host(params), epoch=epoch + 1)
             score = test_score()
             if reporter:
                 reporter.evaluate(None, epoch + 1, (epoch + 1) * steps * options.batch * replicas, measured=score)
@@ -252,11 +257,14 @@ def _stop_if_diverged(comm, params, losses: list[tuple[int, list]], when: str) -
     """Raise :class:`~mpicoll.errors.Diverged` on every rank alike if any rank's ``params`` hold NaN or Inf,
     naming the ranks whose training loss went bad first (``losses``: (epoch, that epoch's losses) per
     epoch, read only then).  Collective: one pass over the parameters and a small allgather."""
-    if all(comm.allgather(all_finite(arrays.as_host(params)))):
+    with bounded(comm, "the divergence check"):
+        finite = comm.allgather(all_finite(arrays.as_host(params)))
+    if all(finite):
         return
     first = next(((epoch, step) for epoch, values in losses for step, loss in enumerate(values)
                   if not math.isfinite(float(loss))), None)
-    firsts = comm.allgather(first)
+    with bounded(comm, "the divergence check"):
+        firsts = comm.allgather(first)
     earliest = min((f for f in firsts if f is not None), default=None)
     if earliest is None:
         where = "no rank's loss was NaN or Inf first, so a gradient or an update overflowed"
@@ -376,7 +384,7 @@ def _sgp(comm, options, model, data, xp, method, run):
     sgp = gossip.SGP(pushsum, options.lr)
     start, mine = 0, _checkpoint_file(options, method, rank)
     if options.resume:                       # each rank its own numerator and push-sum weight
-        state = checkpoint.load(mine, run)
+        state = checkpoint.load_set(comm, mine, run, "epochs")
         pushsum.load_state(state)
         start = int(state["epoch"])
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
@@ -394,7 +402,7 @@ def _sgp(comm, options, model, data, xp, method, run):
                 z = xp.asarray(sgp.step(grad))
         if options.checkpoint:               # every rank is at the same round: nothing left in flight
             pushsum.drain()
-            checkpoint.save(mine, run, epoch=epoch + 1, **pushsum.state())
+            checkpoint.save(mine, run, epoch + 1, epoch=epoch + 1, **pushsum.state())
         if reporter:
             reporter.evaluate(z, epoch + 1, (epoch + 1) * steps * options.batch * size)
     pushsum.drain()
@@ -418,12 +426,17 @@ def _parameter_server(comm, options, model, data, xp, method, run):
     server = ps.ParameterServer(comm, arrays.as_host(model.init(options.seed)), rule,
                                 servers=options.servers, transport=options.transport)
     me, steps, X, y, slow = _setup(comm, options, data, xp, workers)
+    state = None
+    if options.resume:                      # the newest point every server's file holds (a stop between writes)
+        mine = ps.server.checkpoint_file(options.checkpoint, server.layout) if server.is_server else None
+        state = checkpoint.load_set(comm, mine, ps.server.checkpoint_identity(server.layout, rule, run)
+                                    if server.is_server else {}, "updates")
     budget = options.epochs * steps * len(workers)        # gradients, over every worker
     reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
     if server.is_server:
         every = max(1, budget // options.epochs // per_update)       # updates per epoch
         server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
-                     resume=options.resume, identity=run,
+                     resume=options.resume, identity=run, state=state,
                      lr_at=schedules.per_update(options.lr_schedule, options.lr, budget // per_update))
     else:
         client = server.client
