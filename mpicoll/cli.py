@@ -32,7 +32,8 @@ def _bench_parser(commands) -> None:
     bench.add_argument("--dtype", default="float32", help="numpy dtype of the elements (default float32)")
     bench.add_argument("--iters", type=int, default=50, help="timed calls per size up to 1 MiB (default 50)")
     bench.add_argument("--min-iters", type=int, default=15, help="timed calls at least, at any size (default 15)")
-    bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm (default 3)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm after the "
+                       "first, whose result is checked against MPI's (default 3)")
     bench.add_argument("--output", metavar="FILE.json", help="write one record per (algorithm, size)")
     bench.add_argument("--plot", metavar="FILE.png", help="draw bus bandwidth against size")
     _link_option(bench, "report each time as a share of the link bound across nodes")

@@ -22,16 +22,25 @@
 ``MPICOLL_UCX_DEFAULTS``   1 (default): importing mpicoll before MPI starts
                            sets UCX's TCP segments to 512k unless you set them
                            (see ucx.py); 0: leave UCX alone
+``MPICOLL_KERNELS=K``      force the host kernels: ``numpy`` or ``numba``
+                           (default: chosen by size)
+``MPICOLL_CUDA_AWARE``     0 or 1: whether device buffers go to MPI directly
+                           (default: asked of the MPI library)
 =========================  =======================================================
 
-Every rank must see the same values (mpiexec forwards the environment).
+Switches take 1/0, yes/no, true/false or on/off.  Every value is checked where
+it is read, and a bad one is a ValueError naming the variable and what it takes;
+:func:`check_all` reads them all at once (``mpicoll train`` does, before any
+rank starts).  Every rank must see the same values (mpiexec forwards the
+environment).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["debug", "timeout", "segment_bytes", "channel", "end_broken_jobs", "parse_bytes", "cores"]
+__all__ = ["debug", "timeout", "segment_bytes", "channel", "end_broken_jobs", "kernels", "cuda_aware",
+           "ucx_defaults", "parse_bytes", "cores", "check_all"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -44,12 +53,32 @@ def parse_bytes(text: str) -> int:
     unit = text[len(digits):]
     try:
         return int(float(digits) * _UNITS[unit])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):
         raise ValueError(f"not a byte count: {text!r} (use e.g. 4096, 256K, 16M)") from None
 
 
+_ON, _OFF = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
+
+
+def _switch(variable: str, default: bool) -> bool:
+    text = os.environ.get(variable, "").strip().lower()
+    if not text:
+        return default
+    if text not in _ON + _OFF:
+        raise ValueError(f"{variable} must be 1 or 0 (yes/no, true/false, on/off), got "
+                         f"{os.environ[variable]!r}")
+    return text in _ON
+
+
+def _choice(variable: str, choices: tuple[str, ...], default: str) -> str:
+    value = os.environ.get(variable, default).strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{variable} must be {', '.join(c or 'empty' for c in choices)}, got {os.environ[variable]!r}")
+    return value
+
+
 def debug() -> bool:
-    return os.environ.get("MPICOLL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+    return _switch("MPICOLL_DEBUG", False)
 
 
 def timeout() -> float:
@@ -64,9 +93,13 @@ def timeout() -> float:
 
 
 def segment_bytes() -> int:
-    value = parse_bytes(os.environ.get("MPICOLL_SEGMENT", "1M"))
+    text = os.environ.get("MPICOLL_SEGMENT", "1M")
+    try:
+        value = parse_bytes(text)
+    except ValueError as error:
+        raise ValueError(f"MPICOLL_SEGMENT: {error}") from None
     if value <= 0:
-        raise ValueError(f"MPICOLL_SEGMENT must be positive, got {value}")
+        raise ValueError(f"MPICOLL_SEGMENT must be a positive byte count such as 1M, got {text!r}")
     return value
 
 
@@ -74,18 +107,31 @@ def channel() -> str:
     """How the collective algorithms move data between ranks: "shared", "p2p" or "auto"."""
     if "MPICOLL_TRANSPORT" in os.environ:
         raise ValueError("MPICOLL_TRANSPORT is now called MPICOLL_CHANNEL (auto, shared or p2p): rename it")
-    value = os.environ.get("MPICOLL_CHANNEL", "auto").strip().lower()
-    if value not in ("auto", "shared", "p2p"):
-        raise ValueError(f"MPICOLL_CHANNEL must be auto, shared or p2p, got {value!r}")
-    return value
+    return _choice("MPICOLL_CHANNEL", ("auto", "shared", "p2p"), "auto")
 
 
 def end_broken_jobs() -> bool:
     """Whether a process whose communicator broke ends the job at exit (MPI_Abort) instead of hanging."""
-    value = os.environ.get("MPICOLL_END_BROKEN_JOBS", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"MPICOLL_END_BROKEN_JOBS must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _switch("MPICOLL_END_BROKEN_JOBS", True)
+
+
+def kernels() -> str:
+    """The host kernels ``MPICOLL_KERNELS`` forces: "numpy", "numba", or "" (chosen by size)."""
+    return _choice("MPICOLL_KERNELS", ("", "numpy", "numba"), "")
+
+
+def cuda_aware() -> bool | None:
+    """``MPICOLL_CUDA_AWARE`` as forced (True/False), or None: ask the MPI library."""
+    return _switch("MPICOLL_CUDA_AWARE", None) if os.environ.get("MPICOLL_CUDA_AWARE", "").strip() else None
+
+
+def ucx_defaults() -> bool:
+    return _switch("MPICOLL_UCX_DEFAULTS", True)
+
+
+def check_all() -> None:
+    """Read every setting above, raising the first bad one's ValueError."""
+    timeout(), segment_bytes(), channel(), end_broken_jobs(), debug(), kernels(), cuda_aware(), ucx_defaults()
 
 
 def cores() -> int:

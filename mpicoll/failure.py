@@ -52,7 +52,12 @@ def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0) -> None:
 
 def end_at_exit(reason: str) -> None:
     """End the job when this process exits, unless turned off by ``MPICOLL_END_BROKEN_JOBS=0``."""
-    if not config.end_broken_jobs():
+    try:
+        wanted = config.end_broken_jobs()
+    except ValueError as error:         # on the way out of another error: say so, never replace that error
+        print(f"mpicoll: {error}; ending the job as with 1", file=sys.stderr, flush=True)
+        wanted = True
+    if not wanted:
         return
     if not _reasons:
         atexit.register(_at_exit)          # after mpi4py's own hook: runs before MPI_Finalize

@@ -31,7 +31,7 @@ DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k"}
 
 def apply_defaults(environ=os.environ) -> bool:
     """Set :data:`DEFAULTS` in ``environ`` if MPI has not started and the user set none of them; True if set."""
-    if "mpi4py.MPI" in sys.modules or environ.get("MPICOLL_UCX_DEFAULTS", "1").strip() == "0":
+    if "mpi4py.MPI" in sys.modules or environ.get("MPICOLL_UCX_DEFAULTS", "1").strip().lower() in ("0", "no", "false", "off"):
         return False
     if any(name in environ for name in DEFAULTS):
         return False

@@ -18,11 +18,25 @@ def test_settings_that_do_not_parse_name_their_variable(monkeypatch):
                                    ("MPICOLL_TIMEOUT", "-1", "MPICOLL_TIMEOUT must be >= 0"),
                                    ("MPICOLL_CHANNEL", "wires", "MPICOLL_CHANNEL must be"),
                                    ("MPICOLL_TRANSPORT", "p2p", "now called MPICOLL_CHANNEL"),
-                                   ("MPICOLL_END_BROKEN_JOBS", "yes", "MPICOLL_END_BROKEN_JOBS must be 0 or 1")]:
+                                   ("MPICOLL_END_BROKEN_JOBS", "sometimes", "MPICOLL_END_BROKEN_JOBS must be 1 or 0"),
+                                   ("MPICOLL_DEBUG", "2", "MPICOLL_DEBUG must be 1 or 0"),
+                                   ("MPICOLL_SEGMENT", "inf", "MPICOLL_SEGMENT: not a byte count"),
+                                   ("MPICOLL_SEGMENT", "0", "MPICOLL_SEGMENT must be a positive"),
+                                   ("MPICOLL_KERNELS", "bogus", "MPICOLL_KERNELS must be"),
+                                   ("MPICOLL_CUDA_AWARE", "maybe", "MPICOLL_CUDA_AWARE must be 1 or 0"),
+                                   ("MPICOLL_UCX_DEFAULTS", "x", "MPICOLL_UCX_DEFAULTS must be 1 or 0")]:
         monkeypatch.setenv(variable, value)
         with pytest.raises(ValueError, match=words):
-            config.timeout(), config.channel(), config.end_broken_jobs()
+            config.check_all()
         monkeypatch.delenv(variable)
+
+
+@pytest.mark.parametrize("text, value", [("1", True), ("yes", True), ("On", True), ("0", False), ("no", False),
+                                         ("false", False), ("", True)])
+def test_switches_take_the_usual_spellings(monkeypatch, text, value):
+    from mpicoll import config
+    monkeypatch.setenv("MPICOLL_END_BROKEN_JOBS", text)
+    assert config.end_broken_jobs() is value
 
 
 def _ucx_settings_after(code: str, **environment) -> dict:

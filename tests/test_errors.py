@@ -261,3 +261,31 @@ def test_absent_peer_times_out_naming_it(monkeypatch):
         everywhere(isinstance(again, RuntimeError) and "unusable" in str(again), repr(again))
     else:
         everywhere(True)
+
+
+@pytest.mark.parametrize("collective", ["Allreduce", "Allgather", "Reduce_scatter_block"])
+def test_overlapping_buffers_are_refused_on_every_call_not_only_the_first(collective):
+    """After a communicator's first call, ``auto`` hands small numpy calls straight to MPI; overlapping send
+    and receive buffers must still be refused in one line (MPICH aborts the whole job on them), every
+    time, and the communicator must work afterwards."""
+    comm = mpicoll.Communicator(WORLD)
+    x = np.arange(8.0 * P)
+    first = {"Allreduce": (np.ones(4 * P), np.empty(4 * P)), "Allgather": (np.ones(4), np.empty(4 * P)),
+             "Reduce_scatter_block": (np.ones(4 * P), np.empty(4))}[collective]
+    getattr(comm, collective)(*first)                       # checked in full; later small calls go to MPI
+    refusals = 0
+    for _ in range(3):
+        try:
+            if collective == "Allreduce":
+                comm.Allreduce(x[: 4 * P], x[2: 4 * P + 2])
+            elif collective == "Allgather":
+                comm.Allgather(x[:4], x[: 4 * P])
+            else:
+                comm.Reduce_scatter_block(x[: 4 * P], x[: 4])
+        except ValueError as error:
+            refusals += "overlap" in str(error)
+    out = np.empty(4 * P)
+    comm.Allreduce(np.ones(4 * P), out)
+    everywhere(refusals == 3 and np.array_equal(out, np.full(4 * P, float(P))),
+               f"{refusals} of 3 overlapping calls refused")
+    comm.close()

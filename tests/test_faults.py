@@ -83,13 +83,26 @@ def test_resuming_with_other_rank_counts_is_refused(tmp_path, method, first, the
     assert snapshot(tmp_path) == before
 
 
-def test_a_damaged_checkpoint_is_refused_and_left_as_it_is(tmp_path):
+@pytest.mark.parametrize("method, file", [("allreduce-ring", "ck.npz"), ("sgp", "ck.rank1.npz"),
+                                          ("ps-async", "ck.server0.npz")])
+@pytest.mark.parametrize("damage", ["cut short", "a byte in the data"])
+def test_a_damaged_checkpoint_is_refused_and_left_as_it_is(tmp_path, method, file, damage):
+    """A file cut short or with one byte changed inside its data (there the zip's own headers are intact):
+    one line naming it, on every rank, promptly (SGP used to hang: the damaged rank died while the
+    others waited in a plain allgather), and nothing on disk changes."""
     data, prefix = data_file(tmp_path, "a.npz"), str(tmp_path / "ck")
-    assert train(2, "--data", data, "--checkpoint", prefix)[0].returncode == 0
-    path = tmp_path / "ck.npz"
-    path.write_bytes(path.read_bytes()[:100])                 # cut short, as by a full disk
+    ranks = 3 if method.startswith("ps-") else 2
+    assert train(ranks, "--method", method, "--data", data, "--checkpoint", prefix)[0].returncode == 0
+    path = tmp_path / file
+    whole = bytearray(path.read_bytes())
+    if damage == "cut short":
+        whole = whole[:100]
+    else:
+        whole[len(whole) // 2] ^= 0x01
+    path.write_bytes(bytes(whole))
     before = snapshot(tmp_path)
-    result, seconds = train(2, "--data", data, "--checkpoint", prefix, "--resume", "--epochs", "2")
+    result, seconds = train(ranks, "--method", method, "--data", data, "--checkpoint", prefix, "--resume",
+                            "--epochs", "2")
     assert_refused(result, seconds, "is damaged")
     assert snapshot(tmp_path) == before
 
@@ -113,10 +126,95 @@ def test_a_fresh_run_does_not_replace_a_checkpoint_unless_told(tmp_path):
     (["--straggler", "9=3"], "rank 9 is not among the 2 ranks"),
     (["--batch", "0"], "--batch must be at least 1"),
     (["--batch", "-5"], "--batch must be at least 1"),
+    (["--epochs", "0", "--method", "ps-async"], "--epochs must be at least 1"),
+    (["--servers", "-1", "--method", "ps-async"], "--servers must be at least 1"),
+    (["--servers", "0", "--method", "ps-sync"], "--servers must be at least 1"),
+    (["--softsync-k", "0", "--method", "ps-softsync"], "--softsync-k must be positive"),
+    (["--n-fetch", "0", "--method", "downpour"], "--n-fetch must be at least 1"),
+    (["--n-push", "0", "--method", "downpour"], "--n-push must be at least 1"),
+    (["--tau", "-1", "--method", "sgp"], "--tau must be at least 0"),
+    (["--lr", "-1"], "--lr must be a positive finite number"),
+    (["--lr", "nan"], "--lr must be a positive finite number"),
+    (["--hidden", "abc", "--model", "mlp"], "--hidden abc: give positive layer widths"),
+    (["--hidden", "64,", "--model", "mlp"], "--hidden 64,: give positive layer widths"),
+    (["--hidden", "-3", "--model", "mlp"], "--hidden -3: give positive layer widths"),
+    (["--output", "."], "that is a folder"),
+    (["--checkpoint", "/proc/no-such-process/ck"], "cannot write a file in /proc/no-such-process"),
 ])
 def test_bad_options_stop_every_rank_with_one_line(tmp_path, options, words):
-    result, seconds = train(2, "--data", data_file(tmp_path, "a.npz"), *options)
+    result, seconds = train(3 if "ps-" in " ".join(options) or "downpour" in options else 2,
+                            "--data", data_file(tmp_path, "a.npz"), *options)
     assert_refused(result, seconds, words)
+
+
+@pytest.mark.parametrize("variable, value", [("MPICOLL_SEGMENT", "inf"), ("MPICOLL_KERNELS", "bogus"),
+                                             ("MPICOLL_CHANNEL", "tcp"), ("MPICOLL_DEBUG", "maybe"),
+                                             ("MPICOLL_AUTO_ALLREDUCE", "ring:1M"), ("MPICOLL_CUDA_AWARE", "2")])
+def test_a_bad_setting_is_named_in_one_line(tmp_path, variable, value):
+    start = time.perf_counter()
+    result = launch(2, "-m", "mpicoll", "train", "--quiet", "--epochs", "1", "--data", data_file(tmp_path, "a.npz"),
+                    env={**TIMEOUT_ENV, variable: value}, timeout=PROMPT_S)
+    assert_refused(result, time.perf_counter() - start, variable)
+
+
+def test_a_switch_spelled_yes_is_taken_and_an_error_keeps_its_own_message(tmp_path):
+    """MPICOLL_END_BROKEN_JOBS=yes used to be refused on the way out of another error, replacing it."""
+    result = launch(2, "-m", "mpicoll", "train", "--quiet", "--epochs", "1", "--data", data_file(tmp_path, "a.npz"),
+                    env={**TIMEOUT_ENV, "MPICOLL_END_BROKEN_JOBS": "yes"}, timeout=PROMPT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _mount_tmpfs(folder, options: str) -> bool:
+    folder.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_full_disk_ends_the_job_naming_it_and_keeps_the_last_checkpoints(tmp_path):
+    """Checkpoints into a tmpfs that holds two files of the run but not a third write: the writing rank's
+    ENOSPC ends the job within seconds, every rank names it, and the folder keeps the last two epochs'
+    files whole, with no .partial left."""
+    data = data_file(tmp_path, "d.npz", features=64, classes=10, rows=200)
+    sized = launch(2, "-m", "mpicoll", "train", "--quiet", "--epochs", "1", "--model", "mlp", "--hidden", "160",
+                   "--data", data, "--checkpoint", str(tmp_path / "one"), env=TIMEOUT_ENV, timeout=PROMPT_S)
+    assert sized.returncode == 0, sized.stderr[-2000:]
+    kib = (tmp_path / "one.npz").stat().st_size * 5 // 2 // 1024       # room for two files and half a third
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, f"size={kib}k"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        start = time.perf_counter()
+        result = launch(2, "-m", "mpicoll", "train", "--quiet", "--epochs", "20", "--model", "mlp", "--hidden", "160",
+                        "--data", data, "--checkpoint", str(disk / "ck"), env=TIMEOUT_ENV, timeout=PROMPT_S)
+        seconds = time.perf_counter() - start
+        assert result.returncode != 0 and seconds < PROMPT_S, (result.returncode, seconds, result.stderr[-2000:])
+        assert len(re.findall(r"rank \d+ (?:stops: rank 0 failed|ends the job): OSError: \[Errno 28\] No space left",
+                              result.stderr)) == 2, result.stderr[-3000:]
+        names = sorted(p.name for p in disk.iterdir())
+        assert names == ["ck.npz", "ck.previous.npz"], names
+        identity = {key: value for key, value in _stamp(disk / "ck.npz").items()
+                    if key not in ("format", "point", "crc32")}
+        points = checkpoint.versions(disk / "ck.npz", identity)
+        assert len(points) == 2 and max(points) >= 2, points
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_read_only_checkpoint_folder_is_refused_before_anything_starts(tmp_path):
+    disk = tmp_path / "ro"
+    if not _mount_tmpfs(disk, "ro,size=64k"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        result, seconds = train(2, "--data", data_file(tmp_path, "a.npz"), "--checkpoint", str(disk / "ck"))
+        assert_refused(result, seconds, "Read-only file system")
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def _stamp(path) -> dict:
+    import json
+    with np.load(path) as stored:
+        return json.loads(str(stored["__identity__"]))
 
 
 def test_bad_data_files_are_explained_once(tmp_path):

@@ -86,6 +86,13 @@ def _parse(variable: str, text: str, device: bool) -> list[tuple[str, float]]:
     return parsed
 
 
+def check_settings() -> None:
+    """Parse every ``MPICOLL_AUTO_*`` rule in force, raising the first bad one's ValueError (it names the
+    variable)."""
+    for collective in DEFAULT_RULES:
+        rule(collective), rule(collective, across_nodes=True), rule(collective, device=True)
+
+
 def choose(collective: str, nbytes: int, size: int, commutative: bool = True, device: bool = False,
            across_nodes: bool = False) -> str:
     """The algorithm ``auto`` runs for one call."""

@@ -6,6 +6,7 @@ import ctypes
 import functools
 import os
 
+from .. import config
 from .kinds import _module
 
 __all__ = ["gpu_count", "device_name", "cuda_aware"]
@@ -29,9 +30,9 @@ def _mpi_library() -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=1)
 def cuda_aware() -> tuple[bool, str]:
     """(whether device buffers can go to MPI directly, why we think so)."""
-    forced = os.environ.get("MPICOLL_CUDA_AWARE", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1", f"forced by MPICOLL_CUDA_AWARE={forced}"
+    forced = config.cuda_aware()
+    if forced is not None:
+        return forced, f"forced by MPICOLL_CUDA_AWARE={os.environ['MPICOLL_CUDA_AWARE'].strip()}"
     library = _mpi_library()
     if library is not None and hasattr(library, "MPIX_Query_cuda_support"):
         supported = bool(library.MPIX_Query_cuda_support())

@@ -34,7 +34,7 @@ from .. import algorithms
 from ..checks import Signature
 from ..communicator import FINGERPRINT_FROM, Communicator
 from ..nodes import node_count
-from .common import format_bytes, interleaved_times, parse_sizes, write_records
+from .common import check_counts, format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run", "default_sizes", "measure", "COLLECTIVES"]
 
@@ -106,7 +106,7 @@ def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None, co
             for output in outputs.values():
                 output[...] = send
         for name in names:
-            for _ in range(warmup):
+            for _ in range(1 + warmup):               # the first call's result is checked below
                 calls[name](send, outputs[name])
         reference = np.empty(recv_count, dtype)
         if collective == "bcast":
@@ -300,7 +300,13 @@ def run(args) -> int:
     for name in names[1:]:
         if name != "auto":
             algorithms.get(name)
-    sizes = parse_sizes(args.sizes) if args.sizes else default_sizes()
+    try:
+        sizes = parse_sizes(args.sizes) if args.sizes else default_sizes()
+        check_counts(args, sizes, np.dtype(args.dtype))
+    except (TypeError, ValueError) as error:        # the same on every rank: each stops, rank 0 says why
+        if comm.Get_rank() == 0:
+            print(f"mpicoll bench: {error}", file=sys.stderr, flush=True)
+        return 2
     out = sys.stdout
     if comm.Get_rank() == 0:
         print(f"# mpicoll bench: {args.collective}, {comm.Get_size()} ranks, {args.dtype}, "

@@ -37,6 +37,18 @@ def parse_sizes(text: str) -> list[int]:
     return [parse_bytes(part) for part in text.split(",")]
 
 
+def check_counts(args, sizes: list[int], dtype: np.dtype) -> None:
+    """Raise a ValueError naming the first bad one of a benchmark's counts: ``--iters`` and ``--min-iters``
+    at least 1, ``--warmup`` at least 0, every size at least one element of ``dtype``."""
+    for option in ("iters", "min_iters", "warmup"):
+        value, least = getattr(args, option, None), 0 if option == "warmup" else 1
+        if value is not None and value < least:
+            raise ValueError(f"--{option.replace('_', '-')} must be at least {least}, got {value}")
+    small = [size for size in sizes if size < dtype.itemsize]
+    if small:
+        raise ValueError(f"--sizes: {small[0]} B is less than one {dtype.name} element ({dtype.itemsize} B)")
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

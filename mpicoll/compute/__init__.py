@@ -148,7 +148,7 @@ NUMBA_FROM = 1 << 16     # elements: below this, a numpy pass beats waking Numba
 
 def _forced_kernels() -> str:
     """The host kernels ``MPICOLL_KERNELS`` forces: "numpy", "numba", or "" (chosen by size)."""
-    return os.environ.get("MPICOLL_KERNELS", "").lower()
+    return config.kernels()
 
 
 def _host_backend(operands) -> str:

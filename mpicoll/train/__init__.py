@@ -54,18 +54,18 @@ def main(args) -> int:
     from .models import make
     comm = MPI.COMM_WORLD
     compute.limit_blas_threads()          # ranks sharing a node must not each start a thread per core
-    try:
+    try:                                 # the same on every rank: each stops, rank 0 says why
         data = load(args.data, seed=args.seed)
+        xp = _array_namespace(args.device)
+        hidden = _hidden_sizes(args.hidden)
+        if args.framework == "torch":
+            model = _torch_model(args, data, hidden, xp)
+        else:
+            model = make(args.model, data.features, data.classes, hidden, xp)
     except ValueError as error:
         if comm.Get_rank() == 0:
             print(f"mpicoll train: {error}", file=sys.stderr)
         return 2
-    xp = _array_namespace(args.device)
-    hidden = [int(h) for h in args.hidden.split(",")] if args.hidden else None
-    if args.framework == "torch":
-        model = _torch_model(args, data, hidden, xp)
-    else:
-        model = make(args.model, data.features, data.classes, hidden, xp)
     options = Options.from_args(args)
     if args.resume and not args.checkpoint:
         raise SystemExit("mpicoll train: --resume needs --checkpoint PREFIX (the prefix the earlier run used)")
@@ -79,6 +79,19 @@ def main(args) -> int:
         print(f"mpicoll train: rank {comm.Get_rank()}: {error}", file=sys.stderr, flush=True)
         return 1                         # a broken communicator ends the job at exit (mpicoll.failure)
     return 0
+
+
+def _hidden_sizes(text: str) -> list[int] | None:
+    """``--hidden 128,64`` as [128, 64] (None when not given), or a ValueError saying what it takes."""
+    if not text:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--hidden {text}: give positive layer widths separated by commas, e.g. 128,64")
+    return sizes
 
 
 def _bytes(text: str) -> int:

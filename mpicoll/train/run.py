@@ -15,8 +15,8 @@ after each epoch, draws the progress bar and writes the log.
 from __future__ import annotations
 
 import math
-import os
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import arrays, checkpoint, compute, config, failure, gossip, ps, timeline
+from ..algorithms import auto
 from ..communicator import Communicator
 from ..errors import Diverged
 from ..tags import Tag
@@ -121,13 +122,45 @@ def _identity(comm, options: Options, model: Model, data: Dataset) -> dict:
             "parameters": int(model.size), "data": data.fingerprint(), "ranks": comm.Get_size(), **cut}
 
 
+def _finite(value) -> bool:
+    return math.isfinite(value)
+
+
+# Every numeric option's range: (field, test, what the test asks).  Checked on every rank before any starts.
+_RANGES = [
+    ("epochs", lambda v: v >= 1, "at least 1"),
+    ("batch", lambda v: v >= 1, "at least 1"),
+    ("lr", lambda v: _finite(v) and v > 0, "a positive finite number"),
+    ("seed", lambda v: v >= 0, "at least 0"),
+    ("servers", lambda v: v >= 1, "at least 1"),
+    ("softsync_k", lambda v: _finite(v) and v > 0, "positive: a count of workers, or a fraction of them"),
+    ("lam", lambda v: _finite(v) and v >= 0, "a finite number, at least 0"),
+    ("n_fetch", lambda v: v >= 1, "at least 1"),
+    ("n_push", lambda v: v >= 1, "at least 1"),
+    ("warm_start", lambda v: v >= 0, "at least 0"),
+    ("tau", lambda v: v >= 0, "at least 0"),
+    ("model_parallel", lambda v: v >= 1, "at least 1"),
+    ("max_rank_memory", lambda v: v >= 0, "at least 0 bytes"),
+    ("history", lambda v: v >= 1, "at least 1"),
+    ("lbfgs_batch", lambda v: v >= 0, "at least 0 (0: the whole training set)"),
+    ("portions", lambda v: v >= 0, "at least 0 (0: 4 per worker)"),
+]
+
+
+def _check_ranges(options: Options) -> None:
+    """Raise naming the first option outside its range, as the command line spells it."""
+    for name, test, wanted in _RANGES:
+        value = getattr(options, name)
+        if not test(value):
+            raise ValueError(f"--{name.replace('_', '-')} must be {wanted}, got {value}")
+
+
 def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Method", run: dict) -> None:
     """Raise (on this rank) what would stop this rank's part of the job, before anything is written."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    config.timeout(), config.segment_bytes(), config.channel(), config.end_broken_jobs()   # settings that parse
-    if options.batch < 1 or options.epochs < 0:
-        raise ValueError(f"--batch must be at least 1 and --epochs at least 0, got {options.batch} and "
-                         f"{options.epochs}")
+    config.check_all()                      # every MPICOLL_ setting parses, or is named
+    auto.check_settings()
+    _check_ranges(options)
     slow = [r for r in parse_straggler(options.straggler) if not 0 <= r < size]
     if slow:
         raise ValueError(f"--straggler {options.straggler}: rank {slow[0]} is not among the {size} ranks")
@@ -153,11 +186,10 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
     reporting = options.servers * options.model_parallel if parameter_server else \
         options.servers + 1 if method.runner is _sandblaster else 0
     if options.output and rank == reporting:
-        folder = Path(options.output).parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise ValueError(f"--output {options.output}: the folder {folder} does not exist or is not writable")
+        _check_writable("--output", Path(options.output))
     if not options.checkpoint:
         return
+    _check_writable("--checkpoint", Path(f"{options.checkpoint}.npz"), made=True)
     if not options.resume:
         found = checkpoint.existing(options.checkpoint) if rank == 0 else []
         if found and not options.overwrite:
@@ -177,6 +209,23 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
             checkpoint.check(mine, run)
     else:
         checkpoint.check(_checkpoint_file(options, method, rank), run)
+
+
+def _check_writable(option: str, path: Path, made: bool = False) -> None:
+    """Raise unless a file can be written at ``path``: it is no folder, and its folder exists (or, ``made``,
+    is made now) and takes a file (tried: permissions, a read-only mount, a full inode table)."""
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: that is a folder; name a file in it, e.g. {path / 'run.jsonl'}")
+    if not made and not folder.is_dir():
+        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".mpicoll-probe-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{option} {path}: cannot write a file in {folder} ({error.strerror or error}); "
+                         "pick a writable folder") from None
 
 
 def _checkpoint_file(options: Options, method: "Method", rank: int) -> Path:
