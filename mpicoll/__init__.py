@@ -16,8 +16,8 @@ _apply_ucx_defaults()           # before anything imports mpi4py.MPI, which star
 from .api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce_scatter,
                   reduce_scatter)
 from .communicator import Communicator
-from .errors import (CollectiveTimeout, Diverged, MismatchError, MpicollError, NonFiniteError, PartFailed,
-                     PeerFailed, ReductionError, RootError, ServerFailed, SetupError)
+from .errors import (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError,
+                     PartFailed, PeerFailed, ReductionError, RootError, ServerFailed, SetupError)
 from .failure import end_job
 from .nonblocking import Request
 
@@ -28,6 +28,6 @@ __all__ = [
     "allreduce", "reduce_scatter", "allgather", "broadcast",
     "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
     "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
-    "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "end_job",
+    "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall", "end_job",
     "__version__",
 ]

@@ -14,6 +14,9 @@ a :class:`~mpicoll.nonblocking.Request` and run on a background thread
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 from mpi4py import MPI
 
@@ -22,7 +25,7 @@ from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from .checks import Fingerprint, Signature, check_call
 from .context import Context
-from .errors import RootError
+from .errors import ConcurrentCall, RootError
 from .nodes import node_layout
 from .nonblocking import Request, Worker
 from .reduction import Reduction, op_name
@@ -257,8 +260,21 @@ class Communicator(MPI.Intracomm):
         commutative = reduction is None or reduction.commutative
         return auto.choose(collective, sized.nbytes, self.Get_size(), commutative, device, self.across_nodes)
 
+    def _one_at_a_time(self, collective: str, watched: bool) -> "_OneCall":
+        """A guard that admits one collective call at a time on this communicator (:class:`ConcurrentCall`
+        for a second thread's); ``watched``: the call is MPI's own blocking one, put under the watchdog's
+        deadline (mpicoll's algorithms bound their own waits)."""
+        lock = self.__dict__.get("_lock")
+        if lock is None:        # communicators mpi4py builds from this one skip __init__
+            lock = self.__dict__.setdefault("_lock", threading.Lock())
+        return _OneCall(lock, watchdog.watching(self, collective) if watched else None, collective)
+
     def _run(self, name: str | None, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
         """Check the call if due, then run algorithm ``name`` (None: MPI's own call with the caller's arguments)."""
+        with self._one_at_a_time(signature.collective, watched=False):
+            self._timed_run(name, signature, contribution, run_algorithm, run_mpi)
+
+    def _timed_run(self, name, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
         checked = None if contribution is None or contribution.on_device else contribution.array
         signature.algorithm = name or "mpi"
         if timeline.enabled:
@@ -271,7 +287,8 @@ class Communicator(MPI.Intracomm):
     def _checked_run(self, name: str | None, signature: Signature, checked, run_algorithm, run_mpi) -> None:
         context = self._checked_context(signature, checked)
         if name is None:
-            run_mpi()
+            with watchdog.watching(self, signature.collective):     # MPI's own blocking call
+                run_mpi()
             return
         try:
             run_algorithm(algorithms.get(name), context)
@@ -290,36 +307,80 @@ def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, lim
     """``name``, calling MPI directly for numpy buffers under ``limit`` bytes, under the watchdog's deadline
     (MPI's blocking call cannot be interrupted: past ``MPICOLL_TIMEOUT`` the watchdog names the missing
     ranks and ends the job, :mod:`mpicoll.watchdog`)."""
-    ndarray, watching = np.ndarray, watchdog.watching
-    if name in ("Allreduce", "Reduce_scatter_block"):
-        def collective(sendbuf, recvbuf, op=MPI.SUM):
-            if type(recvbuf) is ndarray and recvbuf.nbytes < limit and _apart(sendbuf, recvbuf):
-                with watching(owner, name):
-                    return mpi_call(sendbuf, recvbuf, op)
-            return checked_call(sendbuf, recvbuf, op)
-    elif name == "Allgather":
-        def collective(sendbuf, recvbuf):
-            if type(recvbuf) is ndarray and recvbuf.nbytes < limit and _apart(sendbuf, recvbuf):
-                with watching(owner, name):
-                    return mpi_call(sendbuf, recvbuf)
-            return checked_call(sendbuf, recvbuf)
-    else:
+    # What _OneCall does, and the overlap check, inlined (each call into Python costs ~60 ns): this path's
+    # cost over mpi4py's own call is about 0.3 us (docs/failures.md).  Overlapping buffers take the checked
+    # path, which refuses them in one line (MPICH aborts the job on them).
+    ndarray, guard, now, in_place = np.ndarray, owner._one_at_a_time(name, watched=True), time.monotonic, MPI.IN_PLACE
+    acquire, release, watch, share = guard.lock.acquire, guard.lock.release, guard.watch, np.may_share_memory
+
+    def apart(sendbuf, recvbuf) -> bool:       # numpy points a view's base at its memory's owner
+        mine, theirs = sendbuf.base, recvbuf.base
+        return ((sendbuf if mine is None else mine) is not (recvbuf if theirs is None else theirs)
+                or not sendbuf.size or not share(sendbuf, recvbuf))
+
+    if name == "Bcast":
         def collective(buf, root=0):
             if type(buf) is ndarray and buf.nbytes < limit:
-                with watching(owner, name):
+                if not acquire(False):
+                    raise ConcurrentCall(name)
+                watch.started = now()
+                try:
                     return mpi_call(buf, root)
+                finally:
+                    watch.started = 0.0
+                    release()
             return checked_call(buf, root)
+    elif name == "Allgather":
+        def collective(sendbuf, recvbuf):
+            if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
+                    sendbuf is in_place or type(sendbuf) is ndarray and apart(sendbuf, recvbuf)):
+                if not acquire(False):
+                    raise ConcurrentCall(name)
+                watch.started = now()
+                try:
+                    return mpi_call(sendbuf, recvbuf)
+                finally:
+                    watch.started = 0.0
+                    release()
+            return checked_call(sendbuf, recvbuf)
+    else:
+        def collective(sendbuf, recvbuf, op=MPI.SUM):
+            if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
+                    sendbuf is in_place or type(sendbuf) is ndarray and apart(sendbuf, recvbuf)):
+                if not acquire(False):
+                    raise ConcurrentCall(name)
+                watch.started = now()
+                try:
+                    return mpi_call(sendbuf, recvbuf, op)
+                finally:
+                    watch.started = 0.0
+                    release()
+            return checked_call(sendbuf, recvbuf, op)
     collective.__doc__ = getattr(Communicator, name).__doc__
     return collective
 
 
-def _apart(sendbuf, recvbuf) -> bool:
-    """Whether ``sendbuf`` is ``MPI.IN_PLACE`` or a numpy array that shares no memory with ``recvbuf``:
-    the calls the fast path may hand to MPI.  Others take the checked path, which refuses overlapping
-    buffers in one line (MPICH aborts the whole job on them)."""
-    if is_in_place(sendbuf):
-        return True
-    return type(sendbuf) is np.ndarray and (sendbuf.size == 0 or not np.may_share_memory(sendbuf, recvbuf))
+class _OneCall:
+    """``with`` around one collective call: refuses a second thread's call while one is in flight
+    (:class:`~mpicoll.errors.ConcurrentCall`), and with a ``watch``, puts the call under the watchdog's
+    deadline (a blocking MPI call past ``MPICOLL_TIMEOUT`` ends the job, naming who is missing).
+    Reusable: one per fast-path closure."""
+
+    __slots__ = ("lock", "watch", "collective")
+
+    def __init__(self, lock: threading.Lock, watch: watchdog.watching | None, collective: str):
+        self.lock, self.watch, self.collective = lock, watch, collective
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            raise ConcurrentCall(self.collective)
+        if self.watch is not None:
+            self.watch.__enter__()
+
+    def __exit__(self, *exc_info):
+        if self.watch is not None:
+            self.watch.__exit__()
+        self.lock.release()
 
 
 def _array(message: Message | None):

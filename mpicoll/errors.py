@@ -5,7 +5,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 __all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
-           "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError"]
+           "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError", "ConcurrentCall"]
 
 
 class MPIRefusal(MPI.Exception):
@@ -70,6 +70,18 @@ class CollectiveTimeout(MpicollError, TimeoutError):
             "MPICOLL_DEBUG=1 compares every call across ranks). Raise MPICOLL_TIMEOUT if a peer "
             "is just slow; this communicator is no longer usable."
         )
+
+
+class ConcurrentCall(MpicollError):
+    """A second thread called a collective on a communicator while another thread's call on it was in
+    flight.  MPI forbids it (the two calls' messages would be taken for each other's), and the order the
+    threads take differs between ranks, so mpicoll refuses the second call instead of serialising it."""
+
+    def __init__(self, collective: str):
+        super().__init__(
+            f"{collective}: another thread is in a collective call on this communicator; MPI allows one at a "
+            "time per communicator, in the same order on every rank. Give each thread its own communicator "
+            "(comm.Dup()), or use the nonblocking forms (Iallreduce, mpicoll.iallreduce) from one thread")
 
 
 class PeerFailed(MpicollError, ConnectionError):

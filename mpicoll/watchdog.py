@@ -6,8 +6,8 @@ them, and the ``mpi`` algorithm every call), which nothing interrupts once enter
 program raised, which sits in ``MPI_Finalize`` while its peers wait for it in their next collective.
 This module's thread watches both from outside the stuck call:
 
-- :func:`watching` marks a blocking MPI call as in flight (two dictionary writes: measured at about 0.2 us
-  a call, ``docs/failures.md``); once one has lasted the communicator's ``MPICOLL_TIMEOUT``, the thread
+- :class:`watching` marks a blocking MPI call as in flight (a time stamp set and cleared; a fast path keeps
+  one and reuses it, ``docs/failures.md`` has its cost); once one has lasted the communicator's ``MPICOLL_TIMEOUT``, the thread
   holds the roll call on the communicator's private channel (``Context``), names the ranks that never
   answered, and ends the job with ``MPI_Abort``: the stuck call cannot return, so it cannot raise.
 - :func:`guard_job` (what ``mpicoll train`` and the benchmarks call first, on every rank) opens a side
@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -41,7 +42,8 @@ _LOOK_EVERY = 0.1        # seconds between the thread's looks
 _NOTE_BYTES = 4000       # the longest reason sent to the other ranks
 _SETTLE_S = 1.0          # a failing rank's pause between telling the others and ending the job
 
-_in_flight: dict[int, tuple] = {}    # thread id -> (started, owner, collective): blocking MPI calls
+_watches: weakref.WeakSet = weakref.WeakSet()    # every watching object alive: the calls that may be in flight
+_watches_lock = threading.Lock()
 _guard: MPI.Intracomm | None = None  # the side channel for notes from failed ranks (guard_job)
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
@@ -52,18 +54,22 @@ class watching:
 
     ``owner``: anything with a ``context()`` method answering the :class:`~mpicoll.context.Context` whose
     timeout bounds the call and whose roll call names the missing ranks (a Communicator, or a Context).
+    One object serves one call at a time and may be reused: a hot path keeps one and sets ``started``
+    (``time.monotonic()``, 0 when idle) itself, which is all ``with`` does.
     """
 
-    __slots__ = ("owner", "collective")
+    __slots__ = ("owner", "collective", "started", "__weakref__")
 
     def __init__(self, owner, collective: str):
-        self.owner, self.collective = owner, collective
+        self.owner, self.collective, self.started = owner, collective, 0.0
+        with _watches_lock:
+            _watches.add(self)
 
     def __enter__(self):
-        _in_flight[threading.get_ident()] = (time.monotonic(), self.owner, self.collective)
+        self.started = time.monotonic()
 
     def __exit__(self, *exc_info):
-        _in_flight.pop(threading.get_ident(), None)
+        self.started = 0.0
 
 
 class _Plain:
@@ -140,11 +146,16 @@ def _watch() -> None:
             if _guard is not None:
                 _hear_failures()
             now = time.monotonic()
-            for started, owner, collective in list(_in_flight.values()):
-                context = owner.context()
+            with _watches_lock:
+                watches = list(_watches)
+            for watch in watches:
+                started = watch.started
+                if not started:
+                    continue
+                context = watch.owner.context()
                 limit = context.timeout if context is not None else config.timeout()
-                if limit and now - started > limit:
-                    _expired(owner, context, collective, limit)
+                if limit and now - started > limit and watch.started == started:      # still the same call
+                    _expired(watch.owner, context, watch.collective, limit)
         except Exception as error:  # noqa: BLE001 - the watchdog must outlive anything it sees
             print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()}: watchdog: {type(error).__name__}: {error}",
                   file=sys.stderr, flush=True)

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import P, RANK, WORLD, everywhere, require_one_node
+from conftest import P, RANK, WORLD, everywhere, require_one_node, shared_seed
 
 pytestmark = pytest.mark.mpi
 
@@ -288,4 +288,37 @@ def test_overlapping_buffers_are_refused_on_every_call_not_only_the_first(collec
     comm.Allreduce(np.ones(4 * P), out)
     everywhere(refusals == 3 and np.array_equal(out, np.full(4 * P, float(P))),
                f"{refusals} of 3 overlapping calls refused")
+    comm.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("count, algorithm", [(4, "auto"), (300_000, "auto"), (1000, "ring")])
+def test_a_second_thread_on_a_busy_communicator_is_refused_and_the_first_call_is_right(count, algorithm):
+    """Rank 0's first thread is in an allreduce (rank 1 joins it 0.5 s late) when its second thread calls
+    another on the same communicator: that one gets ConcurrentCall (MPI forbids two at once; their
+    messages used to mix into a wrong result), and the first call's result is right."""
+    import threading
+    comm = mpicoll.Communicator(WORLD, algorithm=algorithm)
+    comm.Allreduce(np.ones(count), np.empty(count))             # the full first-call check, on every rank
+    rng = np.random.default_rng([shared_seed(), RANK])
+    x = rng.standard_normal(count)
+    expected = np.sum(WORLD.allgather(x), axis=0)
+    result, refused = np.empty(count), []
+
+    def intruder():
+        try:
+            comm.Allreduce(np.ones(count), np.empty(count))
+        except mpicoll.ConcurrentCall as error:
+            refused.append(str(error))
+
+    second = threading.Timer(0.1, intruder) if RANK == 0 else None
+    if second:
+        second.start()
+    else:
+        time.sleep(0.5)
+    comm.Allreduce(x, result)
+    if second:
+        second.join()
+    everywhere(np.allclose(result, expected) and (RANK != 0 or len(refused) == 1),
+               f"refused: {refused}; result right: {np.allclose(result, expected)}")
     comm.close()
