@@ -150,7 +150,7 @@ def test_keeping_survivors_running_is_hydras_and_refused_elsewhere():
 
 
 def test_the_subnet_must_be_private(fresh):
-    with pytest.raises(cluster.ClusterError, match="private subnet"):
+    with pytest.raises(cluster.ClusterError, match="private IPv4 subnet"):
         cluster.up(2, subnet="8.8.8.0/24")
     assert not network.existing()
 
@@ -275,3 +275,30 @@ def test_a_worker_lost_on_its_node_during_async_training_is_dropped_and_the_othe
     if how == "cut":
         assert mpicoll_cluster("heal", "node2").returncode == 0
     assert not still_running(("node0", "node1", "node2")), "processes left behind"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["up", "--nodes", "2", "--subnet", "garbage"], "--subnet garbage: not a network"),
+    (["up", "--nodes", "2", "--subnet", "127.0.0.0/24"], "not loopback"),
+])
+def test_a_bad_subnet_is_one_line_and_builds_nothing(fresh, args, words):
+    result = mpicoll_cluster(*args)
+    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert cluster.state() is None and not network.existing()
+
+
+def test_a_run_of_no_ranks_is_one_line(fresh):
+    assert mpicoll_cluster("up", "--nodes", "2").returncode == 0
+    result = mpicoll_cluster("run", "-n", "0", "--", "true")
+    assert result.returncode == 2 and "-n and --ranks-per-node must be at least 1" in result.stderr, result.stderr
+
+
+def test_down_removes_shared_memory_segments_nobody_holds(tmp_path):
+    """A killed MPICH job leaves its mpich_shm_* segments; only those no live process holds open or mapped
+    are removed (this process holds one open, which must stay)."""
+    orphan, held = tmp_path / "mpich_shm_dead_0", tmp_path / "mpich_shm_live_0"
+    orphan.write_bytes(b"x" * 64)
+    held.write_bytes(b"y" * 64)
+    with open(held, "rb"):
+        removed = cluster._remove_orphaned_shared_memory(tmp_path)
+    assert removed == [orphan.name] and held.exists() and not orphan.exists()

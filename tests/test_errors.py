@@ -322,3 +322,11 @@ def test_a_second_thread_on_a_busy_communicator_is_refused_and_the_first_call_is
     everywhere(np.allclose(result, expected) and (RANK != 0 or len(refused) == 1),
                f"refused: {refused}; result right: {np.allclose(result, expected)}")
     comm.close()
+
+
+def test_every_error_a_job_can_stop_on_is_an_mpicoll_error():
+    """mpicoll train prints MpicollErrors in one line; WorkerLost used to be a bare RuntimeError (a
+    traceback)."""
+    from mpicoll import ps
+    assert issubclass(ps.WorkerLost, mpicoll.MpicollError)
+    assert issubclass(mpicoll.ConcurrentCall, mpicoll.MpicollError)

@@ -83,9 +83,14 @@ def up(nodes: int, link: str | None = "1gbit", delay: str | None = None, loss: f
                            "mpicoll cluster down removes them")
     if nodes < 1:
         raise ClusterError(f"--nodes must be at least 1, got {nodes}")
-    net = ipaddress.ip_network(subnet)
-    if not net.is_private or net.num_addresses < nodes + 2:
-        raise ClusterError(f"subnet {subnet}: give a private subnet with room for {nodes} nodes")
+    try:
+        net = ipaddress.ip_network(subnet)
+    except ValueError:
+        raise ClusterError(f"--subnet {subnet}: not a network; give one such as 10.203.0.0/24") from None
+    if not net.is_private or net.is_loopback or net.is_link_local or net.version != 4 \
+            or net.num_addresses < nodes + 2:
+        raise ClusterError(f"--subnet {subnet}: give a private IPv4 subnet (not loopback or link-local) with "
+                           f"room for {nodes} nodes, such as 10.203.0.0/24")
     addresses = [str(address) for address, _ in zip(net.hosts(), range(nodes))]
     record = {**wanted, "addresses": addresses, "cores": _cores_per_node(nodes),
               "down": [], "rates": {node: link for node in wanted["nodes"]}}
@@ -107,7 +112,32 @@ def down() -> list[str]:
     gone = network.destroy()
     for name in ("state.json", "remote-shell", "hosts"):
         (STATE_DIR / name).unlink(missing_ok=True)
+    _remove_orphaned_shared_memory()
     return gone
+
+
+def _remove_orphaned_shared_memory(folder: Path = Path("/dev/shm")) -> list[str]:
+    """Remove the shared-memory segments of MPICH jobs (``mpich_shm_*``) that no live process has open or
+    mapped: a job killed by a cut or a signal never unlinks them, and they fill /dev/shm."""
+    segments = sorted(folder.glob("mpich_shm_*")) if folder.is_dir() else []
+    if not segments:
+        return []
+    in_use = set()
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit():
+            continue
+        try:
+            in_use.update(line.split(maxsplit=5)[-1].strip() for line in (process / "maps").read_text().splitlines()
+                          if "/dev/shm/" in line)
+            in_use.update(os.readlink(fd) for fd in (process / "fd").iterdir())
+        except OSError:                      # gone meanwhile, or not ours to read
+            continue
+    removed = []
+    for segment in segments:
+        if str(segment) not in in_use and f"{segment} (deleted)" not in in_use:
+            segment.unlink(missing_ok=True)
+            removed.append(segment.name)
+    return removed
 
 
 def _require() -> dict:
@@ -193,6 +223,8 @@ def run(ranks: int, command: list[str], ranks_per_node: int | None = None, keep_
     """
     current = _require()
     nodes = current["nodes"]
+    if ranks < 1 or (ranks_per_node is not None and ranks_per_node < 1):
+        raise ClusterError(f"-n and --ranks-per-node must be at least 1, got {ranks} and {ranks_per_node}")
     per_node = ranks_per_node or math.ceil(ranks / len(nodes))
     used = math.ceil(ranks / per_node)
     if used > len(nodes):

@@ -22,7 +22,7 @@ import numpy as np
 from .. import checkpoint
 from ..context import Context
 from ..checks import all_finite
-from ..errors import Diverged
+from ..errors import Diverged, MpicollError
 from ..tags import Tag
 from .layout import Layout
 from .protocol import Kind
@@ -51,8 +51,9 @@ class ServerStats:
     wall_s: float = 0.0
 
 
-class WorkerLost(RuntimeError):
-    """Synchronous training lost a worker: it cannot go on, and says which."""
+class WorkerLost(MpicollError):
+    """Synchronous training lost a worker: it cannot go on, and says which (a RuntimeError, as every
+    :class:`~mpicoll.errors.MpicollError`: ``mpicoll train`` prints it in one line)."""
 
 
 # One non-finite gradient is skipped (a bad batch); once each active worker has sent this many in a row with
