@@ -512,3 +512,15 @@ def identity_of(prefix, server) -> dict:
     with np.load(checkpoint.path(prefix, "server", server)) as stored:
         stamp = json.loads(str(stored["__identity__"]))
     return {key: value for key, value in stamp.items() if key not in ("format", "point", "crc32")}
+
+
+def test_bench_checks_the_first_calls_result_and_refuses_bad_counts_in_one_line():
+    """--warmup 0 used to compare a buffer no call had written ("mpi gave a wrong allreduce" every time)."""
+    quick = ["--sizes", "8,4K", "--algorithms", "ring", "--iters", "2", "--min-iters", "2"]
+    result = launch(2, "-m", "mpicoll", "bench", *quick, "--warmup", "0", env=TIMEOUT_ENV, timeout=PROMPT_S)
+    assert result.returncode == 0 and "wrong" not in result.stderr, result.stderr[-2000:]
+    for options, words in [(["--iters", "-1"], "--iters must be at least 1"), (["--sizes", "3"], "3 B is less than one"),
+                           (["--warmup", "-2"], "--warmup must be at least 0")]:
+        start = time.perf_counter()
+        result = launch(2, "-m", "mpicoll", "bench", *quick, *options, env=TIMEOUT_ENV, timeout=PROMPT_S)
+        assert_refused(result, time.perf_counter() - start, words)
