@@ -230,6 +230,14 @@ class Context:
             raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self.missing(failed)[0],
                                          error.Get_error_string())) from None
 
+    def completes(self, requests: list, limit: float) -> bool:
+        """Whether ``requests`` complete within ``limit`` seconds (0: wait forever), polled like every wait;
+        if not, they are left pending and the channel stays usable.  For waits on one peer that its caller
+        can go on without (a parameter server's transfer with one worker): no roll call, no broken channel."""
+        if not requests:
+            return True
+        return self._poll(lambda: True if _all_done(requests) else None, lambda: None, limit=limit, default=False)
+
     def waitany(self, requests: list, peers: list[int], patience: float | None = None,
                 limit: float | None = None) -> int | None:
         """Index of a completed request (REQUEST_NULL entries are skipped).

@@ -9,6 +9,7 @@ hang cannot pass for a timeout), and that no checkpoint file was touched.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -432,6 +433,7 @@ def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path, meth
 
 
 _FAULT = '''
+import json
 import os
 if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == os.environ["FAULTY_RANK"]:
     from mpicoll.train import models
@@ -524,3 +526,36 @@ def test_bench_checks_the_first_calls_result_and_refuses_bad_counts_in_one_line(
         start = time.perf_counter()
         result = launch(2, "-m", "mpicoll", "bench", *quick, *options, env=TIMEOUT_ENV, timeout=PROMPT_S)
         assert_refused(result, time.perf_counter() - start, words)
+
+
+_STALL = '''
+import os, time
+if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "2":
+    from mpicoll.ps import transports
+    original, calls = transports._ClientSide.headers, [0]
+    def headers(self, kind, versions, gradient, requests, peers):
+        calls[0] += 1
+        if calls[0] == 6 and gradient is not None:    # the header goes out, the gradient never follows
+            original(self, kind, versions, None, requests, peers)
+            time.sleep(float(os.environ["STALL_S"]))
+            os._exit(0)
+        return original(self, kind, versions, gradient, requests, peers)
+    transports._ClientSide.headers = headers
+'''
+
+
+def test_a_worker_cut_off_in_the_middle_of_its_gradient_is_dropped_and_the_others_finish(tmp_path):
+    """ps-async: worker rank 2 sends a gradient's header and then nothing (as a worker whose link is cut in the
+    middle of a transfer): the server, waiting for that gradient, drops the worker after MPICOLL_TIMEOUT and
+    the other workers finish and the summary is written; it used to time out as in a collective and end the
+    whole job (2 of 4 runs across emulated nodes)."""
+    (tmp_path / "sitecustomize.py").write_text(_STALL)
+    data, log = data_file(tmp_path, "d.npz", rows=1200), tmp_path / "run.jsonl"
+    result = launch(4, "-m", "mpicoll", "train", "--quiet", "--method", "ps-async", "--epochs", "8", "--data", data,
+                    "--output", str(log), env={**TIMEOUT_ENV, "MPICOLL_TIMEOUT": "4", "STALL_S": "10",
+                                               "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}, timeout=PROMPT_S)
+    assert re.search(r"worker rank 2 stopped in the middle of sending its gradient.*dropped", result.stderr), \
+        result.stderr[-3000:]
+    summary = json.loads(log.read_text().splitlines()[-1])
+    assert summary.get("summary") and summary["samples"] > 0, summary
+    assert "waited" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]

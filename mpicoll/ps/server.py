@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import checkpoint
 from ..context import Context
@@ -27,7 +28,7 @@ from ..tags import Tag
 from .layout import Layout
 from .protocol import Kind
 from .rules import Rule
-from .transports import server_side
+from .transports import WorkerUnreachable, server_side
 from .windows import Windows
 
 __all__ = ["Server", "ServerStats", "WorkerLost", "Diverged"]
@@ -155,7 +156,11 @@ class Server:
             kind, version = Kind(int(headers[worker][0])), int(headers[worker][1])
             ready: list[int] = []
             if kind.carries_gradient:
-                ready = self._take_gradient(worker, kind, version)
+                try:
+                    ready = self._take_gradient(worker, kind, version)
+                except WorkerUnreachable as gone:         # cut off in the middle: go on without it
+                    self._drop(worker, str(gone))
+                    continue
             elif kind is Kind.PULL:
                 self.waiting[worker] = kind
                 if rule.version < warm_start and worker != workers[0]:
@@ -177,7 +182,10 @@ class Server:
                 save_checkpoint(checkpoint, self.layout, rule, identity)
                 saved_at = rule.version
         finished = [worker for worker in workers if worker not in stats.lost]
-        transport.finish(workers, finished, len(stats.lost))
+        try:
+            transport.finish(workers, finished, len(stats.lost))
+        except WorkerUnreachable as gone:         # it finished, but its last answer did not get through
+            print(f"[server rank {self.layout.rank}] worker rank {gone.worker} {gone}", file=sys.stderr, flush=True)
         if checkpoint:
             save_checkpoint(checkpoint, self.layout, rule, identity)
         if transport.weights is not self.weights:
@@ -238,7 +246,11 @@ class Server:
     def _answer(self, worker: int) -> None:
         if self.waiting.pop(worker) is Kind.PULL:
             self.rule.on_pull(worker)
-        self.transport.answer(worker, self.rule.version)
+        try:
+            self.transport.answer(worker, self.rule.version)
+        except WorkerUnreachable as gone:             # its previous answer is still stuck: cut off
+            self._drop(worker, str(gone))
+            return
         self.stats.bytes_out += self.transport.weights.nbytes
 
     def _drop_lost_workers(self) -> None:
@@ -265,8 +277,9 @@ class Server:
         print(f"{message}: dropped; " + (f"training goes on with {others} worker(s)" if others
                                          else "every other worker has finished"), file=sys.stderr, flush=True)
         index = self.workers.index(worker)
-        self.requests[index].Cancel()
-        self.requests[index].Wait()
+        if self.requests[index] != MPI.REQUEST_NULL:       # its next header's receive, if posted
+            self.requests[index].Cancel()
+            self.requests[index].Wait()
         self.active.discard(worker)
         self.waiting.pop(worker, None)
         self.stats.lost.append(worker)

@@ -33,12 +33,21 @@ from .layout import Layout
 from .protocol import Kind, final_note, lost_in
 from .windows import Windows
 
-__all__ = ["TRANSPORTS", "server_side", "client_side"]
+__all__ = ["TRANSPORTS", "server_side", "client_side", "WorkerUnreachable"]
 
 TRANSPORTS = ("p2p", "onesided")
 
 
 # -- the server's side ----------------------------------------------------------------------
+
+class WorkerUnreachable(Exception):
+    """A transfer with one worker did not complete within the timeout (its node cut off, or it hung in the
+    middle of a request): the server drops that worker where its rule allows, instead of ending the job."""
+
+    def __init__(self, worker: int, what: str, seconds: float):
+        self.worker, self.what, self.seconds = worker, what, seconds
+        super().__init__(f"stopped in the middle of {what}: it did not complete in {seconds:g} s (cut off or hung)")
+
 
 class _ServerSide:
     """Answer headers, each sent once the previous one to the same worker has left."""
@@ -47,15 +56,23 @@ class _ServerSide:
         self.ctx = ctx
         self.answers: dict[int, list] = {w: [] for w in workers}
 
+    def finish_transfer(self, requests: list, worker: int, what: str) -> None:
+        """Wait for a transfer with ``worker``; past half the timeout, :class:`WorkerUnreachable` (the channel
+        stays usable for the other workers; the requests are abandoned).  Half: the other workers wait for
+        this server with the whole timeout, and must not time out while it waits for one of them."""
+        limit = self.ctx.timeout / 2
+        if not self.ctx.completes(requests, limit):
+            raise WorkerUnreachable(worker, what, limit)
+
     def note(self, worker: int, value: int) -> None:
         """The small answer header (a version, or the final note)."""
-        self.ctx.waitall(self.answers[worker], worker)
+        self.finish_transfer(self.answers[worker], worker, "receiving its previous answer")
         self.answers[worker] = [self.ctx.isend(np.array([value], np.int64), worker, Tag.PS_ANSWER)]
 
     def settle(self, workers) -> None:
         """Wait until every answer to ``workers`` has left."""
         for worker in workers:
-            self.ctx.waitall(self.answers[worker], worker)
+            self.finish_transfer(self.answers[worker], worker, "receiving its answer")
 
 
 class PointToPointServer(_ServerSide):
@@ -69,7 +86,7 @@ class PointToPointServer(_ServerSide):
     def gradient(self, worker: int) -> np.ndarray:
         if self.asks_first:
             self._go(worker, True)
-        self.ctx.wait(self.ctx.irecv(self._gradient, worker, Tag.PS_GRADIENT), worker)
+        self.finish_transfer([self.ctx.irecv(self._gradient, worker, Tag.PS_GRADIENT)], worker, "sending its gradient")
         return self._gradient
 
     def refuse(self, worker: int) -> None:
