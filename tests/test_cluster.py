@@ -165,12 +165,12 @@ def test_state_records_the_cores_each_node_gets():
 
 
 CUT_DURING_ALLREDUCE = textwrap.dedent("""
-    import time, numpy as np
+    import sys, time, numpy as np
     from mpi4py import MPI
     import mpicoll
     world = MPI.COMM_WORLD
-    x = np.ones(1 << 18, np.float32)
-    with mpicoll.Communicator(world, algorithm="ring") as comm:
+    x = np.ones(int(sys.argv[2]), np.float32)
+    with mpicoll.Communicator(world, algorithm=sys.argv[1]) as comm:
         try:
             while True:
                 comm.Allreduce(MPI.IN_PLACE, x)
@@ -180,14 +180,17 @@ CUT_DURING_ALLREDUCE = textwrap.dedent("""
 """)
 
 
-def test_a_node_cut_during_an_allreduce_is_named_and_the_job_ends(fresh, tmp_path):
+@pytest.mark.parametrize("algorithm, count", [("ring", 1 << 18), ("auto", 8)])
+def test_a_node_cut_during_an_allreduce_is_named_and_the_job_ends(fresh, tmp_path, algorithm, count):
     """The link of node2 (rank 2) goes down mid-run: ranks 0 and 1 raise CollectiveTimeout naming rank 2,
-    the job ends with MPI_Abort's status (70) instead of hanging; once healed, nothing is left running."""
+    the job ends with MPI_Abort's status (70) instead of hanging; once healed, nothing is left running.
+    ``auto`` with 8 elements runs MPI's own blocking allreduce, which hung forever: the watchdog names rank 2
+    on both survivors and ends the job."""
     assert mpicoll_cluster("up", "--nodes", "3").returncode == 0
     script = tmp_path / "cut.py"
     script.write_text(CUT_DURING_ALLREDUCE)
     job = subprocess.Popen([sys.executable, "-m", "mpicoll", "cluster", "run", "-n", "3", "--", sys.executable,
-                            str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            str(script), algorithm, str(count)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT), "MPICOLL_TIMEOUT": "3",
                                 "MPICOLL_END_BROKEN_JOBS": "1"})
     time.sleep(4)                                    # start-up, then some allreduces
@@ -197,6 +200,9 @@ def test_a_node_cut_during_an_allreduce_is_named_and_the_job_ends(fresh, tmp_pat
     stdout, stderr = job.communicate(timeout=60)
     seconds = time.perf_counter() - cut
     reports = sorted(re.findall(r"rank (\d): (\w+): Allreduce: rank \d waited \S+ s for rank\(s\) ([\d, ]+),", stdout))
+    if algorithm == "auto":                          # the watchdog's line: MPI's call cannot raise
+        reports = sorted((rank, "CollectiveTimeout", who) for rank, who in re.findall(
+            r"rank (\d) ends the job: Allreduce \(MPI's own\): rank \d waited \S+ s for rank\(s\) ([\d, ]+),", stderr))
     assert job.returncode == 70 and seconds < 30, (job.returncode, seconds, stdout, stderr[-2000:])
     # rank 2's own report is lost with its link
     assert reports == [("0", "CollectiveTimeout", "2"), ("1", "CollectiveTimeout", "2")], stdout
