@@ -60,6 +60,7 @@ class Context:
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
         watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.watchdog.watching)
+        watchdog.end_job_on_uncaught_errors()
         self._dead, self._dead_asked_at = frozenset(), -math.inf     # the MPI library's last answer (living)
         self.children: list[Context] = []     # contexts over parts of this one (mpicoll.nodes), freed with it
         self.node_layout = None               # mpicoll.nodes.NodeLayout, once an algorithm asked for it

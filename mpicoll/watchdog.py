@@ -35,7 +35,7 @@ from . import config, failure
 from .errors import CollectiveTimeout
 from .tags import Tag
 
-__all__ = ["watching", "bounded", "start", "guard_job", "job_failed", "FAILED_EXIT_CODE"]
+__all__ = ["watching", "bounded", "start", "guard_job", "job_failed", "end_job_on_uncaught_errors", "FAILED_EXIT_CODE"]
 
 FAILED_EXIT_CODE = 1     # mpiexec's status for a job a rank's uncaught exception ended
 _LOOK_EVERY = 0.1        # seconds between the thread's looks
@@ -128,6 +128,28 @@ def job_failed(error: BaseException) -> None:
             time.sleep(0.01)
         time.sleep(max(0.0, deadline - time.monotonic()))      # let the others print before the abort
     failure.end_job(f"{reason} (an uncaught error on rank {rank}; its traceback is above)", FAILED_EXIT_CODE)
+
+
+def end_job_on_uncaught_errors() -> None:
+    """From now on, an exception that ends this process's main thread ends the whole job (through
+    :func:`job_failed`) instead of leaving the process in ``MPI_Finalize`` while its peers wait for it until
+    their timeout.  What ``python -m mpi4py`` does, for programs that use mpicoll's communicators (a
+    :class:`~mpicoll.context.Context` installs it); Ctrl-C keeps Python's own handling."""
+    global _hook_installed
+    if _hook_installed or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    _hook_installed = True
+    previous = sys.excepthook
+
+    def hook(kind, error, trace):
+        if issubclass(kind, (KeyboardInterrupt, SystemExit)) or not MPI.Is_initialized() or MPI.Is_finalized():
+            return previous(kind, error, trace)
+        job_failed(error.with_traceback(trace))
+
+    sys.excepthook = hook
+
+
+_hook_installed = False
 
 
 def _one_line(error: BaseException) -> str:

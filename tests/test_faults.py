@@ -559,3 +559,29 @@ def test_a_worker_cut_off_in_the_middle_of_its_gradient_is_dropped_and_the_other
     summary = json.loads(log.read_text().splitlines()[-1])
     assert summary.get("summary") and summary["samples"] > 0, summary
     assert "waited" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+_UNCAUGHT = """
+import numpy as np, mpicoll
+from mpi4py import MPI
+comm = mpicoll.Communicator(MPI.COMM_WORLD)
+x, y = np.ones(4), np.empty(4)
+comm.Allreduce(x, y)
+for step in range(100000):
+    if comm.rank == 1 and step == 50:
+        raise ValueError("backward failed on rank 1")
+    comm.Allreduce(x, y)
+"""
+
+
+def test_a_program_of_its_own_ends_the_job_on_one_ranks_uncaught_error(tmp_path):
+    """A user's script (no mpicoll command around it) whose rank 1 raises while the others are in their next
+    allreduce: once mpicoll's communicators are in use, the uncaught error ends the job at once with that
+    rank's traceback, instead of the others waiting MPICOLL_TIMEOUT (600 s here) for it."""
+    script = tmp_path / "uncaught.py"
+    script.write_text(_UNCAUGHT)
+    start = time.perf_counter()
+    result = launch(3, str(script), env=TIMEOUT_ENV, timeout=PROMPT_S)
+    seconds = time.perf_counter() - start
+    assert result.returncode == 1 and seconds < PROMPT_S, (result.returncode, seconds, result.stderr[-2000:])
+    assert "rank 1 ends the job: ValueError: backward failed on rank 1" in result.stderr, result.stderr[-2000:]
