@@ -59,6 +59,7 @@ class Context:
         # Checks a wait runs once it lasts; one that raises ends the wait with its error (ranks that
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
+        self.silent_seen: list[int] = []      # every rank the last roll call did not hear (by names)
         watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.watchdog.watching)
         watchdog.end_job_on_uncaught_errors()
         self._dead, self._dead_asked_at = frozenset(), -math.inf     # the MPI library's last answer (living)
@@ -265,7 +266,7 @@ class Context:
         deadline a :class:`CollectiveTimeout` names ``peers``."""
         def give_up():
             raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self.missing(peers)[0],
-                                                   self.timeout))
+                                                   self.timeout, also_silent=self.silent_seen))
 
         self._poll(lambda: True if ready() else None, give_up)
 
@@ -312,7 +313,7 @@ class Context:
         stuck = list(peers) if collective_request else [p for r, p in zip(requests, peers) if not r.Test()]
         missing, sure = self.missing(stuck)
         raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], missing, limit or self.timeout,
-                                            some_of=not sure and collective_request))
+                                            some_of=not sure and collective_request, also_silent=self.silent_seen))
 
     def missing(self, suspects) -> tuple[list[int], bool]:
         """(the ranks to name as missing, by :attr:`names`; whether the roll call confirmed them).
@@ -322,7 +323,7 @@ class Context:
         live neighbour waiting like us), else the suspects.
         """
         suspects = [self.names[peer] for peer in suspects]
-        silent = self._silent()
+        silent = self.silent_seen = self._silent()
         confirmed = [peer for peer in silent if peer in suspects] or silent
         return confirmed or suspects, bool(confirmed)
 

@@ -202,7 +202,8 @@ def _expired(owner, context, collective: str, limit: float) -> None:
     if context is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         missing, sure = context.missing(context.others())
         reason = str(context.broken_by(CollectiveTimeout(
-            f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=not sure)))
+            f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=not sure,
+            also_silent=context.silent_seen)))
     else:
         comm = getattr(owner, "comm", None)
         dead = failure.failed_ranks(comm) if comm is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE else []

@@ -585,3 +585,33 @@ def test_a_program_of_its_own_ends_the_job_on_one_ranks_uncaught_error(tmp_path)
     seconds = time.perf_counter() - start
     assert result.returncode == 1 and seconds < PROMPT_S, (result.returncode, seconds, result.stderr[-2000:])
     assert "rank 1 ends the job: ValueError: backward failed on rank 1" in result.stderr, result.stderr[-2000:]
+
+
+_LOSE_TWO = """
+import os, numpy as np
+from mpi4py import MPI
+import mpicoll
+world = MPI.COMM_WORLD
+with mpicoll.Communicator(world, algorithm="ring") as comm:
+    comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))
+    if world.rank >= 2:
+        os._exit(3)
+    try:
+        comm.Allreduce(MPI.IN_PLACE, np.ones(1 << 16, np.float32))
+    except mpicoll.CollectiveTimeout as error:
+        print(f"rank {world.rank}: {sorted(set(error.peers) | set(error.also_silent))}", flush=True)
+"""
+
+
+@pytest.mark.skipif(launcher()[1] != "mpich", reason="keeping survivors of a dead process running is set up for Hydra")
+def test_every_survivor_names_every_lost_rank(tmp_path):
+    """Ranks 2 and 3 of 4 are lost (as both ranks of a cut node): each survivor names both, the ranks it
+    waited for and the others its roll call did not hear (CollectiveTimeout.also_silent).  On one node the
+    ring's waits already name both (this passes without also_silent); the red team saw one survivor of a
+    cut 2x2 cluster name one rank, which this does not reproduce."""
+    script = tmp_path / "lose_two.py"
+    script.write_text(_LOSE_TWO)
+    result = launch(4, str(script), timeout=120, env={"MPICOLL_TIMEOUT": "3", "MPICOLL_END_BROKEN_JOBS": "1"},
+                    extra=["-disable-auto-cleanup"])
+    reports = sorted(re.findall(r"rank \d: \[[\d, ]*\]", result.stdout))     # the launcher may glue lines
+    assert reports == ["rank 0: [2, 3]", "rank 1: [2, 3]"], (result.stdout, result.stderr[-2000:])
