@@ -260,18 +260,17 @@ class Communicator(MPI.Intracomm):
         commutative = reduction is None or reduction.commutative
         return auto.choose(collective, sized.nbytes, self.Get_size(), commutative, device, self.across_nodes)
 
-    def _one_at_a_time(self, collective: str, watched: bool) -> "_OneCall":
-        """A guard that admits one collective call at a time on this communicator (:class:`ConcurrentCall`
-        for a second thread's); ``watched``: the call is MPI's own blocking one, put under the watchdog's
-        deadline (mpicoll's algorithms bound their own waits)."""
+    def _call_lock(self) -> threading.Lock:
+        """The lock that admits one collective call at a time on this communicator (taken without
+        blocking: a second thread's call is a :class:`ConcurrentCall`)."""
         lock = self.__dict__.get("_lock")
         if lock is None:        # communicators mpi4py builds from this one skip __init__
             lock = self.__dict__.setdefault("_lock", threading.Lock())
-        return _OneCall(lock, watchdog.watching(self, collective) if watched else None, collective)
+        return lock
 
     def _run(self, name: str | None, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
         """Check the call if due, then run algorithm ``name`` (None: MPI's own call with the caller's arguments)."""
-        with self._one_at_a_time(signature.collective, watched=False):
+        with _OneCall(self._call_lock(), signature.collective):
             self._timed_run(name, signature, contribution, run_algorithm, run_mpi)
 
     def _timed_run(self, name, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
@@ -287,7 +286,7 @@ class Communicator(MPI.Intracomm):
     def _checked_run(self, name: str | None, signature: Signature, checked, run_algorithm, run_mpi) -> None:
         context = self._checked_context(signature, checked)
         if name is None:
-            with watchdog.watching(self, signature.collective):     # MPI's own blocking call
+            with watchdog.watch_of(self, signature.collective):     # MPI's own blocking call
                 run_mpi()
             return
         try:
@@ -307,11 +306,12 @@ def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, lim
     """``name``, calling MPI directly for numpy buffers under ``limit`` bytes, under the watchdog's deadline
     (MPI's blocking call cannot be interrupted: past ``MPICOLL_TIMEOUT`` the watchdog names the missing
     ranks and ends the job, :mod:`mpicoll.watchdog`)."""
-    # What _OneCall does, and the overlap check, inlined (each call into Python costs ~60 ns): this path's
-    # cost over mpi4py's own call is about 0.3 us (docs/failures.md).  Overlapping buffers take the checked
-    # path, which refuses them in one line (MPICH aborts the job on them).
-    ndarray, guard, now, in_place = np.ndarray, owner._one_at_a_time(name, watched=True), time.monotonic, MPI.IN_PLACE
-    acquire, release, watch, share = guard.lock.acquire, guard.lock.release, guard.watch, np.may_share_memory
+    # What _OneCall and the watchdog's ``with`` do, and the overlap check, inlined (each call into Python costs
+    # ~60 ns): this path's cost over mpi4py's own call is about 0.3 us (docs/failures.md).  Overlapping
+    # buffers take the checked path, which refuses them in one line (MPICH aborts the job on them).
+    lock, watch = owner._call_lock(), watchdog.watch_of(owner, name)
+    ndarray, now, in_place, share = np.ndarray, time.monotonic, MPI.IN_PLACE, np.may_share_memory
+    acquire, release = lock.acquire, lock.release
 
     def apart(sendbuf, recvbuf) -> bool:       # numpy points a view's base at its memory's owner
         mine, theirs = sendbuf.base, recvbuf.base
@@ -362,24 +362,18 @@ def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, lim
 
 class _OneCall:
     """``with`` around one collective call: refuses a second thread's call while one is in flight
-    (:class:`~mpicoll.errors.ConcurrentCall`), and with a ``watch``, puts the call under the watchdog's
-    deadline (a blocking MPI call past ``MPICOLL_TIMEOUT`` ends the job, naming who is missing).
-    Reusable: one per fast-path closure."""
+    (:class:`~mpicoll.errors.ConcurrentCall`) instead of waiting for it."""
 
-    __slots__ = ("lock", "watch", "collective")
+    __slots__ = ("lock", "collective")
 
-    def __init__(self, lock: threading.Lock, watch: watchdog.watching | None, collective: str):
-        self.lock, self.watch, self.collective = lock, watch, collective
+    def __init__(self, lock: threading.Lock, collective: str):
+        self.lock, self.collective = lock, collective
 
     def __enter__(self):
         if not self.lock.acquire(blocking=False):
             raise ConcurrentCall(self.collective)
-        if self.watch is not None:
-            self.watch.__enter__()
 
     def __exit__(self, *exc_info):
-        if self.watch is not None:
-            self.watch.__exit__()
         self.lock.release()
 
 

@@ -60,7 +60,7 @@ def parse_bytes(text: str) -> int:
 _ON, _OFF = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
 
 
-def _switch(variable: str, default: bool) -> bool:
+def _switch(variable: str, default: bool | None) -> bool | None:
     text = os.environ.get(variable, "").strip().lower()
     if not text:
         return default
@@ -122,7 +122,7 @@ def kernels() -> str:
 
 def cuda_aware() -> bool | None:
     """``MPICOLL_CUDA_AWARE`` as forced (True/False), or None: ask the MPI library."""
-    return _switch("MPICOLL_CUDA_AWARE", None) if os.environ.get("MPICOLL_CUDA_AWARE", "").strip() else None
+    return _switch("MPICOLL_CUDA_AWARE", None)
 
 
 def ucx_defaults() -> bool:

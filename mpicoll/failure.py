@@ -19,9 +19,9 @@ MPICH and Open MPI), so that no one sends to them.
 from __future__ import annotations
 
 import atexit
-import os
 import ctypes
 import functools
+import os
 import sys
 import time
 

@@ -35,7 +35,7 @@ from . import config, failure
 from .errors import CollectiveTimeout
 from .tags import Tag
 
-__all__ = ["watching", "bounded", "start", "guard_job", "job_failed", "end_job_on_uncaught_errors", "FAILED_EXIT_CODE"]
+__all__ = ["watching", "watch_of", "bounded", "start", "guard_job", "job_failed", "end_job_on_uncaught_errors", "FAILED_EXIT_CODE"]
 
 FAILED_EXIT_CODE = 1     # mpiexec's status for a job a rank's uncaught exception ended
 _LOOK_EVERY = 0.1        # seconds between the thread's looks
@@ -70,6 +70,16 @@ class watching:
 
     def __exit__(self, *exc_info):
         self.started = 0.0
+
+
+def watch_of(owner, collective: str) -> watching:
+    """``owner``'s :class:`watching` for ``collective``, made once and kept on the owner (a Communicator
+    or a Context): a call path that runs often reuses one instead of registering a new one per call."""
+    watches = owner.__dict__.setdefault("_watches", {})
+    watch = watches.get(collective)
+    if watch is None:
+        watch = watches[collective] = watching(owner, collective)
+    return watch
 
 
 class _Plain:

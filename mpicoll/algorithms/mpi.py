@@ -62,7 +62,7 @@ def _call(ctx, name: str, *args) -> None:
     background context, its nonblocking form waited for by the context (naps instead of MPI's busy wait,
     and a deadline it raises at)."""
     if not ctx.background:
-        with watchdog.watching(ctx, name):      # past the deadline the watchdog ends the job, naming who
+        with watchdog.watch_of(ctx, name):      # past the deadline the watchdog ends the job, naming who
             getattr(ctx.comm, name)(*args)
         return
     ctx.waitall([getattr(ctx.comm, "I" + name[0].lower() + name[1:])(*args)], ctx.others() or ctx.rank)
