@@ -225,7 +225,12 @@ _UNDER_MPIEXEC = {"train", "bench", "bench-ps", "bench-gossip", "bench-torch", "
 def _guarded(run, args) -> int:
     from mpi4py import MPI
 
-    from . import watchdog
+    from . import launcher, watchdog
+    try:
+        launcher.check_this_launch()
+    except launcher.LaunchMismatch as error:    # every process is a job of its own: each says it, once
+        print(f"mpicoll {args.command}: {error}", file=sys.stderr, flush=True)
+        return 2
     watchdog.guard_job(MPI.COMM_WORLD)
     try:
         return run(args)

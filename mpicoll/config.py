@@ -129,9 +129,15 @@ def ucx_defaults() -> bool:
     return _switch("MPICOLL_UCX_DEFAULTS", True)
 
 
+def check_launch() -> bool:
+    """Whether a launch whose announced task count differs from MPI's world stops (mpicoll.launcher)."""
+    return _switch("MPICOLL_CHECK_LAUNCH", True)
+
+
 def check_all() -> None:
     """Read every setting above, raising the first bad one's ValueError."""
     timeout(), segment_bytes(), channel(), end_broken_jobs(), debug(), kernels(), cuda_aware(), ucx_defaults()
+    check_launch()
 
 
 def cores() -> int:

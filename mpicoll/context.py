@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import arrays, config, failure, watchdog
+from . import arrays, config, failure, launcher, watchdog
 from .errors import CollectiveTimeout, MismatchError, PeerFailed
 from .nodes import ranks_on_this_node
 from .shared import SharedRegions
@@ -60,6 +60,7 @@ class Context:
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
         self.silent_seen: list[int] = []      # every rank the last roll call did not hear (by names)
+        launcher.check_this_launch()    # N separate singletons where a launcher started N tasks: stop now
         watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.watchdog.watching)
         watchdog.end_job_on_uncaught_errors()
         self._dead, self._dead_asked_at = frozenset(), -math.inf     # the MPI library's last answer (living)

@@ -1,12 +1,18 @@
-"""Finding the MPI launcher: the one place that knows how to start N ranks from Python.
+"""MPI launchers: the one place that knows how to start N ranks from Python, and what a launcher tells the
+ranks it started.
 
-Used by ``mpicoll compare`` (one ``mpicoll train`` job per method), by
-``mpicoll cluster run`` and by the tests that launch real jobs.  Shell scripts
-use ``scripts/launch``, which also validates hostfiles.
+Starting: used by ``mpicoll compare`` (one ``mpicoll train`` job per method), by ``mpicoll cluster run`` and
+by the tests that launch real jobs.  Shell scripts use ``scripts/launch``, which also validates hostfiles.
+
+Checking: :func:`check_world` compares the task count a launcher or scheduler announced (Hydra's and Slurm's
+PMI, Open MPI's ``mpirun``, ``srun``) with the world MPI reports, so that a launch that does not match, say
+``srun`` starting N separate one-rank runs because its PMI does not reach this MPI, stops before any work
+instead of "completing" as N copies of a single-process job.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -14,7 +20,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["launcher", "mpiexec_command", "keep_survivors"]
+from . import config
+from .errors import MpicollError
+
+__all__ = ["launcher", "mpiexec_command", "keep_survivors", "announced", "check_world", "check_this_launch",
+           "LaunchMismatch"]
 
 
 def launcher() -> tuple[list[str], str]:
@@ -54,3 +64,61 @@ def mpiexec_command(ranks: int, flags=()) -> list[str]:
     command, flavour = launcher()
     extra = ["--oversubscribe"] if flavour == "openmpi" else []
     return [*command, *extra, *flags, "-n", str(ranks)]
+
+
+# What launchers tell the processes they start: (variable with the process's index, variable with the task count,
+# who sets them).  Most specific first: Hydra's mpiexec and srun's PMI-2 both set PMI_*, and a launcher started
+# inside a Slurm allocation passes Slurm's own variables on to its processes.
+_ANNOUNCERS = (("PMI_RANK", "PMI_SIZE", "the launcher"),
+               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+               ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "srun"))
+
+
+def announced() -> tuple[int, int, str, str] | None:
+    """(this process's index, the task count, who announced them, the variable holding the count), e.g.
+    ``(0, 2, "srun", "SLURM_STEP_NUM_TASKS")``, or None where no launcher did (a plain ``python``, or a Slurm
+    batch script's own process).  Readable before MPI starts: the command line uses it to print its usage
+    errors once per job, not once per rank."""
+    for rank, size, who in _ANNOUNCERS:
+        try:
+            return int(os.environ[rank]), int(os.environ[size]), who, size
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+class LaunchMismatch(MpicollError):
+    """The launcher started a different number of tasks than MPI sees in its world: the processes are not
+    one job.  Raised before any work, on every rank, with the fix."""
+
+
+def check_world(world_size: int, library: str = "") -> None:
+    """Raise :class:`LaunchMismatch` when a launcher announced a task count other than ``world_size``
+    (``MPI.COMM_WORLD``'s size; ``library`` is ``MPI.Get_library_version()``, named in the message).
+
+    ``MPICOLL_CHECK_LAUNCH=0`` skips the check (a program that means to run as separate singletons)."""
+    if not config.check_launch():
+        return
+    launch = announced()
+    if launch is None or launch[1] == world_size:
+        return
+    _, tasks, who, variable = launch
+    mpi = library.strip().splitlines()[0].strip() if library.strip() else "this MPI"
+    if who == "srun":
+        fix = ("srun's PMI does not reach this MPI, so each task started alone: launch with srun --mpi=pmi2 "
+               "for MPICH (srun --mpi=pmix for Open MPI; srun --mpi=list shows this Slurm's), or with mpiexec; "
+               "scripts/slurm-setup.sh chooses for the sbatch scripts")
+    else:
+        fix = (f"the launcher belongs to another MPI library than the one mpi4py loaded ({mpi}): start the job "
+               "with that library's mpiexec (the MPICH wheel's is beside this Python), or point mpi4py at the "
+               "launcher's library")
+    raise LaunchMismatch(f"{who} started {tasks} tasks ({variable}={tasks}), but MPI sees a world of {world_size}: {fix} "
+                         "(MPICOLL_CHECK_LAUNCH=0 skips this check)")
+
+
+@functools.cache
+def check_this_launch() -> None:
+    """:func:`check_world` for this process's ``MPI.COMM_WORLD``, once (the first communicator's context
+    and the command line call it; a mismatch raises again on every call)."""
+    from mpi4py import MPI
+    check_world(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())

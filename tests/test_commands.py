@@ -193,6 +193,34 @@ def test_slurm_train_and_compare_scripts_run_outside_slurm(tmp_path):
     assert "| sgp | 2 |" in (tmp_path / "report" / "report.md").read_text()
 
 
+ANNOUNCED = {"srun": {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3"},
+             "Open MPI's mpirun": {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3"}}
+
+
+@pytest.mark.parametrize("who", ANNOUNCED)
+def test_a_launch_that_started_more_tasks_than_mpi_sees_stops_before_any_work(tmp_path, who):
+    """A launcher announced 3 tasks, MPI (the MPICH wheel, started alone) sees a world of 1: the command says so
+    in one line with the fix, the library raises before its first collective; MPICOLL_CHECK_LAUNCH=0 lets the
+    process run alone."""
+    output = tmp_path / "train.jsonl"
+    env = script_env(**ANNOUNCED[who])
+    result = subprocess.run([sys.executable, "-m", "mpicoll", "train", "--epochs", "1", "--output", str(output)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    # (mpi4py adds a warning of its own where Open MPI's variables meet another MPI)
+    refusal = [line for line in result.stderr.splitlines() if "mpi4py" not in line and "Warning" not in line]
+    assert len(refusal) == 1 and f"mpicoll train: {who} started 3 tasks" in refusal[0], result.stderr
+    assert "world of 1" in result.stderr and ("--mpi=pmi2" in result.stderr) == (who == "srun"), result.stderr
+    assert not output.exists()
+    program = "import numpy, mpicoll; print(mpicoll.allreduce(numpy.ones(2)))"
+    library = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert library.returncode == 1 and "LaunchMismatch" in library.stderr, library.stderr
+    alone = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env={**env, "MPICOLL_CHECK_LAUNCH": "0"},
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0 and alone.stdout.strip() == "[1. 1.]", alone.stderr
+
+
 def test_bench_kernels_reports_bandwidth_against_copy(tmp_path):
     out = tmp_path / "kernels.json"
     result = subprocess.run([sys.executable, "-m", "mpicoll", "bench-kernels", "--elements", "100003", "--iters", "2",
