@@ -5,13 +5,39 @@ cluster)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
 
 from .config import parse_bytes
+from .launcher import announced
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, printed once per job: under a launcher only its first
+    process prints (every process exits with status 2), naming the option meant where a misspelt one is close
+    to a real one."""
+
+    def error(self, message: str):
+        launch = announced()
+        if launch is None or launch[0] == 0:
+            print(f"{self.prog}: error: {message}{self._did_you_mean(message)}; see {self.prog} --help",
+                  file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    def _did_you_mean(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments"):
+            return ""
+        known = [option for option in self._option_string_actions if option.startswith("--")]
+        for word in message.split():
+            if word.startswith("--") and word not in known:
+                close = difflib.get_close_matches(word.split("=")[0], known, n=1)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
 
 
 def _float_or_none(text: str | None) -> float | None:
@@ -188,7 +214,7 @@ _RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".ben
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mpicoll", description="MPI collectives for distributed SGD.")
+    parser = _Parser(prog="mpicoll", description="MPI collectives for distributed SGD.")
     commands = parser.add_subparsers(dest="command", required=True)
     _bench_parser(commands)
     _bench_kernels_parser(commands)
@@ -206,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     add_cluster_parser(commands)
     args, passthrough = parser.parse_known_args(argv)
     if passthrough and args.command not in ("compare", "cluster"):
-        parser.error(f"unrecognized arguments: {' '.join(passthrough)}")
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(passthrough)}")
     args.train_args = passthrough                  # compare hands them to every training run
     if args.command not in _RUNNERS:
         return info()

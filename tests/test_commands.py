@@ -193,6 +193,17 @@ def test_slurm_train_and_compare_scripts_run_outside_slurm(tmp_path):
     assert "| sgp | 2 |" in (tmp_path / "report" / "report.md").read_text()
 
 
+@pytest.mark.parametrize("args, words", [(["train", "--epocs", "3"], "unrecognized arguments: --epocs 3 (did you "
+                                                                       "mean --epochs?)"),
+                                         (["train", "--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
+                                         (["trian"], "invalid choice: 'trian'")])
+def test_a_usage_error_is_one_line_per_job_not_one_usage_per_rank(args, words):
+    result = launch(4, "-m", "mpicoll", *args)
+    lines = (result.stdout + result.stderr).splitlines()
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert words in lines[0] and lines[0].endswith("--help"), lines
+
+
 ANNOUNCED = {"srun": {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3"},
              "Open MPI's mpirun": {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3"}}
 
