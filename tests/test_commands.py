@@ -342,6 +342,34 @@ def test_train_shows_progress_and_refuses_a_bad_data_file(tmp_path):
     assert result.returncode != 0 and "not a readable .npz file" in result.stderr, result.stderr
 
 
+def test_an_output_log_belongs_to_one_run(tmp_path):
+    """A second run onto an existing --output is refused and leaves it as it was; --overwrite replaces it, but
+    not while another run holds it (two runs never interleave in one file); --resume appends."""
+    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
+    import fcntl
+    log = tmp_path / "run.jsonl"
+    first = launch(2, "-m", "mpicoll", "train", "--epochs", "2", "--output", str(log), "--checkpoint",
+                   str(tmp_path / "ck"))
+    assert first.returncode == 0, first.stderr
+    before = log.read_bytes()
+    again = launch(2, "-m", "mpicoll", "train", "--epochs", "2", "--output", str(log))
+    lines = again.stderr.splitlines()
+    assert again.returncode != 0 and len(lines) == 1 and "--output" in lines[0] and "--overwrite" in lines[0], lines
+    assert log.read_bytes() == before
+    with open(log, "a") as held:                  # another run writing it: holds the same lock a run holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        busy = launch(2, "-m", "mpicoll", "train", "--epochs", "2", "--output", str(log), "--overwrite")
+    assert busy.returncode != 0 and "being written by another run" in busy.stderr, busy.stderr
+    assert log.read_bytes() == before
+    resumed = launch(2, "-m", "mpicoll", "train", "--epochs", "3", "--output", str(log), "--checkpoint",
+                     str(tmp_path / "ck"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert log.read_bytes().startswith(before) and [r.get("epoch") for r in records if "epoch" in r] == [1, 2, 3]
+    replaced = launch(2, "-m", "mpicoll", "train", "--epochs", "1", "--output", str(log), "--overwrite")
+    assert replaced.returncode == 0 and len(log.read_text().splitlines()) == 2, replaced.stderr
+
+
 def test_compare_writes_a_report_and_plot_redraws_it(tmp_path):
     pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
     pytest.importorskip("matplotlib")

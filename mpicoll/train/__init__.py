@@ -138,12 +138,14 @@ def add_parser(commands) -> None:
     train_.add_argument("--straggler", help="RANK=FACTOR: make that rank FACTOR times slower, e.g. 3=3")
     train_.add_argument("--delay", metavar="DIST", help="add to every step of every rank a sleep drawn from "
                         "DIST (ms, seeded): gamma:SHAPE,SCALE, exp:MEAN or fixed:MS, e.g. gamma:2,1.5")
-    train_.add_argument("--output", metavar="RUN.jsonl", help="one JSON record per evaluation, then a summary")
+    train_.add_argument("--output", metavar="RUN.jsonl", help="one JSON record per evaluation, then a summary; an existing file is refused unless "
+                        "--overwrite (--resume appends to it)")
     train_.add_argument("--quiet", action="store_true", help="no progress bar")
     train_.add_argument("--checkpoint", metavar="PREFIX", help="save the state after every epoch under PREFIX")
     train_.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
     train_.add_argument("--overwrite", action="store_true",
-                        help="let a fresh run replace an earlier run's --checkpoint files (refused otherwise)")
+                        help="let a fresh run replace an earlier run's --checkpoint files and --output log "
+                        "(refused otherwise)")
     group = train_.add_argument_group("parameter servers (ps-*, dcasgd, downpour, sandblaster-lbfgs)")
     group.add_argument("--servers", type=int, default=1, help="server ranks (default 1); sandblaster-lbfgs: "
                        "server shards after the coordinator (rank 0)")

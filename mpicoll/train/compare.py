@@ -156,6 +156,7 @@ def compare(methods: list[str], ranks: int, folder: str | Path, train_args: list
     for repeat in range(repeats):
         for method in methods if repeat % 2 == 0 else methods[::-1]:
             log = folder / (f"{method}.jsonl" if repeats == 1 else f"{method}.{repeat + 1}.jsonl")
+            log.unlink(missing_ok=True)           # this report's own log of an earlier compare
             command = [*launch(1 if METHODS[method].one_rank else ranks), sys.executable, "-m", "mpicoll", "train",
                        "--method", method, "--output", str(log), *train_args]
             print(f"+ {' '.join(command)}", file=sys.stderr, flush=True)

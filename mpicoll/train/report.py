@@ -6,6 +6,10 @@ One record per evaluation (``time_s``, ``epoch``, ``samples``, ``loss``,
 the options).  The bar redraws in place on a terminal and prints one line per
 evaluation elsewhere (a Slurm log, a pipe).
 
+The log belongs to one run: an existing file is refused unless ``--overwrite`` (replace it) or ``--resume``
+(continue it: the resumed run's records follow the first part's), and a lock held while it is open keeps
+two runs from ever interleaving in one file (:func:`open_log`).
+
 Times count from the reporter's creation, which every method does once its
 set-up is over (communicators, windows, kernels loaded): ``wall_s`` compares
 the methods' training, not their start-up.
@@ -13,14 +17,50 @@ the methods' training, not their start-up.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
 
 import numpy as np
 
-__all__ = ["Reporter"]
+__all__ = ["Reporter", "open_log", "check_log"]
+
+
+def open_log(path, replace: bool = False, resume: bool = False):
+    """The run's log, open for writing and locked against every other run until closed: a new file, or
+    (``replace``) an existing one emptied, or (``resume``) an existing one appended to.  ValueError, naming
+    the option, where the file exists and neither is given or another run holds it."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if resume else 0) | (0 if replace or resume else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        raise ValueError(_exists(path)) from None
+    log = os.fdopen(fd, "w")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.close()
+        raise ValueError(f"--output {path} is being written by another run right now; name another file") from None
+    if not resume:
+        log.truncate(0)
+    return log
+
+
+def check_log(path, replace: bool = False, resume: bool = False) -> None:
+    """Raise as :func:`open_log` would, leaving the file as it is (the checks before a job starts)."""
+    if not os.path.lexists(path):
+        return
+    if not (replace or resume):
+        raise ValueError(_exists(path))
+    open_log(path, resume=True).close()      # another run's lock raises; appending nothing changes nothing
+
+
+def _exists(path) -> str:
+    return (f"--output {path} exists, an earlier run's log: pass --overwrite to replace it (or --resume to "
+            "continue it), or name another file")
 
 
 class Reporter:
@@ -29,7 +69,7 @@ class Reporter:
         self.X_test, self.y_test = xp.asarray(data.X_test), xp.asarray(data.y_test)
         self.start = time.perf_counter()
         self.samples = 0
-        self.log = open(options.output, "w") if options.output else None
+        self.log = open_log(options.output, options.overwrite, options.resume) if options.output else None
         self.stream = sys.stderr
         self.live = options.progress and self.stream.isatty()
         self.last: dict = {}

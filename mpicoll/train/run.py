@@ -34,7 +34,7 @@ from ..watchdog import bounded
 from ..straggler import Straggler, parse as parse_straggler, parse_delay
 from .data import Dataset
 from .models import Model
-from .report import Reporter
+from .report import Reporter, check_log
 from . import schedule as schedules
 
 __all__ = ["Options", "Method", "METHODS", "train"]
@@ -187,6 +187,7 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
         options.servers + 1 if method.runner is _sandblaster else 0
     if options.output and rank == reporting:
         _check_writable("--output", Path(options.output))
+        check_log(options.output, options.overwrite, options.resume)
     if not options.checkpoint:
         return
     _check_writable("--checkpoint", Path(f"{options.checkpoint}.npz"), made=True)
