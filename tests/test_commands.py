@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -368,6 +369,33 @@ def test_an_output_log_belongs_to_one_run(tmp_path):
     assert log.read_bytes().startswith(before) and [r.get("epoch") for r in records if "epoch" in r] == [1, 2, 3]
     replaced = launch(2, "-m", "mpicoll", "train", "--epochs", "1", "--output", str(log), "--overwrite")
     assert replaced.returncode == 0 and len(log.read_text().splitlines()) == 2, replaced.stderr
+
+
+@pytest.mark.parametrize("method", ["allreduce-ring", "ps-async"])
+def test_ctrl_c_ends_every_rank_with_one_line_saying_where_training_stopped(tmp_path, method):
+    """Ctrl-C in a terminal reaches the launcher and every rank (one process group): the job ends, and of mpicoll
+    only the reporting rank speaks, once: the epoch reached and the checkpoint to resume from."""
+    import signal
+    pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
+    log = tmp_path / "run.jsonl"
+    job = subprocess.Popen([*command(2), sys.executable, "-m", "mpicoll", "train", "--method", method, "--epochs",
+                            "100000", "--output", str(log), "--checkpoint", str(tmp_path / "ck")], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGINT)
+    try:
+        errors = job.communicate(timeout=60)[1]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    ours = [line for line in errors.splitlines() if line.startswith("mpicoll") or "Traceback" in line]
+    assert job.returncode != 0 and len(ours) == 1, errors[-3000:]
+    assert re.fullmatch(rf"mpicoll train: interrupted after epoch \d+ of 100000; --checkpoint {tmp_path / 'ck'} "
+                        r"holds the last state saved: the same command with --resume continues from there",
+                        ours[0]), ours
 
 
 def test_compare_writes_a_report_and_plot_redraws_it(tmp_path):

@@ -21,7 +21,8 @@ from .. import gossip, ps
 from ..errors import MpicollError, SetupError
 from .data import Dataset, load
 from .models import MLP, Model, SoftmaxRegression
-from .run import METHODS, Method, Options, train
+from .report import interrupted
+from .run import METHODS, Method, Options, reporting_rank, train
 
 __all__ = ["METHODS", "Method", "Options", "train", "load", "Dataset", "Model", "SoftmaxRegression", "MLP", "main"]
 
@@ -71,6 +72,10 @@ def main(args) -> int:
         raise SystemExit("mpicoll train: --resume needs --checkpoint PREFIX (the prefix the earlier run used)")
     try:
         train(comm, options, model, data, xp)
+    except KeyboardInterrupt:            # Ctrl-C reaches every rank: one line, from the rank that reports
+        if comm.Get_rank() == reporting_rank(options, METHODS[options.method]):
+            print(interrupted(options), file=sys.stderr, flush=True)
+        return 130
     except SetupError as error:          # raised on every rank alike: say it once, stop them all
         if comm.Get_rank() == 0:
             print(f"mpicoll train: {error}", file=sys.stderr)

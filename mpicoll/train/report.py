@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-__all__ = ["Reporter", "open_log", "check_log"]
+__all__ = ["Reporter", "open_log", "check_log", "interrupted"]
 
 
 def open_log(path, replace: bool = False, resume: bool = False):
@@ -63,8 +63,24 @@ def _exists(path) -> str:
             "continue it), or name another file")
 
 
+def interrupted(options) -> str:
+    """The one line a run stopped by Ctrl-C ends with (on its reporting rank): where training stopped, and
+    what holds its state."""
+    where = f"after epoch {_running.last['epoch']} of {options.epochs}" if _running and _running.last else \
+        "before its first epoch ended" if _running else "before training started"
+    saved = (f"--checkpoint {options.checkpoint} holds the last state saved: the same command with --resume "
+             "continues from there" if options.checkpoint else "nothing was saved (--checkpoint PREFIX saves "
+             "the state every epoch)")
+    return f"mpicoll train: interrupted {where}; {saved}"
+
+
+_running: Reporter | None = None       # this process's reporter of the run under way, if it reports one
+
+
 class Reporter:
     def __init__(self, options, model, data, xp, ranks: int):
+        global _running
+        _running = self
         self.options, self.model, self.data, self.ranks = options, model, data, ranks
         self.X_test, self.y_test = xp.asarray(data.X_test), xp.asarray(data.y_test)
         self.start = time.perf_counter()

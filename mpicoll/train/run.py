@@ -37,7 +37,7 @@ from .models import Model
 from .report import Reporter, check_log
 from . import schedule as schedules
 
-__all__ = ["Options", "Method", "METHODS", "train"]
+__all__ = ["Options", "Method", "METHODS", "train", "reporting_rank"]
 
 
 @dataclass
@@ -183,9 +183,7 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
     if parameter_server and size <= options.servers:
         raise ValueError(f"{options.method} needs more ranks than its {options.servers} server(s): "
                          f"mpiexec -n {options.servers + 1} or more")
-    reporting = options.servers * options.model_parallel if parameter_server else \
-        options.servers + 1 if method.runner is _sandblaster else 0
-    if options.output and rank == reporting:
+    if options.output and rank == reporting_rank(options, method):
         _check_writable("--output", Path(options.output))
         check_log(options.output, options.overwrite, options.resume)
     if not options.checkpoint:
@@ -210,6 +208,13 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: "Met
             checkpoint.check(mine, run)
     else:
         checkpoint.check(_checkpoint_file(options, method, rank), run)
+
+
+def reporting_rank(options: Options, method: "Method") -> int:
+    """The rank that reports the run (progress, log, summary): the first worker."""
+    if method.rule is not None:
+        return options.servers * options.model_parallel
+    return options.servers + 1 if method.runner is _sandblaster else 0
 
 
 def _check_writable(option: str, path: Path, made: bool = False) -> None:
