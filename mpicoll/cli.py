@@ -213,7 +213,8 @@ _RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".ben
             "plot": (".train", "plot_main"), "cluster": (".cluster", "main")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The ``mpicoll`` command line: every command and its options."""
     parser = _Parser(prog="mpicoll", description="MPI collectives for distributed SGD.")
     commands = parser.add_subparsers(dest="command", required=True)
     _bench_parser(commands)
@@ -230,9 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     _info_parser(commands)
     from .cluster import add_parser as add_cluster_parser
     add_cluster_parser(commands)
+    parser.commands = commands.choices            # each command's own parser, by name
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
     args, passthrough = parser.parse_known_args(argv)
     if passthrough and args.command not in ("compare", "cluster"):
-        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(passthrough)}")
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(passthrough)}")
     args.train_args = passthrough                  # compare hands them to every training run
     if args.command not in _RUNNERS:
         return info()

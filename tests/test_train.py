@@ -129,8 +129,10 @@ def test_downpour_of_one_pipelined_replica_is_adagrad_on_the_whole_model():
 
 
 @pytest.mark.parametrize("arrays, words", [
-    (None, "no such file"),
-    ("garbage", "not a readable .npz"),
+    (None, "no such file; the built-in data sets are digits and mnist1d"),
+    ("garbage", "not an .npz archive"),
+    ("csv", "(a text or CSV file?); convert it, e.g. for a CSV with the label last: a = np.loadtxt("),
+    ("damaged zip", "not a readable .npz"),
     ({"X": np.zeros((4, 2))}, "missing array(s) y"),
     ({"X": np.zeros((4, 2)), "y": np.zeros(3, int)}, "one label per sample"),
     ({"X": np.full((4, 2), np.nan), "y": np.zeros(4, int)}, "NaN"),
@@ -143,11 +145,23 @@ def test_bad_data_files_get_clear_errors(tmp_path, arrays, words):
     path = tmp_path / "data.npz"
     if arrays == "garbage":
         path.write_bytes(b"not a zip file")
+    elif arrays == "csv":
+        path.write_text("0.5,1.5,0\n2.5,3.5,1\n")
+    elif arrays == "damaged zip":
+        path.write_bytes(b"PK\x03\x04 and then nothing")
     elif arrays is not None:
         np.savez(path, **arrays)
     with pytest.raises(ValueError, match=None) as error:
         load(str(path))
-    assert words in str(error.value)
+    assert words in str(error.value) and "allow_pickle" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["mnist", "MNIST-1D", "digit"])
+def test_a_near_miss_of_a_built_in_data_set_is_named(name):
+    with pytest.raises(ValueError) as error:
+        load(name)
+    meant = "digits" if name == "digit" else "mnist1d"
+    assert f"(did you mean --data {meant}?)" in str(error.value)
 
 
 def test_a_users_npz_with_its_own_test_set(tmp_path):

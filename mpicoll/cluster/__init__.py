@@ -271,13 +271,13 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = cluster.add_subparsers(dest="action", required=True)
     start = actions.add_parser("up", help="create N nodes joined by shaped links")
-    start.add_argument("--nodes", type=int, required=True)
+    start.add_argument("--nodes", type=int, required=True, help="how many nodes (network namespaces) to make")
     start.add_argument("--link", default="1gbit", help="each node's link rate, tc units (default 1gbit)")
     start.add_argument("--delay", help="added one-way delay per link end, e.g. 100us")
     start.add_argument("--loss", type=float, help="packet loss per link end, in percent")
     start.add_argument("--subnet", default="10.203.0.0/24", help="private subnet (default 10.203.0.0/24)")
     launch = actions.add_parser("run", help="run a command on the nodes under the MPI launcher")
-    launch.add_argument("-n", "--ranks", type=int, required=True)
+    launch.add_argument("-n", "--ranks", type=int, required=True, help="MPI ranks in all")
     launch.add_argument("--ranks-per-node", type=int, help="default: ranks spread evenly over the nodes")
     launch.add_argument("--keep-going", action="store_true",
                         help="a rank that dies does not end the others (MPICH's Hydra only)")
@@ -285,10 +285,10 @@ def add_parser(commands) -> None:
     actions.add_parser("status", help="the nodes, their links, cores and processes")
     for name, text in (("cut", "take a node's link down"), ("heal", "bring a cut link back")):
         action = actions.add_parser(name, help=text)
-        action.add_argument("node")
+        action.add_argument("node", help="its name, e.g. node1 (mpicoll cluster status lists them)")
     change = actions.add_parser("slow", help="change one node's link rate")
-    change.add_argument("node")
-    change.add_argument("rate")
+    change.add_argument("node", help="its name, e.g. node1 (mpicoll cluster status lists them)")
+    change.add_argument("rate", help="the new rate, tc units, e.g. 100mbit")
     actions.add_parser("down", help="remove the cluster and everything running in it")
 
 

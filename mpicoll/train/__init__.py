@@ -125,7 +125,9 @@ def add_parser(commands) -> None:
                         help="numpy's models (default) or torch modules (pip install -e '.[torch]'); every "
                         "method trains either")
     train_.add_argument("--hidden", default="", help="MLP hidden sizes, e.g. 64 or 128,64 (default 64)")
-    train_.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    train_.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model computes: cpu (default, numpy or torch's CPU) or cuda (CuPy arrays, "
+                        "or torch's CUDA tensors with --framework torch; one GPU per rank)")
     train_.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
     train_.add_argument("--batch", type=int, default=32, help="samples per gradient per worker (default 32)")
     train_.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
@@ -139,7 +141,9 @@ def add_parser(commands) -> None:
                         help="allreduce methods: refuse to start if a rank would hold more training state than "
                         "this (parameters, gradient, allreduce result, a batch's activations), e.g. 16M; with "
                         "--model-parallel K a rank holds only its stage's (default: no limit)")
-    train_.add_argument("--seed", type=int, default=0)
+    train_.add_argument("--seed", type=int, default=0,
+                        help="seeds the initial weights, the data order and the data split (default 0): the "
+                        "same seed gives every method the same start")
     train_.add_argument("--straggler", help="RANK=FACTOR: make that rank FACTOR times slower, e.g. 3=3")
     train_.add_argument("--delay", metavar="DIST", help="add to every step of every rank a sleep drawn from "
                         "DIST (ms, seeded): gamma:SHAPE,SCALE, exp:MEAN or fixed:MS, e.g. gamma:2,1.5")
@@ -180,7 +184,9 @@ def add_parser(commands) -> None:
     group.add_argument("--mailbox", default="p2p", choices=gossip.MAILBOXES,
                        help="how gossip arrives: p2p messages (default) or onesided windows")
     group.add_argument("--graph", default="time-varying-exponential",
-                       choices=("time-varying-exponential", "exponential", "ring", "complete"))
+                       choices=("time-varying-exponential", "exponential", "ring", "complete"),
+                       help="whom each rank sends to: time-varying-exponential (default, SGP's: one peer per round, "
+                       "i + 2^(k mod log2 p)), exponential (i + 1, i + 2, i + 4, ... every round), ring, complete")
     group.add_argument("--tau", type=int, default=0, help="rounds a gossip message may stay in flight (default 0)")
 
 

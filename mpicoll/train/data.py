@@ -4,6 +4,7 @@ the user's own ``.npz`` file; each worker takes its shard."""
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 from dataclasses import dataclass
@@ -85,7 +86,15 @@ def _mnist1d():
 def _npz(path: str):
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"--data {path}: no such file")
+        close = difflib.get_close_matches(path.lower().replace("-", ""), BUILT_IN, n=1, cutoff=0.6)
+        meant = f" (did you mean --data {close[0]}?)" if close else ""
+        raise ValueError(f"--data {path}: no such file; the built-in data sets are {' and '.join(BUILT_IN)}{meant}")
+    with open(file, "rb") as head:
+        magic = head.read(6)
+    if not magic.startswith((b"PK", b"\x93NUMPY")):               # neither a zip (.npz) nor an .npy array
+        raise ValueError(f"--data {path}: not an .npz archive (a text or CSV file?); convert it, e.g. for a CSV "
+                         "with the label last: a = np.loadtxt(path, delimiter=','); "
+                         "np.savez('data.npz', X=a[:, :-1], y=a[:, -1].astype(int))")
     try:
         arrays = np.load(file, allow_pickle=False)
     except Exception as error:                    # numpy raises several kinds for a bad file
