@@ -181,7 +181,7 @@ def test_slurm_train_and_compare_scripts_run_outside_slurm(tmp_path):
     pytest.importorskip("sklearn", reason="the default data set needs scikit-learn (the data extra)")
     mpiexec()
     env = script_env(MPICOLL_LAUNCHER="mpiexec", SLURM_NTASKS="2", MPICOLL_TRAIN_ARGS="--epochs 2 --quiet",
-                     MPICOLL_COMPARE_ARGS="--methods allreduce-ring,sgp --epochs 2 --quiet",
+                     MPICOLL_COMPARE_ARGS="--methods allreduce-ring,sgp --data digits --model softmax --epochs 2 --quiet",
                      MPICOLL_OUTPUT=str(tmp_path / "out.jsonl"))
     result = subprocess.run(["bash", str(ROOT / "scripts" / "train.sbatch")], cwd=tmp_path, capture_output=True,
                             text=True, timeout=240, env=env)
@@ -418,8 +418,8 @@ def test_compare_writes_a_report_and_plot_redraws_it(tmp_path):
     pytest.importorskip("matplotlib")
     folder = tmp_path / "report"
     result = subprocess.run([sys.executable, "-m", "mpicoll", "compare", "-n", "3", "--algorithms",
-                             "allreduce-ring,ps-async,sgp", "--repeats", "2", "--output", str(folder), "--epochs", "1",
-                             "--quiet"],
+                             "allreduce-ring,ps-async,sgp", "--repeats", "2", "--output", str(folder), "--data",
+                             "digits", "--model", "softmax", "--epochs", "1", "--quiet"],
                             cwd=ROOT, capture_output=True, text=True, timeout=240, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec()})
     assert result.returncode == 0, result.stderr
@@ -433,6 +433,15 @@ def test_compare_writes_a_report_and_plot_redraws_it(tmp_path):
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert redrawn.returncode == 0 and (tmp_path / "again" / "loss_vs_time.png").exists(), redrawn.stderr
     assert (tmp_path / "again" / "report.md").read_text().count("|") == table.count("|")
+    best = max(json.loads(log.read_text().splitlines()[-1])["final_accuracy"] for log in folder.glob("*.jsonl"))
+    assert f"Target accuracy: {0.9 * best:.1%}, 90% of the best final accuracy." in table, table
+
+
+def test_compare_gives_every_method_a_look_of_its_own():
+    from mpicoll.train.compare import _looks
+    from mpicoll.train.run import METHODS
+    looks = _looks([*METHODS, *(f"more-{i}" for i in range(20 - len(METHODS)))])
+    assert len({(look["color"], look["linestyle"]) for look in looks.values()}) == 20
 
 
 def test_bench_gossip_reports_sgp_against_allreduce(tmp_path):

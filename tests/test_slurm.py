@@ -156,7 +156,8 @@ def test_train_sbatch_under_mpiexec_in_the_allocation(slurm, tmp_path):
 def test_compare_sbatch_runs_every_method_on_the_jobs_tasks(slurm, tmp_path):
     report = tmp_path / "report"
     state, code, log = submit(slurm, tmp_path, "compare.sbatch", "--ntasks-per-node=2",
-                              MPICOLL_COMPARE_ARGS="--methods allreduce-ring,ps-async --epochs 2",
+                              MPICOLL_COMPARE_ARGS="--methods allreduce-ring,ps-async --data digits --model softmax "
+                                                   "--epochs 2",
                               MPICOLL_OUTPUT=str(report))
     assert (state, code) == ("COMPLETED", "0:0"), log
     assert re.findall(r"^(\S+): test accuracy .* on 2 ranks", log, re.M) == ["allreduce-ring", "ps-async"], log
