@@ -84,9 +84,10 @@ class _Call:
     whose ``wait()`` gives the result.
     """
 
-    def __init__(self, communicator: Communicator, method: str, args: tuple, result, copy_into=None):
+    def __init__(self, communicator: Communicator, method: str, args: tuple, result, copy_into=None,
+                 divide_by: int = 1):
         self.communicator, self.method, self.args = communicator, method, args
-        self.result, self.copy_into = result, copy_into
+        self.result, self.copy_into, self.divide_by = result, copy_into, divide_by
 
     def run(self):
         getattr(self.communicator, self.method)(*self.args)
@@ -97,21 +98,35 @@ class _Call:
         return nonblocking(*self.args).then(lambda _: self._finish())
 
     def _finish(self):
+        if self.divide_by != 1:                       # "average": the sum, divided by the rank count
+            self.result /= self.divide_by
         if self.copy_into is None:
             return self.result
         arrays.copy(self.result, self.copy_into)
         return self.copy_into
 
 
+def _average(op, x, communicator: Communicator) -> tuple:
+    """(the op to reduce with, what to divide its result by): "average" (also "avg", "mean", torch's and
+    Horovod's name) is a sum divided by the rank count, for floating-point and complex arrays."""
+    if not (isinstance(op, str) and op.lower() in ("average", "avg", "mean")):
+        return resolve_op(op), 1
+    if np.dtype(x.dtype).kind not in "fc":
+        raise ValueError(f"op {op!r} needs floating-point or complex arrays, got {x.dtype}: reduce with 'sum' and "
+                         "divide as you need")
+    return MPI.SUM, communicator.Get_size()
+
+
 def _allreduce(x, op, comm, algorithm, out) -> _Call:
-    communicator, op = _communicator(comm, algorithm), resolve_op(op)
+    communicator = _communicator(comm, algorithm)
     in_place = out is x
     x = _as_array(x)
+    op, divide_by = _average(op, x, communicator)
     source = arrays.contiguous(x)
     if in_place and source is x and (not isinstance(x, np.ndarray) or x.flags.writeable):
-        return _Call(communicator, "Allreduce", (MPI.IN_PLACE, x, op), x)
+        return _Call(communicator, "Allreduce", (MPI.IN_PLACE, x, op), x, divide_by=divide_by)
     result, copy_into = _output(x if in_place else out, x.shape, x)
-    return _Call(communicator, "Allreduce", (source, result, op), result, copy_into)
+    return _Call(communicator, "Allreduce", (source, result, op), result, copy_into, divide_by)
 
 
 def _reduce_scatter(x, op, comm, algorithm, out) -> _Call:
@@ -121,7 +136,8 @@ def _reduce_scatter(x, op, comm, algorithm, out) -> _Call:
     if x.ndim == 0 or x.shape[0] % size:
         raise ValueError(f"reduce_scatter: x has shape {x.shape}; its first axis must be a multiple of {size} ranks")
     result, copy_into = _output(out, (x.shape[0] // size, *x.shape[1:]), x)
-    return _Call(communicator, "Reduce_scatter_block", (x, result, resolve_op(op)), result, copy_into)
+    op, divide_by = _average(op, x, communicator)
+    return _Call(communicator, "Reduce_scatter_block", (x, result, op), result, copy_into, divide_by)
 
 
 def _allgather(x, comm, algorithm, out) -> _Call:
@@ -145,7 +161,9 @@ def _broadcast(x, root, comm, algorithm, out) -> _Call:
 def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
     """The elementwise reduction of ``x`` over all ranks (same shape and dtype as ``x``).
 
-    ``out`` may be ``x`` itself to reduce in place.  Device arrays are reduced
+    ``op``: "sum" (default), "prod", "min", "max", the logical and bitwise ops, any ``MPI.Op``, or
+    "average" (the sum divided by the rank count, as in ``mpicoll.torch`` and Horovod; floating-point
+    arrays).  ``out`` may be ``x`` itself to reduce in place.  Device arrays are reduced
     on their GPU and give device arrays.
     """
     return _allreduce(x, op, comm, algorithm, out).run()

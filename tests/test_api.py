@@ -71,6 +71,27 @@ def test_array_functions_match_numpy_over_gathered_inputs(algorithm):
     everywhere(not problems, f"seed {seed}: {problems}")
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "auto"])
+def test_average_is_the_sum_over_the_rank_count(algorithm):
+    rng = np.random.default_rng([shared_seed(), RANK])
+    x = rng.standard_normal(1001).astype(np.float32)
+    expected = np.array(WORLD.allgather(x), np.float64).mean(0)
+    results = {"allreduce": mpicoll.allreduce(x, "average", comm=WORLD, algorithm=algorithm),
+               "iallreduce": mpicoll.iallreduce(x, "avg", comm=WORLD, algorithm=algorithm).wait()}
+    in_place = x.copy()
+    mpicoll.allreduce(in_place, "mean", comm=WORLD, algorithm=algorithm, out=in_place)
+    results["in place"] = in_place
+    wrong = [name for name, got in results.items()
+             if got.dtype != x.dtype or not np.allclose(got, expected, 1e-5, 1e-6)]
+    rows = rng.standard_normal((2 * P, 3))
+    share = mpicoll.reduce_scatter(rows, "average", comm=WORLD, algorithm=algorithm)
+    if not np.allclose(share, np.array(WORLD.allgather(rows)).mean(0)[2 * RANK:2 * RANK + 2]):
+        wrong.append("reduce_scatter")
+    with pytest.raises(ValueError, match="needs floating-point or complex arrays, got int64"):
+        mpicoll.allreduce(np.arange(3, dtype=np.int64), "average", comm=WORLD, algorithm=algorithm)
+    everywhere(not wrong, f"average wrong in {wrong}")
+
+
 def test_array_api_errors():
     problems = []
     for call, kind in [
