@@ -13,7 +13,7 @@ the previous file or the new one, whole.
 
 A run whose state is spread over several files (one per SGP rank, parameter
 server, model stage or Sandblaster shard) can be stopped between their writes
-(Slurm's SIGTERM reaches every rank at once): :func:`load_set` finds the newest
+(Slurm's SIGTERM reaches every rank at once): :func:`mpicoll.checks.load_checkpoint_set` finds the newest
 point that every file of the set still holds, counting the kept previous files,
 and resumes all ranks from it, saying so when a newer but incomplete set was
 passed over.
@@ -29,11 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks import agree
-from .errors import SetupError
-from .watchdog import bounded
 
-__all__ = ["save", "load", "load_set", "versions", "check", "path", "existing", "CheckpointMismatch", "FORMAT"]
+__all__ = ["save", "load", "versions", "check", "path", "existing", "CheckpointMismatch", "FORMAT"]
 
 FORMAT = 3            # 1: no identity; 2: no point or checksums (mpicoll before checkpoint sets)
 _IDENTITY = "__identity__"
@@ -172,32 +169,6 @@ def load(path: str | Path, identity: dict, point: int | None = None) -> dict[str
     if point not in found:
         raise CheckpointMismatch(f"{path} holds no state of point {point} (only {', '.join(map(str, sorted(found)))})")
     return _read(found[point])[1]
-
-
-def load_set(comm, path: str | Path | None, identity: dict, unit: str) -> dict[str, np.ndarray] | None:
-    """This rank's arrays of the newest point that every rank's files hold (``path`` None: this rank keeps no
-    file, and gets None).  A missing, damaged or foreign file, or no point common to all, is one
-    :class:`~mpicoll.errors.SetupError` on every rank.  ``unit`` names the points ("epochs", "updates").
-    Collective over ``comm``."""
-    found: dict[int, Path] = {}
-    agree(comm, lambda: found.update(versions(path, identity)) if path is not None else None)
-    with bounded(comm, "comparing the checkpoint files"):
-        held = comm.allgather(sorted(found) if path is not None else None)
-    owners = {rank: set(points) for rank, points in enumerate(held) if points is not None}
-    common = set.intersection(*owners.values()) if owners else set()
-    if owners and not common:
-        listing = "; ".join(f"rank {rank}: {', '.join(map(str, sorted(points)))}" for rank, points in owners.items())
-        raise SetupError(dict.fromkeys(range(comm.Get_size()), (
-            f"--resume: the checkpoint files hold no {unit[:-1] if unit.endswith('s') else unit} in common "
-            f"({listing}): no set of files from one point of training is whole; restore one from a copy, or start "
-            "afresh")),
-            comm.Get_size())
-    point = max(common, default=None)
-    newest = max((max(points) for points in owners.values()), default=None)
-    if comm.Get_rank() == 0 and newest is not None and newest > point:
-        print(f"mpicoll: resuming from the checkpoint set after {point} {unit}: not every file of the set after "
-              f"{newest} {unit} was written (the earlier run stopped while writing them)", file=sys.stderr, flush=True)
-    return None if path is None else _read(found[point])[1]
 
 
 def _show(value) -> str:

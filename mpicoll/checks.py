@@ -14,17 +14,20 @@ on every call under ``MPICOLL_DEBUG=1``.  In between, large calls carry a
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
+from . import checkpoint
 from .errors import MismatchError, NonFiniteError, SetupError
 from .tags import Tag
 from .watchdog import bounded
 
-__all__ = ["Signature", "Fingerprint", "check_call", "agree", "TAG_SPAN"]
+__all__ = ["Signature", "Fingerprint", "check_call", "agree", "load_checkpoint_set", "TAG_SPAN"]
 
 
 class Signature:
@@ -265,3 +268,29 @@ def agree(comm, check) -> None:
     failed = {rank: reason for rank, reason in enumerate(everyone) if reason is not None}
     if failed:
         raise SetupError(failed, comm.Get_size())
+
+
+def load_checkpoint_set(comm, path: str | Path | None, identity: dict, unit: str) -> dict[str, np.ndarray] | None:
+    """This rank's arrays of the newest point that every rank's files hold (``path`` None: this rank keeps no
+    file, and gets None).  A missing, damaged or foreign file, or no point common to all, is one
+    :class:`~mpicoll.errors.SetupError` on every rank.  ``unit`` names the points ("epochs", "updates").
+    Collective over ``comm``."""
+    found: dict[int, Path] = {}
+    agree(comm, lambda: found.update(checkpoint.versions(path, identity)) if path is not None else None)
+    with bounded(comm, "comparing the checkpoint files"):
+        held = comm.allgather(sorted(found) if path is not None else None)
+    owners = {rank: set(points) for rank, points in enumerate(held) if points is not None}
+    common = set.intersection(*owners.values()) if owners else set()
+    if owners and not common:
+        listing = "; ".join(f"rank {rank}: {', '.join(map(str, sorted(points)))}" for rank, points in owners.items())
+        raise SetupError(dict.fromkeys(range(comm.Get_size()), (
+            f"--resume: the checkpoint files hold no {unit[:-1] if unit.endswith('s') else unit} in common "
+            f"({listing}): no set of files from one point of training is whole; restore one from a copy, or start "
+            "afresh")),
+            comm.Get_size())
+    point = max(common, default=None)
+    newest = max((max(points) for points in owners.values()), default=None)
+    if comm.Get_rank() == 0 and newest is not None and newest > point:
+        print(f"mpicoll: resuming from the checkpoint set after {point} {unit}: not every file of the set after "
+              f"{newest} {unit} was written (the earlier run stopped while writing them)", file=sys.stderr, flush=True)
+    return None if path is None else checkpoint.load(path, identity, point)

@@ -216,7 +216,7 @@ class Communicator(MPI.Intracomm):
         """Hand ``request`` to this communicator's worker, made by the first nonblocking call (collective)."""
         worker = self.__dict__.get("_worker")
         if worker is None:
-            worker = self.__dict__["_worker"] = Worker(self)
+            worker = self.__dict__["_worker"] = Worker(self, Communicator)
         return worker.start(request)
 
     def _hand_small_calls_to_mpi(self) -> None:

@@ -97,6 +97,16 @@ class Context:
         nonblocking and waited for here, with naps and the deadline, rather than in MPI's busy loop."""
         self.background, self.spin_seconds = True, 0.0
 
+    def part(self, comm: MPI.Intracomm, names: list[int]) -> "Context":
+        """A context over ``comm``, a part of this one's ranks (``names``: their ranks as errors name them),
+        freed with this one: roll calls after a timeout are held here, a wait in the part looks for what
+        stops the whole call, and its messages carry the call's fingerprint (mpicoll.nodes' local and
+        cross parts).  Collective over ``comm``."""
+        part = Context(comm, self.collective, names=names)
+        part.parent, part.alarms, part.stamp = self, self.alarms, self.stamp
+        self.children.append(part)
+        return part
+
     def free(self, abandon: bool = False) -> None:
         """Release the private communicator, the scratch and the shared memory.
 

@@ -57,7 +57,6 @@ class NodeLayout:
     """
 
     def __init__(self, ctx: "Context"):
-        from .context import Context               # contexts use this module's counts: imported on use
         comm = ctx.comm
         ctx.rendezvous()                              # the splits below block until every rank is here
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
@@ -72,14 +71,8 @@ class NodeLayout:
         self.local = self.cross = None
         if self.layered:               # where an algorithm will use them: same answer on every rank
             cross = comm.Split(self.local_rank, ctx.rank)
-            self.local, self.cross = (Context(part, ctx.collective, names=_names(part, ctx))
-                                      for part in (local, cross))
-            for part in (self.local, self.cross):
-                part.parent = ctx                 # roll calls after a timeout are held there
-                part.alarms = ctx.alarms          # a wait in a part looks for what stops the whole call
-                part.stamp = ctx.stamp            # and its messages carry the call's fingerprint
+            self.local, self.cross = (ctx.part(part, _names(part, ctx)) for part in (local, cross))
             cross.Free()
-            ctx.children += [self.local, self.cross]
         local.Free()
 
     @property

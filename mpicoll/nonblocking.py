@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable
 from mpi4py import MPI
 
 from . import config, timeline
+from .context import Context
 from .errors import CollectiveTimeout, MpicollError
 
 if TYPE_CHECKING:
@@ -171,14 +172,13 @@ class Worker:
 
     _warned = False
 
-    def __init__(self, comm: "Communicator"):
-        from .communicator import Communicator      # the module that uses this one
-        from .context import Context
-
+    def __init__(self, comm: "Communicator", communicator: type):
         self.rank = comm.Get_rank()
         self.others = [q for q in range(comm.Get_size()) if q != self.rank]
         self._channel = Context(comm, "nonblocking set-up")         # every rank here, then a duplicate
-        self.comm = Communicator(self._channel.comm, algorithm=comm.algorithm)
+        # ``communicator``: the class of ``comm`` that runs the calls (mpicoll.communicator, which uses this
+        # module: it hands its class in rather than this module importing it)
+        self.comm = communicator(self._channel.comm, algorithm=comm.algorithm)
         self.comm.background = True         # shares the core with the caller: wait without spinning
         self.failed: BaseException | None = None
         self._running: tuple[Request, float] | None = None

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from conftest import P, RANK, WORLD, everywhere, shared_seed
 from mpicoll import checkpoint
+from mpicoll.checks import load_checkpoint_set
 from mpicoll.errors import SetupError
 
 IDENTITY = {"method": "test", "ranks": 1}
@@ -83,7 +84,7 @@ def test_a_set_torn_between_its_writes_resumes_from_the_newest_point_every_file_
     for point in range(1, 5 if RANK < P - 1 else 4):
         checkpoint.save(mine, identity, point, x=state(point))
     WORLD.Barrier()
-    got = checkpoint.load_set(WORLD, mine, identity, "epochs")
+    got = load_checkpoint_set(WORLD, mine, identity, "epochs")
     everywhere(np.array_equal(got["x"], state(3)), "did not resume from point 3, the newest common one")
     if P > 1:
         if RANK == P - 1:
@@ -92,7 +93,7 @@ def test_a_set_torn_between_its_writes_resumes_from_the_newest_point_every_file_
             os.remove(checkpoint.previous(mine))
         WORLD.Barrier()
         with pytest.raises(SetupError, match="hold no epoch in common"):
-            checkpoint.load_set(WORLD, mine, identity, "epochs")
+            load_checkpoint_set(WORLD, mine, identity, "epochs")
     # ranks that keep no file take part and get None
-    got = checkpoint.load_set(WORLD, mine if RANK == 0 else None, identity, "epochs")
+    got = load_checkpoint_set(WORLD, mine if RANK == 0 else None, identity, "epochs")
     everywhere((got is None) == (RANK != 0))

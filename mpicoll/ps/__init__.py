@@ -24,11 +24,11 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .. import notices
 from ..context import Context
 from ..tags import Tag
 from .client import Client, Schedule
 from .layout import Layout
-from .protocol import tell_workers
 from .rules import DCASGD, RULES, Async, Downpour, Rule, SoftSync, Sync, make
 from .server import Diverged, Server, ServerStats, WorkerLost
 from .transports import TRANSPORTS
@@ -83,7 +83,7 @@ class ParameterServer:
         what else the checkpoint belongs to (e.g. the training run's data), refused on resume if it differs.
         ``lr_at``: a learning-rate schedule, update count -> the rule's rate, set before each update.
         ``state``: with ``resume``, the arrays of a set of servers' files chosen together
-        (:func:`mpicoll.checkpoint.load_set` over every rank) instead of this server's newest file: servers
+        (:func:`mpicoll.checks.load_checkpoint_set` over every rank) instead of this server's newest file: servers
         stopped between their writes then resume from the newest point all of them hold.
         """
         if not self.is_server:
@@ -96,7 +96,7 @@ class ParameterServer:
                                 worker_timeout, lr_at).run(checkpoint=checkpoint, every=every, resume=resume,
                                                     warm_start=warm_start, identity=identity, state=state)
         except Exception as error:
-            tell_workers(self.context, self.layout.workers, error)      # they stop now, not at their timeout
+            notices.tell(self.context, self.layout.workers, error, Tag.PS_FAILED)    # they stop now, not at their timeout
             self.context.broken_by(error)
             raise
         self._unclean = bool(self.stats.lost)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, notices
 from ..context import Context
+from ..errors import ServerFailed
+from ..tags import Tag
 from .layout import Layout
-from .protocol import Kind, listen_for_failures
+from .protocol import Kind
 from .transports import client_side
 from .windows import Windows
 
@@ -28,7 +30,7 @@ class Client:
     def __init__(self, ctx: Context, layout: Layout, dtype, windows: Windows | None = None,
                  reads_live: bool = True, asks_first: bool = False):
         self.layout = layout
-        listen_for_failures(ctx, layout.servers)       # a server that fails says why: stop at once
+        notices.listen(ctx, layout.servers, Tag.PS_FAILED, ServerFailed)    # a server that fails says why: stop
         self.transport = client_side(ctx, layout, dtype, windows, reads_live, asks_first)
         self.weights = self.transport.weights
         self.versions = {server: 0 for server in layout.servers}

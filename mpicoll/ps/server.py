@@ -84,7 +84,7 @@ def checkpoint_file(prefix: str, layout: Layout) -> Path:
 def load_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None, state: dict | None = None) -> int:
     """Load this server's checkpoint into ``rule`` (after setup); returns the update count it holds.
 
-    ``state``: the arrays of a set of servers' files already chosen together (``checkpoint.load_set``, as
+    ``state``: the arrays of a set of servers' files already chosen together (``checks.load_checkpoint_set``, as
     ``mpicoll train`` does); otherwise this server's newest whole file.  A checkpoint of another rule,
     layout or run is refused (``CheckpointMismatch``) before anything changes.
     """

@@ -46,10 +46,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import checkpoint as checkpoints
-from .. import failure
+from .. import failure, notices
+from ..checks import load_checkpoint_set
 from ..context import Context
 from ..errors import PartFailed
-from ..ps.protocol import listen_for_failures, tell_workers
 from ..tags import Tag
 from .coordinator import RemoteVectors, Stats, WorkersLost
 from .lbfgs import LBFGS, Iteration, LocalVectors, history_names
@@ -116,7 +116,7 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
     ctx = Context(comm, "Sandblaster L-BFGS")
     rank = ctx.rank
     everyone_else = [r for r in range(roles.ranks) if r != rank]
-    listen_for_failures(ctx, everyone_else, Tag.SANDBLASTER_FAILED, PartFailed)
+    notices.listen(ctx, everyone_else, Tag.SANDBLASTER_FAILED, PartFailed)
     role, lost = roles.role(rank), []
     try:
         if role == "coordinator":
@@ -147,7 +147,7 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
             result = Result(role, worker.run(), portions=worker.portions)
     except Exception as error:
         if not isinstance(error, PartFailed):         # the others stop now, not at their timeout
-            tell_workers(ctx, everyone_else, error, Tag.SANDBLASTER_FAILED)
+            notices.tell(ctx, everyone_else, error, Tag.SANDBLASTER_FAILED)
         ctx.broken_by(error)
         ctx.free(abandon=True)
         raise
@@ -171,7 +171,7 @@ def _resume(comm, roles: Roles, prefix: str, identity: dict) -> dict | None:
     than the others (a run stopped between its files' writes).  Collective."""
     rank = comm.Get_rank()
     mine = checkpoint_file(prefix, rank, roles.servers) if roles.role(rank) != "worker" else None
-    return checkpoints.load_set(comm, mine, identity, "steps")
+    return load_checkpoint_set(comm, mine, identity, "steps")
 
 
 def minimize_locally(init: np.ndarray, loss_and_gradient: Callable, *, history: int = 10, iterations: int = 100,

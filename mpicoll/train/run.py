@@ -29,7 +29,7 @@ from ..algorithms import auto
 from ..communicator import Communicator
 from ..errors import Diverged
 from ..tags import Tag
-from ..checks import agree, all_finite
+from ..checks import agree, all_finite, load_checkpoint_set
 from ..watchdog import bounded
 from ..straggler import Straggler, parse as parse_straggler, parse_delay
 from .data import Dataset
@@ -278,7 +278,7 @@ def _allreduce(comm, options, model, data, xp, method, run):
 
     start = 0
     if options.resume:                       # every replica holds the same parameters: one file per stage
-        state = checkpoint.load_set(comm, _checkpoint_file(options, method, rank), run, "epochs")
+        state = load_checkpoint_set(comm, _checkpoint_file(options, method, rank), run, "epochs")
         params, start = xp.asarray(state["params"]), int(state["epoch"])
     average = xp.empty_like(params)
     lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
@@ -439,7 +439,7 @@ def _sgp(comm, options, model, data, xp, method, run):
     sgp = gossip.SGP(pushsum, options.lr)
     start, mine = 0, _checkpoint_file(options, method, rank)
     if options.resume:                       # each rank its own numerator and push-sum weight
-        state = checkpoint.load_set(comm, mine, run, "epochs")
+        state = load_checkpoint_set(comm, mine, run, "epochs")
         pushsum.load_state(state)
         start = int(state["epoch"])
     reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
@@ -484,7 +484,7 @@ def _parameter_server(comm, options, model, data, xp, method, run):
     state = None
     if options.resume:                      # the newest point every server's file holds (a stop between writes)
         mine = ps.server.checkpoint_file(options.checkpoint, server.layout) if server.is_server else None
-        state = checkpoint.load_set(comm, mine, ps.server.checkpoint_identity(server.layout, rule, run)
+        state = load_checkpoint_set(comm, mine, ps.server.checkpoint_identity(server.layout, rule, run)
                                     if server.is_server else {}, "updates")
     budget = options.epochs * steps * len(workers)        # gradients, over every worker
     reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
