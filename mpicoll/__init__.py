@@ -9,25 +9,35 @@
     mean = mpicoll.allreduce(grad) / comm.size         # or the array API
 """
 
-from .ucx import apply_defaults as _apply_ucx_defaults
+from .base.ucx import apply_defaults as _apply_ucx_defaults
 
-_apply_ucx_defaults()           # before anything imports mpi4py.MPI, which starts MPI (see mpicoll/ucx.py)
+_apply_ucx_defaults()           # before anything imports mpi4py.MPI, which starts MPI (see mpicoll/base/ucx.py)
 
-from .api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce_scatter,
-                  reduce_scatter)
-from .communicator import Communicator
-from .errors import (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError,
-                     PartFailed, PeerFailed, ReductionError, RootError, ServerFailed, SetupError)
-from .failure import end_job
-from .nonblocking import Request
+from .base import timeline
+from .base.errors import (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError,
+                          PartFailed, PeerFailed, ReductionError, RootError, ServerFailed, SetupError)
+from .base.failure import end_job
+from .base.launcher import LaunchMismatch
+from .channel.watchdog import guard_job
+from .collectives import algorithms
+from .collectives.api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce_scatter,
+                              reduce_scatter)
+from .collectives.communicator import Communicator
+from .collectives.nonblocking import Request
 
 __version__ = "0.1.0"
+
+# The errors a program catches are mpicoll's own, wherever they are defined: tracebacks name them so.
+for _error in (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError, PartFailed,
+               PeerFailed, ReductionError, RootError, ServerFailed, SetupError, LaunchMismatch):
+    _error.__module__ = __name__
+del _error
 
 __all__ = [
     "Communicator",
     "allreduce", "reduce_scatter", "allgather", "broadcast",
     "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
     "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
-    "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall", "end_job",
-    "__version__",
+    "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall", "LaunchMismatch",
+    "end_job", "guard_job", "timeline", "algorithms", "__version__",
 ]

@@ -10,8 +10,8 @@ import importlib
 import os
 import sys
 
-from .config import parse_bytes
-from .launcher import announced
+from .base.config import parse_bytes
+from .base.launcher import announced
 
 __all__ = ["main"]
 
@@ -180,7 +180,7 @@ def info() -> int:
 
     import mpicoll
     from . import arrays, compute
-    from .algorithms import auto
+    from .collectives.algorithms import auto
 
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(f"mpicoll    {mpicoll.__version__}")
@@ -209,8 +209,8 @@ _RUNNERS = {"bench": (".benchmarks.collectives", "run"), "bench-kernels": (".ben
             "bench-torch": (".benchmarks.torch_collectives", "run"), "bench-overlap": (".benchmarks.overlap", "run"),
             "bench-sandblaster": (".benchmarks.sandblaster", "run"),
             "train": (".train", "main"),
-            "compare": (".train", "compare_main"), "reproduce": (".train", "reproduce_main"),
-            "plot": (".train", "plot_main"), "cluster": (".cluster", "main")}
+            "compare": (".experiments", "compare_main"), "reproduce": (".experiments", "reproduce_main"),
+            "plot": (".experiments", "plot_main"), "cluster": (".cluster", "main")}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -224,7 +224,8 @@ def make_parser() -> argparse.ArgumentParser:
     _bench_torch_parser(commands)
     _bench_overlap_parser(commands)
     _bench_sandblaster_parser(commands)
-    from .train import add_compare_parsers, add_parser as add_train_parser, add_reproduce_parser
+    from .experiments import add_compare_parsers, add_reproduce_parser
+    from .train import add_parser as add_train_parser
     add_train_parser(commands)
     add_compare_parsers(commands)
     add_reproduce_parser(commands)
@@ -251,14 +252,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The commands whose ranks run one job together under mpiexec: a rank that stops on an error of its own ends
-# the job at once, telling every other rank why (mpicoll.watchdog), instead of leaving them to wait for it.
+# the job at once, telling every other rank why (mpicoll.channel.watchdog), instead of leaving them to wait for it.
 _UNDER_MPIEXEC = {"train", "bench", "bench-ps", "bench-gossip", "bench-torch", "bench-overlap", "bench-sandblaster"}
 
 
 def _guarded(run, args) -> int:
     from mpi4py import MPI
 
-    from . import launcher, watchdog
+    from .base import launcher
+    from .channel import watchdog
     try:
         launcher.check_this_launch()
     except launcher.LaunchMismatch as error:    # every process is a job of its own: each says it, once

@@ -1,7 +1,7 @@
 """Model parallelism: one layered model split into consecutive stages, one stage per rank (DistBelief, GPipe).
 
 A :class:`Pipeline` cuts the dense layers of an mpicoll MLP or softmax model
-(:mod:`mpicoll.train.models`) into K stages over the K ranks of a
+(:mod:`mpicoll.models.dense`) into K stages over the K ranks of a
 communicator.  Each rank holds only its stage's parameters (its slice of the
 model's flat vector); a forward pass sends only the activations that cross a
 stage boundary to the next rank, and the backward pass only their gradients
@@ -29,9 +29,9 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .context import Context
-from .tags import Tag
-from .train.models import _softmax_cross_entropy, dense_backward, dense_forward, dense_layers
+from .channel.context import Context
+from .base.tags import Tag
+from .models.dense import softmax_cross_entropy, dense_backward, dense_forward, dense_layers
 
 __all__ = ["Pipeline", "TorchPipeline", "TorchStage", "stage", "stage_init", "layer_sizes", "split"]
 
@@ -114,7 +114,7 @@ class Pipeline:
         total = np.zeros(2)
         if self.last:
             for piece, activations in zip(pieces, kept):
-                part, _ = _softmax_cross_entropy(self.model.xp, activations[-1], y[piece])
+                part, _ = softmax_cross_entropy(self.model.xp, activations[-1], y[piece])
                 total += [float(part) * len(piece) / rows, float((activations[-1].argmax(axis=1) == y[piece]).sum())]
         self.ctx.comm.Bcast(total, root=self.stages - 1)
         return float(total[0]), float(total[1] / rows)
@@ -129,7 +129,7 @@ class Pipeline:
         deltas = []
         if self.last:
             for piece, activations in zip(pieces, kept):
-                part, delta = _softmax_cross_entropy(xp, activations[-1], y[piece])
+                part, delta = softmax_cross_entropy(xp, activations[-1], y[piece])
                 loss += float(part) * len(piece) / rows
                 deltas.append(delta * len(piece) / rows)        # the batch mean: pieces weighted by size
         total = np.array([loss])
@@ -254,11 +254,11 @@ class TorchStage:
     """A :class:`TorchPipeline` behind :class:`Pipeline`'s flat-vector interface (``slice``, ``init``,
     ``loss_and_gradient``, ``evaluate``), so the training methods that cut a model into stages train
     an ``mpicoll.train`` torch model (``--framework torch``; its module an ``nn.Sequential``) unchanged.
-    The stage's parameters and gradient are views of flat vectors (``mpicoll.torch.point_at``)."""
+    The stage's parameters and gradient are views of flat vectors (``mpicoll.models.modules.point_at``)."""
 
     def __init__(self, comm: MPI.Intracomm, model, *, micro_batches: int = 1):
         import torch
-        from .torch import point_at
+        from .models.modules import point_at
         self.torch, self.point_at, self.model = torch, point_at, model
         self.pipe = TorchPipeline(comm, model.module, micro_batches=micro_batches)
         self.parameters = list(self.pipe.module.parameters())

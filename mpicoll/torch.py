@@ -30,9 +30,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import api, timeline, watchdog
-from .checks import agree
-from .nonblocking import Request
+from .base import timeline
+from .channel import watchdog
+from .channel.checks import agree
+from .collectives import api
+from .collectives.nonblocking import Request
+from .models.modules import point_at
 
 __all__ = ["allreduce", "allreduce_async", "allgather", "broadcast", "broadcast_parameters",
            "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "init_process_group",
@@ -76,7 +79,7 @@ def allreduce_async(tensor: torch.Tensor, op: str = "average", *, comm=None, alg
                     out: torch.Tensor | None = None) -> Request:
     """:func:`allreduce`, started: returns a :class:`~mpicoll.Request` whose ``wait()`` gives the result.
 
-    The reduction runs while the caller goes on (:mod:`mpicoll.nonblocking`);
+    The reduction runs while the caller goes on (:mod:`mpicoll.collectives.nonblocking`);
     leave ``tensor`` and ``out`` alone until it has completed.
     """
     call, finish = _allreduce(tensor, op, comm, algorithm, out)
@@ -166,20 +169,6 @@ def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += t.numel()
 
 
-def point_at(parameters: list[torch.Tensor], flat: torch.Tensor, flat_grad: torch.Tensor | None = None) -> None:
-    """Make ``parameters`` views of consecutive slices of ``flat`` (and their ``.grad`` of ``flat_grad``): no copy.
-
-    Backward then accumulates into ``flat_grad`` in place, and whatever writes
-    ``flat`` (a parameter server's answer, a gossip step) is the module's weights.
-    """
-    offset = 0
-    for p in parameters:
-        end = offset + p.numel()
-        p.data = flat[offset:end].view(p.shape)
-        p.grad = None if flat_grad is None else flat_grad[offset:end].view(p.shape)
-        offset = end
-
-
 class FlatParameters:
     """A module's parameters and gradients as two flat vectors, the module computing on views of them.
 
@@ -245,7 +234,7 @@ def broadcast_parameters(params, root: int = 0, *, comm=None, algorithm: str = "
     ``params``: a ``state_dict()``, or ``named_parameters()`` (any iterable of
     (name, tensor) pairs).  Tensors of one dtype and device travel together in
     one broadcast.  Ranks whose names, shapes or dtypes differ from the root's
-    get one :class:`~mpicoll.errors.SetupError` on every rank, before anything is
+    get one :class:`mpicoll.SetupError` on every rank, before anything is
     overwritten.
     """
     named = list(params.items() if isinstance(params, Mapping) else params)
@@ -414,7 +403,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     hooks pack them into fused buckets (one dtype and device each, closed once
     they hold ``bucket_bytes``, in reverse parameter order, which is roughly the order
     backward produces them) and start a nonblocking allreduce per full bucket
-    (:mod:`mpicoll.nonblocking`), so communication overlaps the rest of the
+    (:mod:`mpicoll.collectives.nonblocking`), so communication overlaps the rest of the
     backward pass.  ``step()`` starts the buckets still waiting, waits for
     all, averages, and steps.  Buckets are started in the same order on
     every rank, and every rank gets the same bits, so replicas stay identical.

@@ -86,7 +86,7 @@ def _count_calls(algorithm) -> dict:
 
 def run(name: str, verbosity: int) -> dict:
     import mpicoll
-    import mpicoll.algorithms as registry
+    import mpicoll.collectives.algorithms as registry
     counts = {"calls": 0}
     for algorithm in registry.REGISTRY.values():
         algorithm.__dict__.clear()                       # forget the previous round's counters
@@ -120,12 +120,12 @@ def main() -> int:
     parser.add_argument("-v", "--verbose", action="count", default=0)
     args = parser.parse_args()
     sys.path.insert(0, args.tests)
-    import mpicoll.algorithms
+    import mpicoll.collectives.algorithms
     from mpicoll import arrays
     if not arrays.gpu_count()[0]:
         sys.modules["cupy"] = sys.modules["numba"] = None     # as mpi4py's runner without --cupy/--numba
     _Watched.limit = args.timeout
-    names = args.algorithms.split(",") if args.algorithms else mpicoll.algorithms.names()
+    names = args.algorithms.split(",") if args.algorithms else mpicoll.collectives.algorithms.names()
     rows, status = [], 0
     for name in names:
         outcome = run(name, args.verbose)

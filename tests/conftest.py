@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpicoll.launcher import mpiexec_command
+from mpicoll.base.launcher import mpiexec_command
 
 WORLD = MPI.COMM_WORLD
 P = SIZE = WORLD.Get_size()          # the ranks of this run

@@ -1,12 +1,12 @@
-"""mpicoll.algorithms: the registry, auto's rules, and the chunk arithmetic they share (mpicoll.chunks)."""
+"""mpicoll.collectives.algorithms: the registry, auto's rules, and the chunk arithmetic they share (mpicoll.base.chunks)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mpicoll.algorithms import auto, get, names
-from mpicoll.chunks import balanced_bounds, segments
+from mpicoll.collectives.algorithms import auto, get, names
+from mpicoll.base.chunks import balanced_bounds, segments
 
 
 class TestAuto:

@@ -1,4 +1,4 @@
-"""mpicoll.buffers: every mpi4py buffer specification read as mpi4py reads it, or refused as it refuses."""
+"""mpicoll.collectives.buffers: every mpi4py buffer specification read as mpi4py reads it, or refused as it refuses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpicoll.buffers import is_in_place, read_message
+from mpicoll.collectives.buffers import is_in_place, read_message
 
 
 class TestReadMessage:

@@ -10,9 +10,9 @@ import pytest
 from mpi4py import MPI
 
 from conftest import P, RANK, WORLD, everywhere, shared_seed
-from mpicoll import checkpoint
-from mpicoll.checks import load_checkpoint_set
-from mpicoll.errors import SetupError
+from mpicoll.base import checkpoint
+from mpicoll.channel.checks import load_checkpoint_set
+from mpicoll.base.errors import SetupError
 
 IDENTITY = {"method": "test", "ranks": 1}
 

@@ -23,7 +23,7 @@ import pytest
 
 from mpicoll import cluster
 from mpicoll.cluster import network
-from mpicoll.launcher import launcher
+from mpicoll.base.launcher import launcher
 from conftest import ROOT
 from test_faults import LOSE_A_RANK, rank_of
 
@@ -139,7 +139,7 @@ def test_refusals_say_what_to_do(monkeypatch):
 
 
 def test_keeping_survivors_running_is_hydras_and_refused_elsewhere():
-    from mpicoll.launcher import keep_survivors
+    from mpicoll.base.launcher import keep_survivors
     flags, command = keep_survivors("mpich", ["python", "-c", "pass"])
     assert flags == ["-disable-auto-cleanup"] and command[:2] == ["sh", "-c"] and command[-3:] == ["python", "-c",
                                                                                                    "pass"]

@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll.algorithms import hierarchical, ring
+from mpicoll.collectives.algorithms import hierarchical, ring
 from conftest import DLPackOnly, InterfaceOnly, P, RANK, WORLD, everywhere, require_one_node, shared_seed
 
 pytestmark = pytest.mark.mpi

@@ -12,13 +12,13 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-import mpicoll.algorithms
+import mpicoll.collectives.algorithms
 from mpicoll import arrays
 from conftest import P, RANK, WORLD, cupy_or_skip, everywhere, numba_cuda_or_skip, shared_seed
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", mpicoll.algorithms.names(device=True))
+@pytest.mark.parametrize("algorithm", mpicoll.collectives.algorithms.names(device=True))
 def test_device_collectives_match_mpi_on_host_copies(algorithm):
     cuda = numba_cuda_or_skip()
     seed = shared_seed()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import mpicoll.algorithms
+import mpicoll.collectives.algorithms
 from mpicoll import ps
 from conftest import ROOT, command, launch, mpiexec
 
@@ -32,7 +32,7 @@ def test_bench_writes_table_json_and_plot(tmp_path):
                     "--warmup", "1", "--output", str(out), "--plot", str(png))
     assert result.returncode == 0, result.stderr
     records = json.loads(out.read_text())
-    algorithms = set(mpicoll.algorithms.names())
+    algorithms = set(mpicoll.collectives.algorithms.names())
     assert {r["algorithm"] for r in records} == algorithms
     assert sorted({r["bytes"] for r in records}) == [8, 65536, 3 << 20]
     for record in records:
@@ -173,7 +173,7 @@ def test_slurm_script_runs_the_benchmark_outside_slurm(tmp_path):
                                            MPICOLL_BENCH_ARGS="--sizes 8,64K --iters 2 --min-iters 2 --warmup 1"))
     assert result.returncode == 0, result.stdout + result.stderr
     records = json.loads(prefix.with_suffix(".json").read_text())
-    assert {r["ranks"] for r in records} == {2} and len(records) == 2 * len(mpicoll.algorithms.names())
+    assert {r["ranks"] for r in records} == {2} and len(records) == 2 * len(mpicoll.collectives.algorithms.names())
     assert prefix.with_suffix(".png").exists()
 
 
@@ -438,7 +438,7 @@ def test_compare_writes_a_report_and_plot_redraws_it(tmp_path):
 
 
 def test_compare_gives_every_method_a_look_of_its_own():
-    from mpicoll.train.compare import _looks
+    from mpicoll.experiments.compare import _looks
     from mpicoll.train.run import METHODS
     looks = _looks([*METHODS, *(f"more-{i}" for i in range(20 - len(METHODS)))])
     assert len({(look["color"], look["linestyle"]) for look in looks.values()}) == 20

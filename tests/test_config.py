@@ -1,10 +1,10 @@
-"""mpicoll.config: settings from the environment."""
+"""mpicoll.base.config: settings from the environment."""
 
 from __future__ import annotations
 
 import pytest
 
-from mpicoll.config import parse_bytes
+from mpicoll.base.config import parse_bytes
 
 
 @pytest.mark.parametrize("text, value", [("4096", 4096), ("256K", 262144), ("16M", 16 << 20), ("1GiB", 1 << 30)])
@@ -13,7 +13,7 @@ def test_byte_counts(text, value):
 
 
 def test_settings_that_do_not_parse_name_their_variable(monkeypatch):
-    from mpicoll import config
+    from mpicoll.base import config
     for variable, value, words in [("MPICOLL_TIMEOUT", "abc", "MPICOLL_TIMEOUT must be a number"),
                                    ("MPICOLL_TIMEOUT", "-1", "MPICOLL_TIMEOUT must be >= 0"),
                                    ("MPICOLL_CHANNEL", "wires", "MPICOLL_CHANNEL must be"),
@@ -34,7 +34,7 @@ def test_settings_that_do_not_parse_name_their_variable(monkeypatch):
 @pytest.mark.parametrize("text, value", [("1", True), ("yes", True), ("On", True), ("0", False), ("no", False),
                                          ("false", False), ("", True)])
 def test_switches_take_the_usual_spellings(monkeypatch, text, value):
-    from mpicoll import config
+    from mpicoll.base import config
     monkeypatch.setenv("MPICOLL_END_BROKEN_JOBS", text)
     assert config.end_broken_jobs() is value
 
@@ -46,7 +46,7 @@ def _ucx_settings_after(code: str, **environment) -> dict:
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_TCP_", "MPICOLL_UCX"))}
-    probe = f"{code}\nimport json, os\nprint(json.dumps({{k: os.environ.get(k) for k in mpicoll.ucx.DEFAULTS}}))"
+    probe = f"{code}\nimport json, os\nprint(json.dumps({{k: os.environ.get(k) for k in mpicoll.base.ucx.DEFAULTS}}))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                             env={**env, **environment})
     assert result.returncode == 0, result.stderr
@@ -54,7 +54,7 @@ def _ucx_settings_after(code: str, **environment) -> dict:
 
 
 def test_ucx_tcp_segments_are_raised_only_before_mpi_starts_and_only_when_unset():
-    from mpicoll.ucx import DEFAULTS
+    from mpicoll.base.ucx import DEFAULTS
     assert _ucx_settings_after("import mpicoll") == DEFAULTS
     unset = dict.fromkeys(DEFAULTS)
     assert _ucx_settings_after("from mpi4py import MPI\nimport mpicoll") == unset      # MPI started first

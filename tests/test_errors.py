@@ -76,13 +76,13 @@ def test_nan_contribution_is_named_in_debug_mode(debug):
         everywhere(isinstance(error, mpicoll.NonFiniteError) and "rank(s) 1 " in str(error), repr(error))
 
 
-OWN_ALGORITHMS = [name for name in mpicoll.algorithms.REGISTRY if name != "mpi"]
+OWN_ALGORITHMS = [name for name in mpicoll.collectives.algorithms.REGISTRY if name != "mpi"]
 CHANNELS = [("ring", "shared"), *[(name, "p2p") for name in OWN_ALGORITHMS]]
 
 
 def _disagreeing_call(comm, case: str):
     """One call of at least FINGERPRINT_FROM elements on every rank, that the ranks disagree on by ``case``."""
-    n = mpicoll.communicator.FINGERPRINT_FROM + (RANK if case.endswith("count") else 0)
+    n = mpicoll.collectives.communicator.FINGERPRINT_FROM + (RANK if case.endswith("count") else 0)
     dtype = np.float32 if case == "dtype" and RANK == P - 1 else np.float64
     op = MPI.MAX if case == "op" and RANK == P - 1 else MPI.SUM
     data = np.ones(n, dtype)
@@ -110,7 +110,7 @@ def test_mismatches_after_the_first_call_are_caught_on_every_rank(monkeypatch, a
         error = raised(_disagreeing_call(comm, case))
         everywhere(isinstance(error, mpicoll.MismatchError), repr(error))
         everywhere(len(error.per_rank) == P and len(set(error.per_rank.values())) > 1, str(error))
-        data = np.random.default_rng(RANK).standard_normal(mpicoll.communicator.FINGERPRINT_FROM + 3)
+        data = np.random.default_rng(RANK).standard_normal(mpicoll.collectives.communicator.FINGERPRINT_FROM + 3)
         expected = np.empty_like(data)
         MPI.Intracomm.Allreduce(WORLD, data, expected)
         comm.Allreduce(MPI.IN_PLACE, data)                    # a fresh channel after the disagreement
@@ -124,7 +124,7 @@ def test_skewed_ranks_with_changing_calls_are_never_taken_for_a_mismatch(monkeyp
     call: ranks arrive up to 40 ms apart (so waits last past Fingerprint.LOOK_EVERY and peers run a
     call ahead) while the calls alternate in count and collective; every result against MPI's own."""
     monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
-    n = mpicoll.communicator.FINGERPRINT_FROM
+    n = mpicoll.collectives.communicator.FINGERPRINT_FROM
     rng = np.random.default_rng(RANK)
     with mpicoll.Communicator(WORLD, algorithm=algorithm) as comm:
         comm.Allreduce(np.ones(4), np.empty(4))
@@ -151,10 +151,10 @@ def test_a_message_of_a_peers_next_call_is_not_taken_for_a_mismatch(monkeypatch)
     finishes the allgather and sends rank 1 its part of the next, different call while rank 1 is
     still waiting: rank 1 looks at its queue, finds that message (the other parity) and must go on
     waiting, not raise.  Both results against MPI's own."""
-    from mpicoll.context import Context
-    from mpicoll.tags import Tag
+    from mpicoll.channel.context import Context
+    from mpicoll.base.tags import Tag
     monkeypatch.delenv("MPICOLL_DEBUG", raising=False)
-    delay = 3 * mpicoll.checks.Fingerprint.LOOK_EVERY
+    delay = 3 * mpicoll.channel.checks.Fingerprint.LOOK_EVERY
     if RANK == 0:
         isend, waitall, held = Context.isend, Context.waitall, []
 
@@ -177,7 +177,7 @@ def test_a_message_of_a_peers_next_call_is_not_taken_for_a_mismatch(monkeypatch)
 
         monkeypatch.setattr(Context, "isend", holding_isend)
         monkeypatch.setattr(Context, "waitall", late_waitall)
-    n = mpicoll.communicator.FINGERPRINT_FROM
+    n = mpicoll.collectives.communicator.FINGERPRINT_FROM
     rng = np.random.default_rng(RANK)
     with mpicoll.Communicator(WORLD, algorithm="direct") as comm:
         comm.Allreduce(np.ones(4), np.empty(4))

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, launch, mpiexec
-from mpicoll import checkpoint
-from mpicoll.launcher import launcher
+from mpicoll.base import checkpoint
+from mpicoll.base.launcher import launcher
 
 TIMEOUT_ENV = {"MPICOLL_TIMEOUT": "600", "OPENBLAS_NUM_THREADS": "1"}
 PROMPT_S = 60          # a failure must reach every rank well within this
@@ -303,7 +303,7 @@ def test_a_lost_rank_is_named_by_every_survivor_and_the_job_ends(tmp_path, algor
 DEATH_REPORTED = """
 import os, time
 from mpi4py import MPI
-from mpicoll.failure import failed_ranks
+from mpicoll.base.failure import failed_ranks
 world = MPI.COMM_WORLD
 reversed_ranks = world.Split(0, world.size - world.rank)      # world rank 2 of 3 is rank 0 here
 before = failed_ranks(reversed_ranks)
@@ -336,8 +336,8 @@ def test_the_library_is_asked_about_the_dead_afresh_unless_a_recent_answer_will_
     """``Context.living``: a fresh question by default (before a send that may go to the dead); loops that
     ask every turn (the roll call, a parameter server) pass ``stale_after`` and reuse a recent answer."""
     from mpi4py import MPI
-    from mpicoll import failure
-    from mpicoll.context import Context
+    from mpicoll.base import failure
+    from mpicoll.channel.context import Context
     asked = []
     monkeypatch.setattr(failure, "failed_ranks", lambda comm: asked.append(comm) or [1])
     ctx = Context(MPI.COMM_SELF)
@@ -371,7 +371,7 @@ def test_counts_that_send_ranks_down_different_paths_are_named(tmp_path, debug):
                     env={"MPICOLL_TIMEOUT": "3", "MPICOLL_DEBUG": debug, "MPICOLL_END_BROKEN_JOBS": "1"})
     if debug == "1":
         # each rank's traceback ends with it (then its line ending the job repeats it)
-        assert len(re.findall(r"^mpicoll\.errors\.MismatchError: Allreduce: ranks disagree", result.stderr,
+        assert len(re.findall(r"^mpicoll\.MismatchError: Allreduce: ranks disagree", result.stderr,
                               re.MULTILINE)) == 2, result.stderr[-3000:]
         assert "ranks 0: Allreduce(count=100," in result.stderr and "ranks 1: Allreduce(count=4000000," in \
             result.stderr, result.stderr[-3000:]
@@ -438,7 +438,7 @@ _FAULT = '''
 import json
 import os
 if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == os.environ["FAULTY_RANK"]:
-    from mpicoll.train import models
+    from mpicoll.models import dense as models
     calls = [0]
     original = models._Layers.loss_and_gradient
     def loss_and_gradient(self, params, X, y, gradient=True):
@@ -475,7 +475,7 @@ _TEAR = '''
 import os, signal, time
 if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
     from pathlib import Path
-    from mpicoll import checkpoint
+    from mpicoll.base import checkpoint
     original, calls = checkpoint.save, [0]
     def save(path, identity, point, **arrays):
         calls[0] += 1

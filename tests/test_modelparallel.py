@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mpicoll.modelparallel import Pipeline, split
-from mpicoll.train.models import MLP, SoftmaxRegression
+from mpicoll.models.dense import MLP, SoftmaxRegression
 from conftest import P, WORLD, everywhere, launch, shared_seed
 
 
@@ -71,7 +71,7 @@ def test_a_pipeline_computes_the_whole_models_loss_and_gradient(micro_batches, c
 def test_a_stage_is_made_without_making_the_whole_model(monkeypatch):
     """init_layers skips earlier layers' random draws in pieces: equal to the whole init's slice, also when
     a layer is longer than a piece."""
-    from mpicoll.train import models
+    from mpicoll.models import dense as models
     monkeypatch.setattr(models, "_SKIP_PIECE", 100)
     model = MLP(30, 4, [17, 9], dtype=np.float64)
     whole, offsets = model.init(5), np.cumsum([0] + [a * b + b for a, b in model.shapes])
@@ -114,7 +114,7 @@ def test_a_torch_stage_is_the_whole_modules_slice_on_a_flat_vector():
     its evaluation, are the whole TorchModel's on the same flat vector."""
     torch = pytest.importorskip("torch", reason="the torch extra is not installed")
     from mpicoll.modelparallel import TorchStage
-    from mpicoll.train.torch_models import TorchModel
+    from mpicoll.models.modules import TorchModel
     torch.set_default_dtype(torch.float64)
     try:
         model = TorchModel(lambda: torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5),

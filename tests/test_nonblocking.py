@@ -112,7 +112,7 @@ def test_a_failed_call_fails_on_every_rank_and_stops_the_calls_behind_it():
     comm = mpicoll.Communicator(WORLD, algorithm="ring")
     with comm:
         comm.Iallreduce(MPI.IN_PLACE, np.ones(8)).Wait()
-        count = mpicoll.communicator.FINGERPRINT_FROM + (RANK == 0 and P > 1)
+        count = mpicoll.collectives.communicator.FINGERPRINT_FROM + (RANK == 0 and P > 1)
         failing = comm.Iallreduce(MPI.IN_PLACE, np.ones(count))
         behind = comm.Iallreduce(MPI.IN_PLACE, np.ones(8))
         with pytest.raises(mpicoll.MismatchError if P > 1 else ValueError) as raised:

@@ -10,7 +10,7 @@ import pytest
 
 import mpicoll
 from mpicoll import ps
-from mpicoll.straggler import Straggler, parse
+from mpicoll.base.straggler import Straggler, parse
 from conftest import P, RANK, RULE_CASES, RULE_IDS, WORLD, everywhere, numba_cuda_or_skip, shared_seed
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -1,4 +1,4 @@
-"""mpicoll.reduction: each op on each type as MPI defines it, in MPI's operand order."""
+"""mpicoll.collectives.reduction: each op on each type as MPI defines it, in MPI's operand order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from mpicoll import ReductionError
 from mpicoll.compute import streaming_reducer
-from mpicoll.reduction import Reduction, op_name
+from mpicoll.collectives.reduction import Reduction, op_name
 
 
 class TestReduction:

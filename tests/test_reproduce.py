@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll import ps
-from mpicoll.straggler import Straggler, parse_delay
+from mpicoll.base.straggler import Straggler, parse_delay
 from mpicoll.train import Options, SoftmaxRegression, load, train
 from mpicoll.train import schedule
 from mpicoll.train.run import _batches

@@ -15,9 +15,9 @@ import pytest
 from mpi4py import MPI
 
 from mpicoll import sandblaster
-from mpicoll.errors import Diverged, SetupError
+from mpicoll.base.errors import Diverged, SetupError
 from mpicoll.sandblaster import lbfgs
-from mpicoll.straggler import Straggler
+from mpicoll.base.straggler import Straggler
 from conftest import P, RANK, WORLD, everywhere, launch, shared_seed
 
 

@@ -62,6 +62,6 @@ def test_training_writes_its_phases(tmp_path):
 
 
 def test_off_by_default_and_cheap():
-    from mpicoll import timeline
+    from mpicoll.base import timeline
     assert not timeline.enabled
     assert timeline.span("anything") is timeline.span("else")        # one shared do-nothing context

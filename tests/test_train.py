@@ -12,8 +12,8 @@ import pytest
 
 import mpicoll
 from mpicoll.train import METHODS, MLP, Options, SoftmaxRegression, load, train
-from mpicoll.train.models import CNN
-from mpicoll.train.compare import read_log, report
+from mpicoll.models.dense import CNN
+from mpicoll.experiments.compare import read_log, report
 from mpi4py import MPI
 
 from conftest import P, RANK, WORLD, everywhere

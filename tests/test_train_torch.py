@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 from mpicoll.train import METHODS, Options, load, train  # noqa: E402
 from mpicoll.train.run import _batches  # noqa: E402
-from mpicoll.train.models import CNN  # noqa: E402
-from mpicoll.train.torch_models import TorchModel, make  # noqa: E402
+from mpicoll.models.dense import CNN  # noqa: E402
+from mpicoll.models.modules import TorchModel, make  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from conftest import P, WORLD, everywhere  # noqa: E402

@@ -6,7 +6,7 @@ import ctypes
 import functools
 import os
 
-from .. import config
+from ..base import config
 from .kinds import _module
 
 __all__ = ["gpu_count", "device_name", "cuda_aware"]

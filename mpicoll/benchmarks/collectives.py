@@ -30,10 +30,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import algorithms
-from ..checks import Signature
-from ..communicator import FINGERPRINT_FROM, Communicator
-from ..nodes import node_count
+from ..collectives import algorithms
+from ..channel.checks import Signature
+from ..collectives.communicator import FINGERPRINT_FROM, Communicator
+from ..channel.nodes import node_count
 from .common import check_counts, format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run", "default_sizes", "measure", "COLLECTIVES"]

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from ..config import parse_bytes
+from ..base.config import parse_bytes
 
 __all__ = ["parse_choices", "parse_sizes", "format_bytes", "write_records", "median_seconds", "interleaved_times"]
 

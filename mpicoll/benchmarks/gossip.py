@@ -28,8 +28,8 @@ from mpi4py import MPI
 
 from .. import Communicator, compute
 from ..gossip import GRAPHS, MAILBOXES, PushSum, UniformMixing, make, rounds_to_average
-from ..straggler import Straggler, parse
-from ..nodes import node_count
+from ..base.straggler import Straggler, parse
+from ..channel.nodes import node_count
 from .common import format_bytes, parse_choices, parse_sizes, write_records
 
 __all__ = ["run"]

@@ -24,7 +24,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..communicator import Communicator
+from ..collectives.communicator import Communicator
 from .common import format_bytes, interleaved_times, parse_choices, parse_sizes, write_records
 
 __all__ = ["run", "WORK"]

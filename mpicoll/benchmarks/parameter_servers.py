@@ -18,9 +18,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..nodes import node_members
+from ..channel.nodes import node_members
 from ..ps import TRANSPORTS, ParameterServer, make
-from ..straggler import Straggler, parse
+from ..base.straggler import Straggler, parse
 from .common import format_bytes, median_seconds, parse_choices, parse_sizes, write_records
 
 __all__ = ["run"]

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import sandblaster
-from ..straggler import Straggler
+from ..base.straggler import Straggler
 from .common import write_records
 
 __all__ = ["run"]

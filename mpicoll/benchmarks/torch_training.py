@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import timeline
+from ..base import timeline
 from .common import format_bytes, interleaved_times, write_records
 
 __all__ = ["run", "CONTENDERS"]

@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..launcher import keep_survivors, launcher
+from ..base.launcher import keep_survivors, launcher
 from . import network
 from .network import ClusterError
 
@@ -218,7 +218,7 @@ exec ip netns exec {network.PREFIX}$host unshare --uts \
 def run(ranks: int, command: list[str], ranks_per_node: int | None = None, keep_going: bool = False) -> int:
     """Run ``command`` on ``ranks`` ranks spread over the nodes; returns the launcher's exit status.
 
-    ``keep_going``: a rank that dies does not end the others (MPICH only; :func:`mpicoll.launcher.keep_survivors`),
+    ``keep_going``: a rank that dies does not end the others (MPICH only; :func:`mpicoll.base.launcher.keep_survivors`),
     so that they can name it and finish, as on a cluster whose launcher tolerates a lost process.
     """
     current = _require()

@@ -41,7 +41,7 @@ import os
 
 import numpy as np
 
-from .. import config
+from ..base import config
 from ..arrays import kinds     # which memory, and views: the only part of the array layer the kernels need
 
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad", "warm_up",

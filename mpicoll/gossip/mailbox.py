@@ -10,7 +10,7 @@ taken.  Every wait has the communicator's deadline and names the missing peers.
 a window from ``Win.Allocate``; a sender accumulates its packet into slot
 ``round % slots`` of each out-peer under a shared lock, without the receiver
 posting anything.  MPICH completes such an operation only when the target
-enters MPI, so the receiver runs a progress thread (:mod:`mpicoll.progress`)
+enters MPI, so the receiver runs a progress thread (:mod:`mpicoll.channel.progress`)
 while it computes.  The receiver takes a slot under an exclusive lock on its
 own window, so it never sees half a packet, then tells the ranks that will next
 write into that slot that it is free (a ``Put`` into their window).
@@ -33,9 +33,9 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from ..context import Context
-from ..nodes import node_layout
-from ..tags import Tag
+from ..channel.context import Context
+from ..channel.nodes import node_layout
+from ..base.tags import Tag
 from .topology import Graph
 
 __all__ = ["OneSidedMailbox", "PointToPointMailbox", "HEADER"]

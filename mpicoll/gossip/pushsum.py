@@ -20,10 +20,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import arrays, compute
-from ..checks import agree
-from ..context import Context
-from ..progress import Progress
-from ..watchdog import watching
+from ..channel.checks import agree
+from ..channel.context import Context
+from ..channel.progress import Progress
+from ..channel.watchdog import watching
 from .mailbox import OneSidedMailbox, PointToPointMailbox
 from .mixing import Mixing, UniformMixing
 from .topology import Graph, make
@@ -140,7 +140,7 @@ class PushSum:
 
         A state that does not fit this push-sum on any rank, or states of
         different rounds, are refused on every rank with one
-        :class:`~mpicoll.errors.SetupError` before anything changes: gossip
+        :class:`mpicoll.SetupError` before anything changes: gossip
         between ranks at different rounds would wait forever for messages.
         """
         def round_of(state) -> int | None:

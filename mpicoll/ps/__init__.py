@@ -24,9 +24,9 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import notices
-from ..context import Context
-from ..tags import Tag
+from ..channel import notices
+from ..channel.context import Context
+from ..base.tags import Tag
 from .client import Client, Schedule
 from .layout import Layout
 from .rules import DCASGD, RULES, Async, Downpour, Rule, SoftSync, Sync, make
@@ -83,7 +83,7 @@ class ParameterServer:
         what else the checkpoint belongs to (e.g. the training run's data), refused on resume if it differs.
         ``lr_at``: a learning-rate schedule, update count -> the rule's rate, set before each update.
         ``state``: with ``resume``, the arrays of a set of servers' files chosen together
-        (:func:`mpicoll.checks.load_checkpoint_set` over every rank) instead of this server's newest file: servers
+        (:func:`mpicoll.channel.checks.load_checkpoint_set` over every rank) instead of this server's newest file: servers
         stopped between their writes then resume from the newest point all of them hold.
         """
         if not self.is_server:

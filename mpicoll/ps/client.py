@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import arrays, notices
-from ..context import Context
-from ..errors import ServerFailed
-from ..tags import Tag
+from .. import arrays
+from ..channel import notices
+from ..channel.context import Context
+from ..base.errors import ServerFailed
+from ..base.tags import Tag
 from .layout import Layout
 from .protocol import Kind
 from .transports import client_side

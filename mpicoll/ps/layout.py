@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from ..chunks import balanced_bounds
+from ..base.chunks import balanced_bounds
 
 __all__ = ["Layout"]
 

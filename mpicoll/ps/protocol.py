@@ -9,8 +9,8 @@ answered, and every worker gets a last, negative answer once the server is done
 (:func:`final_note`), which says how many workers it lost.  Messages between two ranks on
 one tag arrive in order, so a header and its payload always pair up.  A server that
 fails tells every worker why, and a worker hears it whenever one of its waits lasts
-(:mod:`mpicoll.notices`, on ``Tag.PS_FAILED``) and stops with
-:class:`~mpicoll.errors.ServerFailed` instead of waiting out its timeout.
+(:mod:`mpicoll.channel.notices`, on ``Tag.PS_FAILED``) and stops with
+:class:`mpicoll.ServerFailed` instead of waiting out its timeout.
 """
 
 from __future__ import annotations

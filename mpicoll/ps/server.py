@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from .. import checkpoint
-from ..context import Context
-from ..checks import all_finite
-from ..errors import Diverged, MpicollError
-from ..tags import Tag
+from ..base import checkpoint
+from ..channel.context import Context
+from ..channel.checks import all_finite
+from ..base.errors import Diverged, MpicollError
+from ..base.tags import Tag
 from .layout import Layout
 from .protocol import Kind
 from .rules import Rule
@@ -54,7 +54,7 @@ class ServerStats:
 
 class WorkerLost(MpicollError):
     """Synchronous training lost a worker: it cannot go on, and says which (a RuntimeError, as every
-    :class:`~mpicoll.errors.MpicollError`: ``mpicoll train`` prints it in one line)."""
+    :class:`mpicoll.MpicollError`: ``mpicoll train`` prints it in one line)."""
 
 
 # One non-finite gradient is skipped (a bad batch); once each active worker has sent this many in a row with

@@ -27,8 +27,8 @@ import contextlib
 
 import numpy as np
 
-from ..context import Context
-from ..tags import Tag
+from ..channel.context import Context
+from ..base.tags import Tag
 from .layout import Layout
 from .protocol import Kind, final_note, lost_in
 from .windows import Windows

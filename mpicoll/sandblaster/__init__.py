@@ -45,12 +45,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from .. import checkpoint as checkpoints
-from .. import failure, notices
-from ..checks import load_checkpoint_set
-from ..context import Context
-from ..errors import PartFailed
-from ..tags import Tag
+from ..base import checkpoint as checkpoints
+from ..base import failure
+from ..channel import notices
+from ..channel.checks import load_checkpoint_set
+from ..channel.context import Context
+from ..base.errors import PartFailed
+from ..base.tags import Tag
 from .coordinator import RemoteVectors, Stats, WorkersLost
 from .lbfgs import LBFGS, Iteration, LocalVectors, history_names
 from .protocol import COMMAND_WORDS, Roles, batch_rows
@@ -95,7 +96,7 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
     worker); ``backup``: hand out backup copies of the slowest portions.
     ``on_iteration(Iteration)`` runs on the coordinator after each accepted step;
     ``on_report(w, iteration, evaluations)`` on the first worker, with its parameters.
-    ``slow``: a :class:`~mpicoll.straggler.Straggler` around each of this worker's portions.
+    ``slow``: a :class:`~mpicoll.base.straggler.Straggler` around each of this worker's portions.
     ``checkpoint``: a path prefix; after every accepted step each shard writes its slices of x, g and
     the history (``PREFIX.server<r>.npz``) and then the coordinator the optimizer's scalars
     (``PREFIX.npz``); ``resume`` continues from them, the same iterates as a run never stopped.

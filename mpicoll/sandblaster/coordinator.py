@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..chunks import balanced_bounds
-from ..context import Context
-from ..errors import MpicollError
-from ..tags import Tag
+from ..base.chunks import balanced_bounds
+from ..channel.context import Context
+from ..base.errors import MpicollError
+from ..base.tags import Tag
 from .protocol import COMMAND_WORDS, HEADER, Op, Roles, Task
 
 __all__ = ["RemoteVectors", "Stats", "WorkersLost"]

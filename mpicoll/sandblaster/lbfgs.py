@@ -30,7 +30,7 @@ The method (Nocedal & Wright, *Numerical Optimization*, 2nd ed.):
   A trial point whose loss is NaN counts as infinitely high (a step too long,
   as where the model overflows), so the search backs off from it; a current
   point whose loss or gradient is not finite ends the run with
-  :class:`~mpicoll.errors.Diverged`.
+  :class:`mpicoll.Diverged`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import Diverged
+from ..base.errors import Diverged
 
 __all__ = ["Vectors", "LocalVectors", "LBFGS", "Iteration", "history_names", "C1", "C2"]
 

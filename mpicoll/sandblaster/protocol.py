@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..chunks import balanced_bounds
+from ..base.chunks import balanced_bounds
 
 __all__ = ["Op", "Task", "Roles", "COMMAND_WORDS", "batch_rows", "coordinator_patience"]
 

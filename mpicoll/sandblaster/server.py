@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import checkpoint
-from ..context import Context
-from ..tags import Tag
+from ..base import checkpoint
+from ..channel.context import Context
+from ..base.tags import Tag
 from .protocol import COMMAND_WORDS, HEADER, Op, Roles, coordinator_patience
 
 __all__ = ["Shard"]

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..context import Context
-from ..straggler import Straggler
-from ..tags import Tag
+from ..channel.context import Context
+from ..base.straggler import Straggler
+from ..base.tags import Tag
 from .protocol import HEADER, Roles, Task, batch_rows, coordinator_patience
 
 __all__ = ["Worker"]
@@ -29,7 +29,7 @@ class Worker:
     rows of the training data and its gradient (float64 ``w``).  ``on_report(w,
     iteration, evaluations)`` is called with the parameters after an accepted
     L-BFGS iteration when the coordinator asks this worker to report.  ``slow``: a
-    :class:`~mpicoll.straggler.Straggler` around each portion's computation (experiments).
+    :class:`~mpicoll.base.straggler.Straggler` around each portion's computation (experiments).
     """
 
     def __init__(self, ctx: Context, roles: Roles, loss_and_gradient: Callable, samples: int, batch: int,

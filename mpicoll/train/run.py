@@ -24,16 +24,17 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from .. import arrays, checkpoint, compute, config, failure, gossip, ps, timeline
-from ..algorithms import auto
-from ..communicator import Communicator
-from ..errors import Diverged
-from ..tags import Tag
-from ..checks import agree, all_finite, load_checkpoint_set
-from ..watchdog import bounded
-from ..straggler import Straggler, parse as parse_straggler, parse_delay
+from .. import arrays, compute, gossip, ps
+from ..base import checkpoint, config, failure, timeline
+from ..collectives.algorithms import auto
+from ..collectives.communicator import Communicator
+from ..base.errors import Diverged
+from ..base.tags import Tag
+from ..channel.checks import agree, all_finite, load_checkpoint_set
+from ..channel.watchdog import bounded
+from ..base.straggler import Straggler, parse as parse_straggler, parse_delay
 from .data import Dataset
-from .models import Model
+from ..models.dense import Model
 from .report import Reporter, check_log
 from . import schedule as schedules
 
@@ -98,7 +99,7 @@ def train(comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp
 
     Before any rank starts, every rank checks what could stop it (options, the
     output folder, checkpoints); a problem on any rank raises the same
-    :class:`~mpicoll.errors.SetupError` on all of them.
+    :class:`mpicoll.SetupError` on all of them.
     """
     if options.method not in METHODS:
         raise ValueError(f"Unrecognized method: {options.method!r}; choose from {', '.join(METHODS)}")
@@ -309,7 +310,7 @@ def _allreduce(comm, options, model, data, xp, method, run):
 
 
 def _stop_if_diverged(comm, params, losses: list[tuple[int, list]], when: str) -> None:
-    """Raise :class:`~mpicoll.errors.Diverged` on every rank alike if any rank's ``params`` hold NaN or Inf,
+    """Raise :class:`mpicoll.Diverged` on every rank alike if any rank's ``params`` hold NaN or Inf,
     naming the ranks whose training loss went bad first (``losses``: (epoch, that epoch's losses) per
     epoch, read only then).  Collective: one pass over the parameters and a small allgather."""
     with bounded(comm, "the divergence check"):

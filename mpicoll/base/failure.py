@@ -1,0 +1,123 @@
+"""What a process does when its job cannot go on: end the whole job, saying why, instead of hanging.
+
+After a peer is lost, MPI offers no way to finish cleanly: ``MPI_Finalize``
+waits for every rank, the lost one included, so survivors that merely return
+hang at exit.  :func:`end_job` prints the reason once and calls ``MPI_Abort``,
+which ends every rank of the job.  A communicator that breaks (a
+:class:`mpicoll.CollectiveTimeout` or a lost peer) arranges for this to
+happen at exit (``MPICOLL_END_BROKEN_JOBS=0`` turns that off, e.g. for test
+harnesses that let ranks fail on purpose), so a program that catches the error
+and returns still ends; one that can do better calls :func:`end_job` itself.
+
+A process that dies on another node is a hazard of its own: once MPICH's UCX
+transport has seen the connection to it close, a send to that rank crashes the
+sender (a segmentation fault inside ``MPI_Isend``).  :func:`failed_ranks` asks
+the MPI library which ranks it knows to be gone (``MPIX_Comm_get_failed``, in
+MPICH and Open MPI), so that no one sends to them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import os
+import sys
+import time
+
+from mpi4py import MPI
+
+from . import config, timeline
+
+__all__ = ["end_job", "end_at_exit", "failed_ranks"]
+
+EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
+_SETTLE_S = 2.0
+_FORWARD_S = 0.3
+_reasons: list[str] = []
+
+
+def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0) -> None:
+    """Print ``reason`` (naming this rank) and end every rank of the job with ``MPI_Abort``, ``settle``
+    seconds later (time for other ranks to print their own reasons)."""
+    sys.stdout.flush()
+    print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} ends the job: {reason}", file=sys.stderr, flush=True)
+    timeline.write_own()            # MPI_Abort skips the exit hooks that would write the whole trace
+    # The launcher tears its output forwarding down as it ends the job: give the line time to get through
+    # (once in a CI run of test_faults.py, a job ended by MPI_Abort had printed nothing on stderr).
+    time.sleep(max(settle, _FORWARD_S))
+    MPI.COMM_WORLD.Abort(code)
+    os._exit(code)                  # not reached where MPI_Abort ends the process, as it should
+
+
+def end_at_exit(reason: str) -> None:
+    """End the job when this process exits, unless turned off by ``MPICOLL_END_BROKEN_JOBS=0``."""
+    try:
+        wanted = config.end_broken_jobs()
+    except ValueError as error:         # on the way out of another error: say so, never replace that error
+        print(f"mpicoll: {error}; ending the job as with 1", file=sys.stderr, flush=True)
+        wanted = True
+    if not wanted:
+        return
+    if not _reasons:
+        atexit.register(_at_exit)          # after mpi4py's own hook: runs before MPI_Finalize
+    _reasons.append(reason)
+
+
+def _at_exit() -> None:
+    if _reasons and MPI.Is_initialized() and not MPI.Is_finalized():
+        time.sleep(_SETTLE_S)          # the other survivors time out about now: let them report first
+        end_job(_reasons[0])
+
+
+def failed_ranks(comm: MPI.Comm) -> list[int]:
+    """The ranks of ``comm`` that the MPI library knows to have died, in order.
+
+    Known only where the launcher reports dead processes (MPICH's Hydra under
+    ``-disable-auto-cleanup``, Open MPI's with ULFM); empty where the library
+    has no ``MPIX_Comm_get_failed`` or cannot answer.  A hung or cut-off rank is
+    not dead: only a roll call finds those.
+    """
+    get_failed = _get_failed()
+    if get_failed is None or comm == MPI.COMM_NULL:
+        return []
+    handle_type = get_failed.argtypes[1]._type_
+    group_handle = handle_type()
+    try:
+        if get_failed(comm.handle, ctypes.byref(group_handle)) != MPI.SUCCESS:
+            return []
+    except (ctypes.ArgumentError, OSError):
+        return []
+    failed = MPI.Group.fromhandle(group_handle.value or 0)
+    try:
+        if failed == MPI.GROUP_NULL or failed.Get_size() == 0:
+            return []
+        group = comm.Get_group()
+        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
+        group.Free()
+        return sorted(rank for rank in ranks if rank != MPI.UNDEFINED)
+    finally:
+        if failed != MPI.GROUP_NULL and failed != MPI.GROUP_EMPTY:
+            failed.Free()
+
+
+@functools.cache
+def _get_failed():
+    """``MPIX_Comm_get_failed`` from the MPI library this process loaded, typed for its handles; None if
+    the library lacks it."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi." in line or "/libmpi_" in line}
+    except OSError:                     # not Linux: look the symbol up among the loaded libraries
+        paths = {None}
+    # Handles are ints in MPICH and its derivatives, pointers in Open MPI.
+    handle_type = ctypes.c_uint if MPI._sizeof(MPI.Comm) == ctypes.sizeof(ctypes.c_uint) else ctypes.c_void_p
+    for path in sorted(paths, key=str):
+        try:
+            function = ctypes.CDLL(path).MPIX_Comm_get_failed
+        except (OSError, AttributeError):
+            continue
+        function.argtypes = [handle_type, ctypes.POINTER(handle_type)]
+        function.restype = ctypes.c_int
+        return function
+    return None

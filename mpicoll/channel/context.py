@@ -1,0 +1,409 @@
+"""What an algorithm needs from its communicator: a private channel, scratch memory, bounded waits.
+
+Algorithms talk over a duplicate of the user's communicator, so their
+messages can never match the user's own point-to-point traffic.  Scratch
+buffers are allocated on first use and only grow, so a training loop that
+reduces the same gradient size every step allocates nothing after step one.
+Every wait has a deadline: a dead or hung peer becomes a
+:class:`mpicoll.CollectiveTimeout` naming that peer, not an eternal hang.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import arrays
+from ..base import config, failure, launcher
+from . import watchdog
+from ..base.errors import CollectiveTimeout, MismatchError, PeerFailed
+from .nodes import ranks_on_this_node
+from .shared import SharedRegions
+from ..base.tags import Tag
+
+__all__ = ["Context"]
+
+_SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
+
+_MAX_NAP = 1e-4        # longest sleep between polls once yielding
+
+_ALARM_EVERY = 2e-3    # seconds between a lasting wait's looks for a reason to stop (Context.alarms)
+_DEATHS_EVERY = 0.1    # seconds between a roll call's questions to MPI about dead ranks
+
+
+def _all_done(requests: list) -> bool:
+    """Whether every request has completed.  One request is tested alone: MPICH 5.0.2's Testall raises
+    ERR_IN_STATUS, every status saying success, on a completed persistent collective (the fingerprint's)."""
+    return requests[0].Test() if len(requests) == 1 else MPI.Request.Testall(requests)
+
+
+class Context:
+    """A private duplicate of a communicator plus the services algorithms share."""
+
+    def __init__(self, comm: MPI.Intracomm, collective: str = "collective", names: list[int] | None = None):
+        self.timeout = config.timeout()
+        self.debug = config.debug()
+        self.collective = collective
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.spin_seconds = _SPIN_SECONDS
+        self.comm = comm
+        self._broken: str | None = None
+        # how errors name this communicator's ranks: their ranks in the communicator the user
+        # passed, for contexts over a part of it (mpicoll.channel.nodes)
+        self.names = names if names is not None else list(range(self.size))
+        self.parent: Context | None = None    # the context this one is a part of (mpicoll.channel.nodes)
+        self.fingerprint = None     # a checks.Fingerprint, when the communicator compares its calls
+        self.stamp = 0              # added to every message's tag: the fingerprint of the call in flight
+        # Checks a wait runs once it lasts; one that raises ends the wait with its error (ranks that
+        # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
+        self.alarms: list = []
+        self.silent_seen: list[int] = []      # every rank the last roll call did not hear (by names)
+        launcher.check_this_launch()    # N separate singletons where a launcher started N tasks: stop now
+        watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.channel.watchdog.watching)
+        watchdog.end_job_on_uncaught_errors()
+        self._dead, self._dead_asked_at = frozenset(), -math.inf     # the MPI library's last answer (living)
+        self.children: list[Context] = []     # contexts over parts of this one (mpicoll.channel.nodes), freed with it
+        self.node_layout = None               # mpicoll.channel.nodes.NodeLayout, once an algorithm asked for it
+        # Duplicating is a blocking collective: first make sure every rank is here.
+        self.rendezvous()
+        self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
+        self.segment_bytes = config.segment_bytes()
+        local = ranks_on_this_node(self.comm)
+        self.spans_nodes = local < self.size          # the same answer on every rank
+        oversubscribed = local > config.cores()
+        # Oversubscribed ranks yield the core while they wait: the peer they
+        # wait for may need it to make progress.
+        self.spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
+        self.background = False      # see :meth:`run_in_background`
+        # Measured (docs/benchmarks.md): with a core per rank, point-to-point
+        # wins (MPICH's single-copy CMA lands data in cache-sized slots);
+        # with more ranks than cores, CMA's kernel copies cost CPU time the
+        # ranks do not have, and reading neighbours' shared memory in place
+        # wins.  Every rank of a node sees the same counts, so all agree.
+        self.channel = config.channel()
+        if self.channel == "auto":
+            self.channel = "shared" if local == self.size and oversubscribed else "p2p"
+        elif self.channel == "shared" and local != self.size:
+            raise ValueError(f"MPICOLL_CHANNEL=shared needs all {self.size} ranks on one node; "
+                             f"this node has {local} of them (use p2p or auto)")
+        self._shared: SharedRegions | None = None
+        self._scratch: dict[tuple, object] = {}
+
+    def run_in_background(self) -> None:
+        """This context serves a background thread that shares its core with the caller's computation
+        (:mod:`mpicoll.collectives.nonblocking`): its waits never spin, and MPI's own collectives are started
+        nonblocking and waited for here, with naps and the deadline, rather than in MPI's busy loop."""
+        self.background, self.spin_seconds = True, 0.0
+
+    def part(self, comm: MPI.Intracomm, names: list[int]) -> "Context":
+        """A context over ``comm``, a part of this one's ranks (``names``: their ranks as errors name them),
+        freed with this one: roll calls after a timeout are held here, a wait in the part looks for what
+        stops the whole call, and its messages carry the call's fingerprint (mpicoll.channel.nodes' local and
+        cross parts).  Collective over ``comm``."""
+        part = Context(comm, self.collective, names=names)
+        part.parent, part.alarms, part.stamp = self, self.alarms, self.stamp
+        self.children.append(part)
+        return part
+
+    def free(self, abandon: bool = False) -> None:
+        """Release the private communicator, the scratch and the shared memory.
+
+        After a lost peer or a call the ranks disagreed on (or with ``abandon``)
+        the communicators and the shared window are abandoned, not freed:
+        messages may still be on their way, a freed communicator's identity can
+        be reused by the next one, which would take them for its own, and
+        freeing is collective, so it would wait forever for a rank that is gone
+        or elsewhere.
+        """
+        comm, self.comm = self.comm, MPI.COMM_NULL
+        fingerprint, self.fingerprint = self.fingerprint, None
+        abandon = abandon or self.broken
+        if fingerprint is not None:
+            fingerprint.free(abandon)
+        for child in self.children:
+            child.free(abandon)
+        self.children, self.node_layout = [], None
+        if comm != MPI.COMM_NULL and not abandon:
+            comm.Free()
+        self._scratch.clear()
+        if self._shared is not None and not abandon:
+            self._shared.free()
+        self._shared = None
+
+    @property
+    def broken(self) -> bool:
+        """True once a peer was lost: the channel may hold messages nobody will receive."""
+        return self._broken is not None
+
+    def begin(self, collective: str) -> None:
+        """Mark the start of one call (for error messages); refuse if a peer was lost before."""
+        if self._broken:
+            raise RuntimeError(f"{collective}: this communicator is unusable after: {self._broken}")
+        if self.comm == MPI.COMM_NULL:
+            raise RuntimeError(f"{collective}: communicator already freed")
+        self.collective = collective
+
+    # -- memory -------------------------------------------------------------
+
+    def scratch(self, name: str, count: int, dtype, library: str | None = None, pinned: bool = False):
+        """``count`` elements of grow-only scratch memory owned by ``name``.
+
+        Host memory by default; on the GPU of ``library`` ("cupy", "numba-cuda"),
+        or page-locked host memory for it with ``pinned``.  A buffer that grows
+        replaces the old one at once: every copy into or out of these buffers
+        has completed when its call returns (:mod:`mpicoll.arrays`).
+        """
+        dtype = np.dtype(dtype)
+        nbytes = count * dtype.itemsize
+        key = (name, library, pinned)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < nbytes:
+            size = max(nbytes, 64)
+            buf = (np.empty(size, np.uint8) if library is None
+                   else arrays.pinned(library, size, np.uint8) if pinned else arrays.empty(library, size, np.uint8))
+            self._scratch[key] = buf
+        return buf[:nbytes].view(dtype)
+
+    def shared_regions(self) -> SharedRegions:
+        """Every rank's shared-memory region (only when ``transport == "shared"``)."""
+        if self._shared is None:
+            self._shared = SharedRegions(self.comm, before_growing=self._before_growing)
+        return self._shared
+
+    def _before_growing(self) -> None:
+        """Growing the shared window is a blocking collective: every rank must be here, with the same size."""
+        self.compare_calls_now()
+        self.rendezvous()
+
+    def compare_calls_now(self) -> None:
+        """Before a blocking MPI collective inside a call: make sure every rank made the same call
+        (MismatchError on every rank if not), since nothing can interrupt MPI's wait."""
+        if self.fingerprint is not None:
+            self.fingerprint.compare_now()
+
+    def settle_fingerprint(self) -> None:
+        """As a call ends: settle its fingerprint, if any (MismatchError if the calls differ)."""
+        if self.fingerprint is not None:
+            self.fingerprint.settle()
+
+    def stamp_messages(self, stamp: int) -> None:
+        """Raise the tag of every message from now on by ``stamp`` (here and in the contexts over parts of
+        this one): messages of calls with different stamps never match (:class:`~mpicoll.channel.checks.Fingerprint`)."""
+        self.stamp = stamp
+        for child in self.children:
+            child.stamp_messages(stamp)
+
+    def context(self) -> "Context":
+        """This context (what :func:`mpicoll.channel.watchdog.watching` asks its owner for)."""
+        return self
+
+    def others(self) -> list[int]:
+        return [q for q in range(self.size) if q != self.rank]
+
+    def rendezvous(self) -> None:
+        """Return once every rank has arrived (a barrier with the deadline): call before
+        a blocking MPI collective, which would otherwise hang on a lost peer."""
+        self.waitall([self.comm.Ibarrier()], self.others())
+
+    # -- messages -----------------------------------------------------------
+
+    def isend(self, array: np.ndarray, dest: int, tag: int = 0) -> MPI.Request:
+        return self.comm.Isend([array.view(np.uint8), MPI.BYTE], dest, tag + self.stamp)
+
+    def irecv(self, array: np.ndarray, source: int, tag: int = 0) -> MPI.Request:
+        return self.comm.Irecv([array.view(np.uint8), MPI.BYTE], source, tag + self.stamp)
+
+    def wait(self, request: MPI.Request, peer: int) -> None:
+        """Complete one request to or from ``peer``."""
+        self.waitall([request], [peer])
+
+    def waitall(self, requests: list, peers, limit: float | None = None) -> None:
+        """Complete all requests; ``peers`` names the rank behind each (or one rank for all).
+
+        ``limit``: seconds before giving up, when not the communicator's timeout.
+        """
+        if not requests:
+            return
+        try:
+            if self.timeout == 0:
+                MPI.Request.Waitall(requests)
+            elif not _all_done(requests):
+                self._wait_with_deadline(requests, peers, limit)
+        except MPI.Exception as error:
+            if error.Get_error_class() == MPI.ERR_TRUNCATE:
+                self.settle_fingerprint()       # names what every rank passed, on every rank
+                raise MismatchError(self.collective, {
+                    self.rank: "received a larger message than its own count implies; "
+                               "the ranks passed different counts (MPICOLL_DEBUG=1 names them)"}) from None
+            if isinstance(peers, int):
+                peers = [peers] * len(requests)
+            failed = [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
+            raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self.missing(failed)[0],
+                                         error.Get_error_string())) from None
+
+    def completes(self, requests: list, limit: float) -> bool:
+        """Whether ``requests`` complete within ``limit`` seconds (0: wait forever), polled like every wait;
+        if not, they are left pending and the channel stays usable.  For waits on one peer that its caller
+        can go on without (a parameter server's transfer with one worker): no roll call, no broken channel."""
+        if not requests:
+            return True
+        return self._poll(lambda: True if _all_done(requests) else None, lambda: None, limit=limit, default=False)
+
+    def waitany(self, requests: list, peers: list[int], patience: float | None = None,
+                limit: float | None = None) -> int | None:
+        """Index of a completed request (REQUEST_NULL entries are skipped).
+
+        With ``patience`` (seconds), None once that much time has passed with
+        nothing completed, so the caller can look around; without it, a timeout
+        is raised past ``limit`` seconds (default: the communicator's timeout).
+        """
+        def any_done():
+            index, done = MPI.Request.Testany(requests)
+            return index if done and index != MPI.UNDEFINED else None
+
+        def give_up():
+            pending = [(r, p) for r, p in zip(requests, peers) if r != MPI.REQUEST_NULL]
+            self._give_up([r for r, _ in pending], [p for _, p in pending], limit)
+
+        if patience is None:
+            return self._poll(any_done, give_up, limit)
+        return self._poll(any_done, lambda: None, limit=patience)
+
+    def wait_until(self, ready, peers: list[int]) -> None:
+        """Poll ``ready()`` until it is true (spinning, then yielding the core), for
+        waits that are not requests, such as data landing in a window; past the
+        deadline a :class:`CollectiveTimeout` names ``peers``."""
+        def give_up():
+            raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self.missing(peers)[0],
+                                                   self.timeout, also_silent=self.silent_seen))
+
+        self._poll(lambda: True if ready() else None, give_up)
+
+    def _wait_with_deadline(self, requests: list, peers, limit: float | None = None) -> None:
+        self._poll(lambda: True if _all_done(requests) else None,
+                   lambda: self._give_up(requests, peers, limit), limit)
+
+    def _poll(self, ready, give_up, limit: float | None = None, default=None):
+        """Call ``ready`` until it returns something: spin briefly, then yield the core, then nap.
+
+        Past ``limit`` seconds (default: the communicator's timeout) ``give_up`` is
+        called; if it returns instead of raising, so does this, with ``default``.
+        """
+        limit = self.timeout if limit is None else limit
+        start = time.perf_counter()
+        nap, next_alarm = 0.0, self.spin_seconds
+        while (result := ready()) is None:
+            waited = time.perf_counter() - start
+            if limit and waited > limit:
+                give_up()              # raises, unless the caller only wanted to look around
+                return default
+            if waited < self.spin_seconds:
+                continue
+            if waited >= next_alarm:               # a wait that lasts: is there a reason to stop waiting?
+                for alarm in self.alarms:
+                    alarm()
+                next_alarm = waited + _ALARM_EVERY
+            if waited < 10 * self.spin_seconds + 1e-3:
+                os.sched_yield()
+            else:
+                nap = min(_MAX_NAP, nap * 2 or 1e-6)
+                time.sleep(nap)
+        return result
+
+    def _give_up(self, requests: list, peers, limit: float | None = None) -> None:
+        """Raise the timeout, naming the ranks that are really missing.
+
+        Pending requests are abandoned, not cancelled: cancelling a large send
+        in flight can crash MPICH, and the communicator is unusable anyway.
+        """
+        if isinstance(peers, int):
+            peers = [peers] * len(requests)
+        collective_request = len(requests) == 1 and len(peers) > 1     # one or more of peers is missing
+        stuck = list(peers) if collective_request else [p for r, p in zip(requests, peers) if not r.Test()]
+        missing, sure = self.missing(stuck)
+        raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], missing, limit or self.timeout,
+                                            some_of=not sure and collective_request, also_silent=self.silent_seen))
+
+    def missing(self, suspects) -> tuple[list[int], bool]:
+        """(the ranks to name as missing, by :attr:`names`; whether the roll call confirmed them).
+
+        Silent suspects first (a rank that finished its part and left is silent
+        too, but was not waited for), else every silent rank (the suspect was a
+        live neighbour waiting like us), else the suspects.
+        """
+        suspects = [self.names[peer] for peer in suspects]
+        silent = self.silent_seen = self._silent()
+        confirmed = [peer for peer in silent if peer in suspects] or silent
+        return confirmed or suspects, bool(confirmed)
+
+    def _silent(self) -> list[int]:
+        """The silent ranks, by :attr:`names`.  A context over part of another holds its roll call
+        there: the survivors are all waiting somewhere in it, not all in this part."""
+        if self.parent is not None:
+            return self.parent._silent()
+        return [self.names[peer] for peer in self._silent_ranks()]
+
+    def _silent_ranks(self) -> list[int]:
+        """The ranks that are really gone, found by a roll call among the survivors.
+
+        A rank that times out may have been waiting for a live neighbour that is
+        itself waiting for the lost rank.  Every survivor of a failed call sends
+        "alive" to every other rank and listens for a grace period (the timeout,
+        at most 10 s): those never heard from are the missing ones.  Ranks the MPI
+        library knows to be dead get no message and are not waited for
+        (:meth:`living`).  Empty when all were heard (nobody is gone: a rank
+        called something else).
+        """
+        if self.comm == MPI.COMM_NULL or self.size == 1:
+            return []
+        note = np.zeros(1, np.uint8)
+        awaited = self.living(self.others())
+        for peer in awaited:
+            self.comm.Isend([note, MPI.BYTE], peer, Tag.ROLL_CALL)      # abandoned if the peer is gone
+        heard, status, incoming = set(), MPI.Status(), np.empty(1, np.uint8)
+
+        def heard_everyone():
+            nonlocal awaited
+            while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
+                heard.add(status.Get_source())
+                self.comm.Recv([incoming, MPI.BYTE], status.Get_source(), Tag.ROLL_CALL)
+            awaited = self.living(awaited, stale_after=_DEATHS_EVERY)     # a death reported after the call began
+            return True if heard.issuperset(awaited) else None
+
+        self._poll(heard_everyone, lambda: None, limit=min(max(self.timeout, 1.0), 10.0))   # past it: stop looking
+        return [peer for peer in self.others() if peer not in heard]
+
+    def living(self, peers, stale_after: float = 0.0) -> list[int]:
+        """``peers`` without the ranks the MPI library knows to have died.  Ask before a message that may
+        go to a lost rank: once MPICH's UCX transport has seen the connection to a dead rank on another
+        node close, a send to it crashes the sender (:func:`mpicoll.base.failure.failed_ranks`).
+
+        Asking costs about 0.1 ms: a loop that asks on every turn passes ``stale_after``, and the
+        library's previous answer serves until it is that many seconds old.
+        """
+        now = time.perf_counter()
+        if now - self._dead_asked_at >= stale_after:
+            self._dead, self._dead_asked_at = failure.failed_ranks(self.comm), now
+        return [peer for peer in peers if peer not in self._dead]
+
+    def shun_the_dead(self, peers) -> None:
+        """If the MPI library knows any of ``peers`` to be dead, send nothing: wait out the deadline like the
+        other survivors, then raise their :class:`CollectiveTimeout` (the roll call names the dead).
+
+        For phases whose first messages go to ranks on other nodes, where a send to a dead rank crashes
+        MPICH's UCX transport.  Asking costs about 0.1 ms, so only before long phases; a death during
+        the phase can still crash a sender (docs/multi-node.md).
+        """
+        dead = set(peers).difference(self.living(peers))
+        if dead:
+            self.wait_until(lambda: False, dead)
+
+    def broken_by(self, error: Exception) -> Exception:
+        """Mark the communicator unusable and arrange for the job to end at exit; returns ``error``."""
+        self._broken = str(error)
+        failure.end_at_exit(str(error))
+        return error

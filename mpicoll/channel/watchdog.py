@@ -1,0 +1,224 @@
+"""One thread per process that ends the job when nothing else can: a blocking MPI call past its deadline,
+or another rank that failed.
+
+Two waits cannot be bounded from inside: MPI's own blocking collectives (``auto`` hands small calls to
+them, and the ``mpi`` algorithm every call), which nothing interrupts once entered; and a rank whose
+program raised, which sits in ``MPI_Finalize`` while its peers wait for it in their next collective.
+This module's thread watches both from outside the stuck call:
+
+- :class:`watching` marks a blocking MPI call as in flight (a time stamp set and cleared; a fast path keeps
+  one and reuses it, ``docs/failures.md`` has its cost); once one has lasted the communicator's ``MPICOLL_TIMEOUT``, the thread
+  holds the roll call on the communicator's private channel (``Context``), names the ranks that never
+  answered, and ends the job with ``MPI_Abort``: the stuck call cannot return, so it cannot raise.
+- :func:`guard_job` (what ``mpicoll train`` and the benchmarks call first, on every rank) opens a side
+  channel on which :func:`job_failed` tells every other rank why this one stopped; each rank's thread
+  prints that reason, and the failing rank ends the job a moment later, so a rank's ``ZeroDivisionError``
+  is seen in seconds on every rank instead of as a 300 s timeout blaming it for being "dead or hung".
+
+The thread polls (every 0.1 s): a thread blocked in an MPI call would hold MPICH's progress lock.  It asks
+MPI nothing unless the guard is on or a deadline passed, and it needs ``MPI_THREAD_MULTIPLE`` (mpi4py's
+default) to call MPI beside the stuck main thread; without it a passed deadline ends the job unnamed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from ..base import config, failure
+from ..base.errors import CollectiveTimeout
+from ..base.tags import Tag
+
+__all__ = ["watching", "watch_of", "bounded", "start", "guard_job", "job_failed", "end_job_on_uncaught_errors", "FAILED_EXIT_CODE"]
+
+FAILED_EXIT_CODE = 1     # mpiexec's status for a job a rank's uncaught exception ended
+_LOOK_EVERY = 0.1        # seconds between the thread's looks
+_NOTE_BYTES = 4000       # the longest reason sent to the other ranks
+_SETTLE_S = 1.0          # a failing rank's pause between telling the others and ending the job
+
+_watches: weakref.WeakSet = weakref.WeakSet()    # every watching object alive: the calls that may be in flight
+_watches_lock = threading.Lock()
+_guard: MPI.Intracomm | None = None  # the side channel for notes from failed ranks (guard_job)
+_thread: threading.Thread | None = None
+_start_lock = threading.Lock()
+
+
+class watching:
+    """``with watching(owner, "Allreduce"):`` around a blocking MPI call on ``owner``'s communicator.
+
+    ``owner``: anything with a ``context()`` method answering the :class:`~mpicoll.channel.context.Context` whose
+    timeout bounds the call and whose roll call names the missing ranks (a Communicator, or a Context).
+    One object serves one call at a time and may be reused: a hot path keeps one and sets ``started``
+    (``time.monotonic()``, 0 when idle) itself, which is all ``with`` does.
+    """
+
+    __slots__ = ("owner", "collective", "started", "__weakref__")
+
+    def __init__(self, owner, collective: str):
+        self.owner, self.collective, self.started = owner, collective, 0.0
+        with _watches_lock:
+            _watches.add(self)
+
+    def __enter__(self):
+        self.started = time.monotonic()
+
+    def __exit__(self, *exc_info):
+        self.started = 0.0
+
+
+def watch_of(owner, collective: str) -> watching:
+    """``owner``'s :class:`watching` for ``collective``, made once and kept on the owner (a Communicator
+    or a Context): a call path that runs often reuses one instead of registering a new one per call."""
+    watches = owner.__dict__.setdefault("_watches", {})
+    watch = watches.get(collective)
+    if watch is None:
+        watch = watches[collective] = watching(owner, collective)
+    return watch
+
+
+class _Plain:
+    """A plain mpi4py communicator as a :class:`watching` owner: no private channel to hold a roll call on,
+    so a passed deadline names the ranks the MPI library knows to be dead, if it knows any."""
+
+    __slots__ = ("comm",)
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def context(self):
+        return None
+
+
+def bounded(comm: MPI.Comm, collective: str) -> watching:
+    """``with bounded(comm, "what"):`` around mpi4py's own blocking collective on a plain communicator
+    (the checks before and between epochs): past ``MPICOLL_TIMEOUT`` the job ends, naming ``collective``."""
+    start()
+    return watching(_Plain(comm), collective)
+
+
+def start() -> None:
+    """Start the thread if it is not running (before the first :func:`watching`)."""
+    global _thread
+    if _thread is not None:
+        return
+    with _start_lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_watch, name="mpicoll-watchdog", daemon=True)
+            _thread.start()
+
+
+def guard_job(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
+    """Listen, from now on, for other ranks' :func:`job_failed` notes (collective over ``comm``: every
+    rank calls it once, at the start of the job)."""
+    global _guard
+    if _guard is None and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        _guard = comm.Dup()
+    start()
+
+
+def job_failed(error: BaseException) -> None:
+    """This rank stops on ``error`` that its peers cannot know of: print its traceback, tell every other
+    rank why (each prints it), and end the job (``MPI_Abort``).  Does not return."""
+    reason = _one_line(error)
+    traceback.print_exception(error, file=sys.stderr)
+    rank = MPI.COMM_WORLD.Get_rank()
+    guard = _guard
+    if guard is not None:
+        note = np.frombuffer(reason.encode()[:_NOTE_BYTES], np.uint8)
+        sent = [guard.Isend([note, MPI.BYTE], peer, Tag.JOB_FAILED)
+                for peer in range(guard.Get_size()) if peer != guard.Get_rank()]
+        deadline = time.monotonic() + _SETTLE_S
+        while time.monotonic() < deadline and not MPI.Request.Testall(sent):
+            time.sleep(0.01)
+        time.sleep(max(0.0, deadline - time.monotonic()))      # let the others print before the abort
+    failure.end_job(f"{reason} (an uncaught error on rank {rank}; its traceback is above)", FAILED_EXIT_CODE)
+
+
+def end_job_on_uncaught_errors() -> None:
+    """From now on, an exception that ends this process's main thread ends the whole job (through
+    :func:`job_failed`) instead of leaving the process in ``MPI_Finalize`` while its peers wait for it until
+    their timeout.  What ``python -m mpi4py`` does, for programs that use mpicoll's communicators (a
+    :class:`~mpicoll.channel.context.Context` installs it); Ctrl-C keeps Python's own handling."""
+    global _hook_installed
+    if _hook_installed or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    _hook_installed = True
+    previous = sys.excepthook
+
+    def hook(kind, error, trace):
+        if issubclass(kind, (KeyboardInterrupt, SystemExit)) or not MPI.Is_initialized() or MPI.Is_finalized():
+            return previous(kind, error, trace)
+        job_failed(error.with_traceback(trace))
+
+    sys.excepthook = hook
+
+
+_hook_installed = False
+
+
+def _one_line(error: BaseException) -> str:
+    """``Type: message (at file:line)``, the message's lines joined."""
+    text = " ".join("".join(traceback.format_exception_only(type(error), error)).split())
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames:
+        text += f" (at {frames[-1].filename}:{frames[-1].lineno})"
+    return text
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(_LOOK_EVERY)
+        try:
+            if _guard is not None:
+                _hear_failures()
+            now = time.monotonic()
+            with _watches_lock:
+                watches = list(_watches)
+            for watch in watches:
+                started = watch.started
+                if not started:
+                    continue
+                context = watch.owner.context()
+                limit = context.timeout if context is not None else config.timeout()
+                if limit and now - started > limit and watch.started == started:      # still the same call
+                    _expired(watch.owner, context, watch.collective, limit)
+        except Exception as error:  # noqa: BLE001 - the watchdog must outlive anything it sees
+            print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()}: watchdog: {type(error).__name__}: {error}",
+                  file=sys.stderr, flush=True)
+
+
+def _hear_failures() -> None:
+    status = MPI.Status()
+    if not _guard.Iprobe(MPI.ANY_SOURCE, Tag.JOB_FAILED, status):
+        return
+    note = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+    _guard.Recv([note, MPI.BYTE], status.Get_source(), Tag.JOB_FAILED)
+    sys.stdout.flush()
+    print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} stops: rank {status.Get_source()} failed: "
+          f"{note.tobytes().decode(errors='replace')}", file=sys.stderr, flush=True)
+    time.sleep(5 * _SETTLE_S)        # the failing rank ends the job meanwhile; if it cannot, this one does
+    MPI.COMM_WORLD.Abort(FAILED_EXIT_CODE)
+
+
+def _expired(owner, context, collective: str, limit: float) -> None:
+    """A blocking MPI call outlived its deadline: name the missing ranks and end the job."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    if context is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        missing, sure = context.missing(context.others())
+        reason = str(context.broken_by(CollectiveTimeout(
+            f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=not sure,
+            also_silent=context.silent_seen)))
+    else:
+        comm = getattr(owner, "comm", None)
+        dead = failure.failed_ranks(comm) if comm is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE else []
+        who = (f"rank(s) {', '.join(map(str, dead))}, which the MPI library reports dead" if dead else
+               "a peer that never took part (dead, hung, or stopped on an error of its own: see its output)")
+        reason = (f"{collective}: rank {rank} waited {limit:g} s in MPI's own blocking collective for {who}; "
+                  "raise MPICOLL_TIMEOUT if a peer is just slow")
+    failure.end_job(f"{reason} (MPI's blocking call cannot be interrupted: the job ends)", settle=_SETTLE_S * 2)

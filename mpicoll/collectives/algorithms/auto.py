@@ -1,0 +1,107 @@
+"""How ``auto`` picks an algorithm: by collective, message size in bytes and rank count.
+
+Each collective has a rule ``"name:limit,name:limit,...,name"``: the first
+name whose limit is above the message size wins, the last has no limit.  The
+defaults below come from ``mpicoll bench`` on one 2-core node with the MPICH
+wheel (docs/benchmarks.md): the ring overtook MPI's allreduce between 1 and
+2 MiB at both 2 and 4 ranks, so one size threshold serves every rank count
+measured; one rank always gets MPI.  Large allreduces go to ``hierarchical``,
+which is the ring on one node (and with one rank per node).  The ring's
+reduce-scatter is only reliably ahead from 16 MiB (2 ranks, 4 MiB: 0.88x),
+and MPI's allgather and broadcast were never beaten by enough to matter,
+except the parallel broadcast with more ranks than cores, which does not
+scale with p (docs/benchmarks.md).
+
+A communicator that spans nodes of several ranks each, every node holding
+consecutive ranks, follows ``ACROSS_NODES_RULES`` instead, from its second
+call on (the first call's check comes first; then the communicator learns
+its node layout): there ``hierarchical`` splits each collective between
+shared memory and the links (docs/multi-node.md).  With one rank per node
+the flat ring already crosses each link evenly and the one-node rules stay.
+
+Override a rule with the environment variable ``MPICOLL_AUTO_<COLLECTIVE>``
+(on one node and across nodes alike), for example
+``MPICOLL_AUTO_ALLREDUCE=mpi:1M,ring``.  Every rank must see the same rule.
+
+Non-commutative ops go to ``mpi`` unless the rule was set by hand: MPI's
+library reduces them in rank order without the ring's cut detour.
+
+Device (GPU) arrays follow ``DEVICE_RULES`` (``MPICOLL_AUTO_DEVICE_<COLLECTIVE>``
+to override), whose names must serve device arrays: ``direct`` reduces on the
+GPU; ``mpi`` would reduce on the host (staged) or leave it to a CUDA-aware MPI.
+Nobody has measured them on a GPU yet, so every device call goes to ``direct``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from ...base.config import parse_bytes
+
+__all__ = ["choose", "rule", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES"]
+
+DEFAULT_RULES = {
+    "allreduce": "mpi:2M,hierarchical",
+    "reduce_scatter_block": "mpi:16M,ring",
+    "allgather": "mpi",
+    "bcast": "mpi",
+}
+# Across nodes of several ranks each, every node holding consecutive ranks (where ``hierarchical``
+# splits each collective between shared memory and the links): measured on 2 emulated nodes x 2 ranks
+# at 1 Gbit/s (docs/multi-node.md).  MPI's allreduce is ahead to 4 MiB; hierarchical's reduce-scatter
+# and allgather from 128 KiB.  A broadcast's chain already crosses each link once.
+ACROSS_NODES_RULES = {
+    "allreduce": "mpi:4M,hierarchical",
+    "reduce_scatter_block": "mpi:128K,hierarchical",
+    "allgather": "mpi:128K,hierarchical",
+    "bcast": "mpi",
+}
+DEVICE_RULES = dict.fromkeys(DEFAULT_RULES, "direct")
+
+
+def _variable(collective: str, device: bool) -> str:
+    return f"MPICOLL_AUTO_{'DEVICE_' if device else ''}{collective.upper()}"
+
+
+def rule(collective: str, device: bool = False, across_nodes: bool = False) -> list[tuple[str, float]]:
+    """The rule in force for ``collective``: [(algorithm, exclusive byte limit), ...].  ``across_nodes``:
+    the communicator spans nodes of several ranks each, consecutive ranks per node."""
+    default = (DEVICE_RULES if device else ACROSS_NODES_RULES if across_nodes else DEFAULT_RULES)[collective]
+    return _parse(_variable(collective, device), os.environ.get(_variable(collective, device), default), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(variable: str, text: str, device: bool) -> list[tuple[str, float]]:
+    from . import REGISTRY
+    parsed = []
+    for part in text.split(","):
+        name, _, limit = part.strip().partition(":")
+        if name not in REGISTRY or (device and not REGISTRY[name].device):
+            raise ValueError(f"{variable}={text!r}: {name!r} is not an algorithm "
+                             f"{'that serves device arrays' if device else 'of mpicoll'}")
+        parsed.append((name, parse_bytes(limit) if limit else float("inf")))
+    if parsed[-1][1] != float("inf"):
+        raise ValueError(f"{variable}={text!r}: the last algorithm must have no limit")
+    return parsed
+
+
+def check_settings() -> None:
+    """Parse every ``MPICOLL_AUTO_*`` rule in force, raising the first bad one's ValueError (it names the
+    variable)."""
+    for collective in DEFAULT_RULES:
+        rule(collective), rule(collective, across_nodes=True), rule(collective, device=True)
+
+
+def choose(collective: str, nbytes: int, size: int, commutative: bool = True, device: bool = False,
+           across_nodes: bool = False) -> str:
+    """The algorithm ``auto`` runs for one call."""
+    if not device:
+        if size == 1:
+            return "mpi"
+        if not commutative and _variable(collective, device) not in os.environ:
+            return "mpi"
+    for name, limit in rule(collective, device, across_nodes):
+        if nbytes < limit:
+            return name
+    raise AssertionError("unreachable: the last rule has no limit")

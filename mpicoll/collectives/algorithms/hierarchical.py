@@ -1,0 +1,160 @@
+"""Hierarchical collectives: inside nodes, between nodes, inside nodes again.
+
+On n nodes of k ranks each, a flat ring sends 2(p-1)/p of the buffer from
+every *rank*, so a node's link carries the sends of every ring edge that
+leaves it.  Here the buffer is cut into k slices:
+
+1. inside each node, a reduce-scatter: local rank j ends with slice j summed
+   over its node (no link crossed; over shared memory the slice stays in
+   local rank j's region, where steps 2 and 3 use it in place);
+2. between nodes, local rank j of every node runs a ring allreduce of slice j:
+   each node sends 2(n-1)/n of the buffer in all, the least any allreduce can,
+   and its k ranks drive the link at once;
+3. inside each node, an allgather of the k slices.
+
+Every slice is reduced once and then copied, so every rank gets the same
+bits.  Node sums come first and nodes are then combined in node order, which
+is rank order when every node holds consecutive ranks; a non-commutative op on
+another layout runs the flat ring.  On one node, or with one rank per node,
+this is the ring; across nodes, messages under ``ACROSS_NODES_FROM`` go to
+MPI's own collective, which wins there.
+
+Reduce-scatter and allgather split the same way when every node holds
+consecutive ranks (their blocks follow rank order): local rank j works on
+the blocks of local rank j of every node, regrouped into one scratch
+buffer, so the ring between nodes carries (n-1)/n of the buffer per node
+where a flat ring's one boundary edge carries (p-1)/p of it.  A reduce-
+scatter sums inside the node first, then reduce-scatters between nodes; an
+allgather gathers between nodes first, then inside.  A broadcast stays the
+ring's chain, which crosses each node boundary once already.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ...base.chunks import balanced_bounds, block_bounds
+from ...base.errors import MpicollError
+from ...channel.nodes import node_layout
+from .base import Algorithm
+from .mpi import Mpi
+from .ring import Ring, allgather_in_place, reduce_scatter
+from .ring_shared import shared_reduce_scatter
+
+__all__ = ["Hierarchical", "ACROSS_NODES_FROM"]
+
+_RING, _MPI = Ring(), Mpi()
+
+# bytes of the whole message: below these, across several nodes of several ranks, MPI's own collective
+# (its latency-bound algorithms win there).  Measured on 2 emulated nodes x 2 ranks at 1 Gbit/s
+# (docs/multi-node.md): the allreduce behind MPI at 1 MiB (0.90x), even at 4 MiB (1.03x), 1.66x ahead at
+# 16 MiB; the reduce-scatter and allgather behind at 64 KiB (0.39x, 1.47x), ahead from 128 KiB (2.39x,
+# 1.73x) up to 64 MiB (1.77x, 1.36x).
+ACROSS_NODES_FROM = {"allreduce": 4 << 20, "reduce_scatter_block": 128 << 10, "allgather": 128 << 10}
+
+
+class Hierarchical(Algorithm):
+    name = "hierarchical"
+
+    def allreduce(self, ctx, send, recv, reduction):
+        layout = _layered(ctx, reduction.commutative)
+        if layout is None or recv.size < layout.per_node:
+            _RING.allreduce(ctx, send, recv, reduction)
+            return
+        if recv.nbytes < ACROSS_NODES_FROM["allreduce"]:
+            ctx.compare_calls_now()         # MPI's blocking call cannot be interrupted by a disagreement
+            _MPI.allreduce(ctx, send, recv, reduction)
+            return
+        local, cross = layout.local, layout.cross
+        bounds = balanced_bounds(recv.size, layout.per_node)
+
+        def between_nodes(chunk):
+            cross.shun_the_dead(cross.others())     # a peer that died during the node phase: no crash
+            _RING.allreduce(cross, None, chunk, reduction)
+
+        with _parts_break_the_whole(ctx, layout):
+            if local.channel == "shared":      # the slice stays in shared memory; the others read it there
+                shared_reduce_scatter(local, recv if send is None else send, bounds, reduction, gather_into=recv,
+                                      then=between_nodes)
+                return
+            if send is not None:
+                recv[...] = send
+            local.waitall(*reduce_scatter(local, recv, recv, bounds, reduction))
+            between_nodes(recv[bounds[local.rank]: bounds[local.rank + 1]])
+            allgather_in_place(local, recv, bounds)
+
+    def reduce_scatter_block(self, ctx, send, recv, reduction):
+        """Local rank j's slice is the blocks of every node's local rank j: summed inside the node, then
+        reduce-scattered around the ring of nodes, so every node sends (n-1)/n of the buffer."""
+        layout = _layered(ctx, reduction.commutative, contiguous=True)
+        if layout is None or recv.size == 0:
+            _RING.reduce_scatter_block(ctx, send, recv, reduction)
+            return
+        if send.nbytes < ACROSS_NODES_FROM["reduce_scatter_block"]:
+            ctx.compare_calls_now()
+            _MPI.reduce_scatter_block(ctx, send, recv, reduction)
+            return
+        local, cross, grouped, bounds = _grouped_by_local_rank(ctx, layout, recv.size, send.dtype)
+        grouped.reshape(layout.per_node, layout.nodes, recv.size)[...] = \
+            send.reshape(layout.nodes, layout.per_node, recv.size).transpose(1, 0, 2)
+        with _parts_break_the_whole(ctx, layout):
+            if local.channel == "shared":
+                part = ctx.scratch("hierarchical.part", bounds[1], send.dtype)
+                shared_reduce_scatter(local, grouped, bounds, reduction, keep_into=part)
+            else:
+                local.waitall(*reduce_scatter(local, grouped, grouped, bounds, reduction))
+                part = grouped[bounds[local.rank]: bounds[local.rank + 1]]
+            _RING.reduce_scatter_block(cross, part, recv, reduction)
+
+    def allgather(self, ctx, send, recv):
+        """Local rank j of every node first gathers the blocks of every node's local rank j around the ring
+        of nodes (each node receives (n-1)/n of the buffer, its k ranks at once), then the node
+        gathers those slices over shared memory or its own links."""
+        block = recv.size // ctx.size
+        layout = _layered(ctx, True, contiguous=True)
+        if layout is None or block == 0:
+            _RING.allgather(ctx, send, recv)
+            return
+        if recv.nbytes < ACROSS_NODES_FROM["allgather"]:
+            ctx.compare_calls_now()
+            _MPI.allgather(ctx, send, recv)
+            return
+        local, cross, grouped, bounds = _grouped_by_local_rank(ctx, layout, block, recv.dtype)
+        part = grouped[bounds[local.rank]: bounds[local.rank + 1]]
+        node = cross.rank
+        part[node * block: (node + 1) * block] = recv[ctx.rank * block: (ctx.rank + 1) * block] if send is None \
+            else send
+        with _parts_break_the_whole(ctx, layout):
+            _RING.allgather(cross, None, part)
+            allgather_in_place(local, grouped, bounds)
+        recv.reshape(layout.nodes, layout.per_node, block)[...] = \
+            grouped.reshape(layout.per_node, layout.nodes, block).transpose(1, 0, 2)
+
+    def bcast(self, ctx, buf, root):
+        # The chain already crosses each node boundary once when nodes hold consecutive ranks: every link
+        # carries the buffer once, the least a broadcast can; splitting it by node would only add steps.
+        _RING.bcast(ctx, buf, root)
+
+
+def _layered(ctx, commutative: bool, contiguous: bool = False):
+    """``ctx``'s node layout where the intra/inter split applies, else None (one node, one rank per node,
+    uneven nodes; a non-commutative op, or a collective whose blocks follow rank order, on nodes that do
+    not hold consecutive ranks)."""
+    layout = node_layout(ctx) if ctx.size > 1 else None
+    return layout if layout is not None and layout.splits(in_rank_order=contiguous or not commutative) else None
+
+
+def _grouped_by_local_rank(ctx, layout, block: int, dtype):
+    """(local, cross, scratch of every rank's block ordered by local rank then node, each local rank's
+    bounds in it).  With consecutive ranks per node, a rank's place in the cross ring is its node."""
+    grouped = ctx.scratch("hierarchical.grouped", ctx.size * block, dtype)
+    return layout.local, layout.cross, grouped, block_bounds(layout.nodes * block, layout.per_node)
+
+
+@contextlib.contextmanager
+def _parts_break_the_whole(ctx, layout):
+    """A failure inside the node or between nodes leaves the whole communicator broken."""
+    try:
+        yield
+    except MpicollError as error:
+        raise ctx.broken_by(error) if (layout.local.broken or layout.cross.broken) else error

@@ -1,0 +1,118 @@
+"""The ring's reduce-scatter when all ranks share one node: neighbours read each other's memory.
+
+Same steps and reduction order as :func:`mpicoll.collectives.algorithms.ring.reduce_scatter`,
+but no message carries data.  Each rank keeps its partials in its own region
+of a shared-memory window (``MPI.Win.Allocate_shared``); its right neighbour
+reduces straight out of that region once a zero-byte "ready" note arrives.
+Nothing is copied between ranks but the final chunks, which every rank reads
+from their owners' regions (shared memory needs no forwarding around the ring).
+
+Measured (docs/benchmarks.md): with more ranks than cores this beats the
+point-to-point ring, whose single-copy transfers (CMA) cost kernel time the
+oversubscribed ranks do not have.  A variant with small reused slots and
+back-pressure kept partials in cache but needed a lockstep per segment, which
+was slower when ranks share cores; ranks here run ahead freely.
+
+For a non-commutative op the ring is cut as in the point-to-point version:
+rank 0 starts each partial afresh, and rank p-1 hands its partial straight to
+each chunk's owner.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...base.chunks import segment_elements, segments
+from ...base.tags import Tag
+
+if TYPE_CHECKING:                    # annotations only
+    from ...channel.context import Context
+    from ..reduction import Reduction
+
+__all__ = ["shared_reduce_scatter"]
+
+
+_NOTHING = np.empty(0, np.uint8)
+
+
+def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], reduction: Reduction, *,
+                          gather_into: np.ndarray | None = None, keep_into: np.ndarray | None = None,
+                          then=None) -> None:
+    """The ring's reduce-scatter through shared memory, then this rank's chunk or all chunks out.
+
+    Same steps as :func:`reduce_scatter`, but each rank keeps its partials in
+    its own shared region and its right neighbour reduces straight out of
+    it: a zero-byte message says "segment ready", nothing is copied.  Then
+    either ``keep_into`` receives this rank's chunk, or ``gather_into``
+    receives every chunk, each read from its owner's region as soon as the
+    owner says it is final (shared memory needs no forwarding around the ring).
+    ``then(chunk)``, before the gather, works on this rank's reduced chunk in
+    place in its region (the hierarchical allreduce's phase between nodes).
+    """
+    p, r = ctx.size, ctx.rank
+    left, right = (r - 1) % p, (r + 1) % p
+    cut = not reduction.commutative
+    starts_partials = cut and r == 0
+    shared = ctx.shared_regions()
+    regions = shared.regions(send.size, send.dtype)
+    mine = regions[r]
+    step = segment_elements(ctx.segment_bytes, send.itemsize)
+    others = [(r + i) % p for i in range(1, p)]
+
+    def chunk_segments(c):
+        return segments(bounds[c], bounds[c + 1], step)
+
+    def destination(chunk):
+        return chunk if cut and r == p - 1 else right
+
+    tag = Tag.SHARED_HIGH if cut and r == p - 1 else Tag.SHARED_READY
+    notes, peers = [], []
+
+    def ready(chunk):
+        shared.sync()
+        notes.append(ctx.isend(_NOTHING, destination(chunk), tag))
+        peers.append(destination(chunk))
+
+    def await_from(source, note_tag):
+        ctx.wait(ctx.irecv(_NOTHING, source, note_tag), source)
+        shared.sync()
+
+    first = (r - 1) % p
+    for s in chunk_segments(first):
+        mine[s] = send[s]
+        ready(first)
+    for k in range(p - 1):
+        # Invariant: step k reduces chunk (r-k-2), reading the left neighbour's partial in place.
+        c = (r - k - 2) % p
+        for s in chunk_segments(c):
+            if starts_partials:
+                mine[s] = send[s]
+            else:
+                await_from(left, Tag.SHARED_READY)
+                reduction.combine(regions[left][s], send[s], out=mine[s])
+            if k < p - 2:
+                ready(c)
+    own = slice(bounds[r], bounds[r + 1])
+    if cut and r < p - 1:
+        for s in chunk_segments(r):
+            await_from(p - 1, Tag.SHARED_HIGH)
+            reduction.combine(mine[s], regions[p - 1][s], out=mine[s])
+
+    if then is not None:
+        then(mine[own])
+    if keep_into is not None:
+        keep_into[...] = mine[own]
+    else:
+        shared.sync()
+        notes += [ctx.isend(_NOTHING, q, Tag.SHARED_FINAL) for q in others]
+        peers += others
+        gather_into[own] = mine[own]
+        for q in others:
+            await_from(q, Tag.SHARED_FINAL)
+            chunk = slice(bounds[q], bounds[q + 1])
+            gather_into[chunk] = regions[q][chunk]
+    ctx.waitall(notes, peers)
+    # No rank may reuse its region while another still reads it.
+    ctx.waitall([ctx.comm.Ibarrier()], others)

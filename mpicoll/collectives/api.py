@@ -1,0 +1,214 @@
+"""The array API: collectives that take an array and return one, like torch.distributed and Horovod.
+
+Any array of :mod:`mpicoll.arrays` works, on the host or a GPU, in any shape
+and memory layout: a non-contiguous input is packed once, a non-contiguous
+``out`` is filled from a packed result, and the result is of the input's kind
+(numpy for host memory, CuPy or Numba for device memory).  Each has a
+nonblocking form (``iallreduce``, ...) that returns a
+:class:`~mpicoll.collectives.nonblocking.Request`.  ``comm`` defaults
+to ``MPI.COMM_WORLD``; a plain mpi4py communicator is wrapped in a
+:class:`~mpicoll.Communicator` once and the wrapper reused for as long as that
+communicator lives (it is kept on the communicator as an MPI attribute, so freeing
+the communicator releases it); pass the same communicator from every rank, in the
+same order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import arrays
+from .communicator import Communicator
+from .nonblocking import Request
+from .reduction import resolve_op
+
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast",
+           "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "resolve_op"]
+
+def _forget(comm, keyval, wrapped: dict) -> None:
+    """MPI frees ``comm``: release the wrappers made for it (their private channels and threads)."""
+    for communicator in wrapped.values():
+        try:
+            communicator.close()
+        except Exception:  # noqa: BLE001 - an error inside MPI_Comm_free's callback would abort the job
+            pass
+
+
+# The wrappers made for a plain communicator live on the communicator itself, as an MPI attribute (a dict
+# algorithm -> Communicator), which MPI deletes when the communicator is freed.  A cache by handle would hand
+# a freed communicator's wrapper, and so its group, to the next communicator given the same handle.
+_WRAPPERS = MPI.Comm.Create_keyval(delete_fn=_forget)
+
+
+def _communicator(comm, algorithm: str) -> Communicator:
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if isinstance(comm, Communicator) and comm.algorithm == algorithm:
+        return comm
+    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        return Communicator(comm, algorithm=algorithm)      # its own error, naming what was passed
+    wrapped = comm.Get_attr(_WRAPPERS)
+    if wrapped is None:
+        wrapped = {}
+        comm.Set_attr(_WRAPPERS, wrapped)
+    communicator = wrapped.get(algorithm)
+    if communicator is None:
+        communicator = wrapped[algorithm] = Communicator(comm, algorithm=algorithm)
+    return communicator
+
+
+def _as_array(x):
+    """``x`` as a numpy array (host memory) or a CuPy/Numba array (device memory), without a copy."""
+    return arrays.device_view(x)[1] if arrays.is_device(x) else np.asarray(x)
+
+
+def _output(out, shape, like):
+    """(contiguous array to write the result into, the caller's ``out`` to copy it into afterwards or None)."""
+    shape = tuple(shape)
+    if out is None:
+        return arrays.empty_like(like, shape), None
+    out = _as_array(out)
+    if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(like.dtype):
+        raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected {shape} and {like.dtype}")
+    if arrays.library(out) != arrays.library(like):
+        raise TypeError("out must be in the same kind of memory as x (both host, or both one device library)")
+    if arrays.is_c_contiguous(out) and (not isinstance(out, np.ndarray) or out.flags.writeable):
+        return out, None
+    return arrays.empty_like(like, shape), out
+
+
+class _Call:
+    """One prepared collective call: the communicator method, its arguments, and where the result ends up.
+
+    ``run()`` makes it blocking; ``start()`` nonblocking, returning a Request
+    whose ``wait()`` gives the result.
+    """
+
+    def __init__(self, communicator: Communicator, method: str, args: tuple, result, copy_into=None,
+                 divide_by: int = 1):
+        self.communicator, self.method, self.args = communicator, method, args
+        self.result, self.copy_into, self.divide_by = result, copy_into, divide_by
+
+    def run(self):
+        getattr(self.communicator, self.method)(*self.args)
+        return self._finish()
+
+    def start(self) -> Request:
+        nonblocking = getattr(self.communicator, f"I{self.method[0].lower()}{self.method[1:]}")   # Iallreduce, ...
+        return nonblocking(*self.args).then(lambda _: self._finish())
+
+    def _finish(self):
+        if self.divide_by != 1:                       # "average": the sum, divided by the rank count
+            self.result /= self.divide_by
+        if self.copy_into is None:
+            return self.result
+        arrays.copy(self.result, self.copy_into)
+        return self.copy_into
+
+
+def _average(op, x, communicator: Communicator) -> tuple:
+    """(the op to reduce with, what to divide its result by): "average" (also "avg", "mean", torch's and
+    Horovod's name) is a sum divided by the rank count, for floating-point and complex arrays."""
+    if not (isinstance(op, str) and op.lower() in ("average", "avg", "mean")):
+        return resolve_op(op), 1
+    if np.dtype(x.dtype).kind not in "fc":
+        raise ValueError(f"op {op!r} needs floating-point or complex arrays, got {x.dtype}: reduce with 'sum' and "
+                         "divide as you need")
+    return MPI.SUM, communicator.Get_size()
+
+
+def _allreduce(x, op, comm, algorithm, out) -> _Call:
+    communicator = _communicator(comm, algorithm)
+    in_place = out is x
+    x = _as_array(x)
+    op, divide_by = _average(op, x, communicator)
+    source = arrays.contiguous(x)
+    if in_place and source is x and (not isinstance(x, np.ndarray) or x.flags.writeable):
+        return _Call(communicator, "Allreduce", (MPI.IN_PLACE, x, op), x, divide_by=divide_by)
+    result, copy_into = _output(x if in_place else out, x.shape, x)
+    return _Call(communicator, "Allreduce", (source, result, op), result, copy_into, divide_by)
+
+
+def _reduce_scatter(x, op, comm, algorithm, out) -> _Call:
+    communicator = _communicator(comm, algorithm)
+    x = arrays.contiguous(_as_array(x))
+    size = communicator.Get_size()
+    if x.ndim == 0 or x.shape[0] % size:
+        raise ValueError(f"reduce_scatter: x has shape {x.shape}; its first axis must be a multiple of {size} ranks")
+    result, copy_into = _output(out, (x.shape[0] // size, *x.shape[1:]), x)
+    op, divide_by = _average(op, x, communicator)
+    return _Call(communicator, "Reduce_scatter_block", (x, result, op), result, copy_into, divide_by)
+
+
+def _allgather(x, comm, algorithm, out) -> _Call:
+    communicator = _communicator(comm, algorithm)
+    x = arrays.contiguous(_as_array(x))
+    size = communicator.Get_size()
+    shape = (size,) if x.ndim == 0 else (size * x.shape[0], *x.shape[1:])
+    result, copy_into = _output(out, shape, x)
+    return _Call(communicator, "Allgather", (x, result), result, copy_into)
+
+
+def _broadcast(x, root, comm, algorithm, out) -> _Call:
+    communicator = _communicator(comm, algorithm)
+    x = _as_array(x)
+    result, copy_into = _output(out, x.shape, x)
+    if communicator.Get_rank() == root and result is not x:
+        arrays.copy(x, result)
+    return _Call(communicator, "Bcast", (result, root), result, copy_into)
+
+
+def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
+    """The elementwise reduction of ``x`` over all ranks (same shape and dtype as ``x``).
+
+    ``op``: "sum" (default), "prod", "min", "max", the logical and bitwise ops, any ``MPI.Op``, or
+    "average" (the sum divided by the rank count, as in ``mpicoll.torch`` and Horovod; floating-point
+    arrays).  ``out`` may be ``x`` itself to reduce in place.  Device arrays are reduced
+    on their GPU and give device arrays.
+    """
+    return _allreduce(x, op, comm, algorithm, out).run()
+
+
+def reduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
+    """Reduce ``x`` over all ranks and keep this rank's share of axis 0.
+
+    ``x.shape[0]`` must be a multiple of the rank count p; the result has
+    shape ``(x.shape[0] // p, *x.shape[1:])``: rows ``rank * k`` to ``(rank+1) * k``.
+    """
+    return _reduce_scatter(x, op, comm, algorithm, out).run()
+
+
+def allgather(x, *, comm=None, algorithm: str = "auto", out=None):
+    """Every rank's ``x`` concatenated along axis 0, in rank order (a scalar gives shape (p,))."""
+    return _allgather(x, comm, algorithm, out).run()
+
+
+def broadcast(x, root: int = 0, *, comm=None, algorithm: str = "auto", out=None):
+    """The root's ``x`` on every rank; other ranks pass an array of the same shape and dtype.
+
+    Returns a new array unless ``out`` is given (``out=x`` overwrites ``x`` in place).
+    """
+    return _broadcast(x, root, comm, algorithm, out).run()
+
+
+def iallreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None) -> Request:
+    """:func:`allreduce`, started: returns a Request whose ``wait()`` gives the result.
+
+    Leave ``x`` and ``out`` alone until then (:mod:`mpicoll.collectives.nonblocking`).
+    """
+    return _allreduce(x, op, comm, algorithm, out).start()
+
+
+def ireduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None) -> Request:
+    """:func:`reduce_scatter`, started: returns a Request whose ``wait()`` gives the result."""
+    return _reduce_scatter(x, op, comm, algorithm, out).start()
+
+
+def iallgather(x, *, comm=None, algorithm: str = "auto", out=None) -> Request:
+    """:func:`allgather`, started: returns a Request whose ``wait()`` gives the result."""
+    return _allgather(x, comm, algorithm, out).start()
+
+
+def ibroadcast(x, root: int = 0, *, comm=None, algorithm: str = "auto", out=None) -> Request:
+    """:func:`broadcast`, started: returns a Request whose ``wait()`` gives the result."""
+    return _broadcast(x, root, comm, algorithm, out).start()

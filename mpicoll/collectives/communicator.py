@@ -1,0 +1,423 @@
+"""``mpicoll.Communicator``: an mpi4py communicator whose collectives run mpicoll's algorithms.
+
+It *is* an ``MPI.Intracomm`` (same handle as the communicator it wraps), so it
+goes wherever mpi4py expects one, and everything but the four collectives
+below is mpi4py's own.  ``Allreduce``, ``Reduce_scatter_block``,
+``Allgather`` and ``Bcast`` take exactly the arguments mpi4py takes, check
+them (locally on every call; across ranks on the first call and, with
+``MPICOLL_DEBUG=1``, on every call), and run the chosen algorithm over a
+private duplicate of the communicator.  Their nonblocking forms
+(``Iallreduce``, ``Ireduce_scatter_block``, ``Iallgather``, ``Ibcast``) return
+a :class:`~mpicoll.collectives.nonblocking.Request` and run on a background thread
+(:mod:`mpicoll.collectives.nonblocking`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import algorithms
+from .. import arrays
+from ..base import timeline
+from ..channel import watchdog
+from .algorithms import auto
+from .buffers import Message, is_in_place, read_message
+from ..channel.checks import Fingerprint, Signature, check_call
+from ..channel.context import Context
+from ..base.errors import ConcurrentCall, RootError
+from ..channel.nodes import node_layout
+from .nonblocking import Request, Worker
+from .reduction import Reduction, op_name
+
+__all__ = ["Communicator", "FINGERPRINT_FROM"]
+
+# elements (1 MiB of float64, 512 KiB of float32): calls this large that mpicoll's own algorithms carry are
+# compared across ranks while their data moves (checks.Fingerprint).  Counted in elements, not bytes, so
+# ranks that pass different dtypes agree on whether to compare.  mpicoll bench times the calls with and
+# without it in one run (docs/benchmarks.md).
+FINGERPRINT_FROM = 1 << 17
+
+
+class Communicator(MPI.Intracomm):
+    """A drop-in replacement for an ``MPI.Intracomm``, with mpicoll's collectives.
+
+    ``algorithm`` is a name from :mod:`mpicoll.collectives.algorithms` (``ring``,
+    ``parallel``, ``recursive_doubling``, ``mpi``) or ``auto``, which picks
+    one per call by collective and size.  Construction is local; the private
+    channel the algorithms use is duplicated on the first collective call,
+    which all ranks make together.  ``close()`` (or leaving a ``with`` block)
+    releases that channel and keeps the communicator; ``Free()`` frees both.
+    """
+
+    algorithm = "auto"   # also the value for communicators mpi4py builds from this one
+    fingerprint_from = FINGERPRINT_FROM     # elements; a benchmark sets it to inf to time calls without
+    background = False     # True for a nonblocking worker's channel: see Context.run_in_background
+    across_nodes = False   # auto's rules for nodes of several consecutive ranks (learnt on the first call)
+
+    def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"mpicoll.Communicator wraps an MPI.Intracomm, got {type(comm).__name__}")
+        if comm == MPI.COMM_NULL:
+            raise ValueError("cannot wrap MPI.COMM_NULL")
+        return super().__new__(cls, comm)
+
+    def __init__(self, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
+        if algorithm != "auto":
+            algorithms.get(algorithm)
+        self.algorithm = algorithm
+
+    def __repr__(self) -> str:
+        return f"<mpicoll.Communicator algorithm={self.algorithm!r} rank={self.Get_rank()} size={self.Get_size()}>"
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def Dup(self, info: MPI.Info | None = None) -> "Communicator":
+        """A duplicate communicator, wrapped, with the same algorithm."""
+        base = MPI.Intracomm.Dup(self) if info is None else MPI.Intracomm.Dup(self, info)
+        return Communicator(MPI.Intracomm(base), algorithm=self.algorithm)
+
+    def close(self, abandon: bool = False) -> None:
+        """Release mpicoll's private duplicate, scratch and shared memory; the communicator stays valid.
+
+        Called by ``Free()`` and on leaving a ``with`` block; a later
+        collective call sets them up again.  Releasing is collective (the
+        shared window's free waits for every rank); ``abandon`` drops them
+        instead, for a rank leaving on an error while its peers are elsewhere.
+        """
+        worker = self.__dict__.pop("_worker", None)
+        if worker is not None:
+            worker.close(abandon)
+        context = self.__dict__.pop("_context", None)
+        if context is not None:
+            context.free(abandon=abandon)
+        for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
+            self.__dict__.pop(name, None)
+
+    def context(self) -> Context | None:
+        """The private channel of this communicator's collectives (None before the first call or after
+        ``close``): what bounds its waits and holds its roll calls."""
+        return self.__dict__.get("_context")
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, exc_type, *exc_info) -> None:
+        # leaving on an error: the other ranks may be in a collective, so a collective free would wait forever
+        self.close(abandon=exc_type is not None)
+
+    def Free(self) -> None:
+        """Free the communicator, as mpi4py does, and mpicoll's resources with it."""
+        self.close()
+        MPI.Intracomm.Free(self)
+
+    def _checked_context(self, signature: Signature, contribution: np.ndarray | None = None) -> Context:
+        """The private context for one call, after the cross-rank check when one is due.
+
+        The full check is due on a communicator's first call (the call sequence
+        is the same on every rank, so all check together) and on every call in
+        debug mode.  Other calls that mpicoll's own algorithms carry, from
+        ``fingerprint_from`` elements, carry a fingerprint of the call compared
+        across ranks while the data moves (:class:`~mpicoll.channel.checks.Fingerprint`),
+        so ranks that disagree get a MismatchError, never a wrong answer.
+        """
+        context = self.__dict__.get("_context")
+        first = context is None
+        if first:
+            context = self.__dict__["_context"] = Context(self)
+            context.fingerprint = Fingerprint(context)      # every rank is here (Context checked)
+            if self.background:
+                context.run_in_background()
+        context.begin(signature.collective)
+        if first or context.debug:
+            check_call(context, signature, contribution if context.debug else None)   # finiteness: debug only
+            if first and self.algorithm == "auto":
+                # where hierarchical splits every collective (blocks follow rank order); collective
+                self.across_nodes = context.spans_nodes and node_layout(context).splits(in_rank_order=True)
+                if not context.debug and not self.background:
+                    self._hand_small_calls_to_mpi()
+        elif signature.algorithm != "mpi" and signature.count >= self.fingerprint_from:
+            context.fingerprint.start(signature)
+        return context
+
+    # -- the collectives ----------------------------------------------------
+
+    def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        recv = read_message(recvbuf, writable=True, role="Allreduce: recvbuf")
+        send = None if is_in_place(sendbuf) else read_message(sendbuf, role="Allreduce: sendbuf")
+        _check_pair(send, recv, "Allreduce", recv.count)
+        reduction = _reduction(op, recv, send)
+        self._run(self._choose("allreduce", recv, reduction, send),
+                  Signature("Allreduce", recv.count, recv.array.dtype, op_name(op)), recv if send is None else send,
+                  lambda a, ctx: a.allreduce(ctx, _array(send), recv.array, reduction),
+                  lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, op))
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        size = self.Get_size()
+        if is_in_place(sendbuf):     # recvbuf holds every rank's block; the result goes to the first
+            send = read_message(recvbuf, writable=True, role="Reduce_scatter_block: recvbuf", blocks=size)
+            recv = Message(send.array[: send.count // size], send.datatype, send.native, send.library)
+        else:
+            recv = read_message(recvbuf, writable=True, role="Reduce_scatter_block: recvbuf")
+            send = read_message(sendbuf, role="Reduce_scatter_block: sendbuf", blocks=size)
+            _check_pair(send, recv, "Reduce_scatter_block", recv.count * size)
+        reduction = _reduction(op, recv, send)
+        self._run(self._choose("reduce_scatter_block", send, reduction, recv),
+                  Signature("Reduce_scatter_block", recv.count, recv.array.dtype, op_name(op)), send,
+                  lambda a, ctx: a.reduce_scatter_block(ctx, send.array, recv.array, reduction),
+                  lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
+
+    def Allgather(self, sendbuf, recvbuf) -> None:
+        size, rank = self.Get_size(), self.Get_rank()
+        recv = read_message(recvbuf, writable=True, role="Allgather: recvbuf", blocks=size)
+        block = recv.count // size
+        send = None
+        if not is_in_place(sendbuf):
+            send = read_message(sendbuf, role="Allgather: sendbuf")
+            _check_pair(send, recv, "Allgather", block)
+        mine = recv.array[rank * block: (rank + 1) * block] if send is None else send.array
+        self._run(self._choose("allgather", recv, None, send), Signature("Allgather", block, recv.array.dtype),
+                  Message(mine, recv.datatype, library=recv.library),
+                  lambda a, ctx: a.allgather(ctx, _array(send), recv.array),
+                  lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
+
+    def Bcast(self, buf, root: int = 0) -> None:
+        size = self.Get_size()
+        if not 0 <= root < size:
+            raise RootError(f"Bcast: root {root} is not a rank of this {size}-rank communicator; pass 0 to {size - 1}")
+        message = read_message(buf, writable=self.Get_rank() != root, role="Bcast: buf")
+        self._run(self._choose("bcast", message, None),
+                  Signature("Bcast", message.count, message.array.dtype, root=root),
+                  message if self.Get_rank() == root else None,
+                  lambda a, ctx: a.bcast(ctx, message.array, root),
+                  lambda: MPI.Intracomm.Bcast(self, buf, root))
+
+    # -- the nonblocking collectives ----------------------------------------
+
+    def Iallreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:
+        """``Allreduce``, started: returns a Request to ``Wait`` for (see :mod:`mpicoll.collectives.nonblocking`)."""
+        return self.start(Request("Iallreduce", lambda comm: comm.Allreduce(sendbuf, recvbuf, op)))
+
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:
+        """``Reduce_scatter_block``, started: returns a Request to ``Wait`` for."""
+        return self.start(Request("Ireduce_scatter_block",
+                                  lambda comm: comm.Reduce_scatter_block(sendbuf, recvbuf, op)))
+
+    def Iallgather(self, sendbuf, recvbuf) -> Request:
+        """``Allgather``, started: returns a Request to ``Wait`` for."""
+        return self.start(Request("Iallgather", lambda comm: comm.Allgather(sendbuf, recvbuf)))
+
+    def Ibcast(self, buf, root: int = 0) -> Request:
+        """``Bcast``, started: returns a Request to ``Wait`` for."""
+        return self.start(Request("Ibcast", lambda comm: comm.Bcast(buf, root)))
+
+    def start(self, request: Request) -> Request:
+        """Hand ``request`` to this communicator's worker, made by the first nonblocking call (collective)."""
+        worker = self.__dict__.get("_worker")
+        if worker is None:
+            worker = self.__dict__["_worker"] = Worker(self, Communicator)
+        return worker.start(request)
+
+    def _hand_small_calls_to_mpi(self) -> None:
+        """Shadow the collectives with closures that send small numpy calls straight to MPI.
+
+        ``auto`` runs MPI's own collective below a size threshold anyway; once
+        the first call has been checked across ranks, skipping the parsing for
+        those calls keeps mpicoll's cost at a fraction of a microsecond, so
+        ``auto`` is as fast as MPI where MPI is the right choice.
+        """
+        if timeline.enabled:           # every call is recorded, small ones too
+            return
+        for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
+            first, limit = auto.rule(name.lower(), across_nodes=self.across_nodes)[0]
+            if first == "mpi":
+                if name == "Reduce_scatter_block":      # its rule is by the whole input: p blocks
+                    limit /= self.Get_size()
+                self.__dict__[name] = _straight_to_mpi(self, name, getattr(MPI.Intracomm, name).__get__(self),
+                                                       getattr(Communicator, name).__get__(self), limit)
+
+    # -- shared machinery ---------------------------------------------------
+
+    def _choose(self, collective: str, sized: Message, reduction: Reduction | None, *messages) -> str | None:
+        """The algorithm for this call; None for datatypes mpicoll leaves to MPI's own call.
+
+        Device arrays get an algorithm that serves them: ``auto`` picks among
+        those, and a named one that does not serve them is refused.
+        """
+        device = sized.on_device
+        if not all(m is None or m.native for m in (sized, *messages)):
+            if device:
+                if not arrays.cuda_aware()[0]:
+                    raise TypeError(f"{collective}: device arrays with a non-contiguous datatype need a "
+                                    "CUDA-aware MPI; pass a contiguous datatype or host arrays")
+                arrays.synchronize(sized.library)
+            return None
+        if self.algorithm != "auto":
+            if device:
+                algorithms.get(self.algorithm, device=True)
+            return self.algorithm
+        commutative = reduction is None or reduction.commutative
+        return auto.choose(collective, sized.nbytes, self.Get_size(), commutative, device, self.across_nodes)
+
+    def _call_lock(self) -> threading.Lock:
+        """The lock that admits one collective call at a time on this communicator (taken without
+        blocking: a second thread's call is a :class:`ConcurrentCall`)."""
+        lock = self.__dict__.get("_lock")
+        if lock is None:        # communicators mpi4py builds from this one skip __init__
+            lock = self.__dict__.setdefault("_lock", threading.Lock())
+        return lock
+
+    def _run(self, name: str | None, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
+        """Check the call if due, then run algorithm ``name`` (None: MPI's own call with the caller's arguments)."""
+        with _OneCall(self._call_lock(), signature.collective):
+            self._timed_run(name, signature, contribution, run_algorithm, run_mpi)
+
+    def _timed_run(self, name, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
+        checked = None if contribution is None or contribution.on_device else contribution.array
+        signature.algorithm = name or "mpi"
+        if timeline.enabled:
+            with timeline.span(signature.collective, "collective", algorithm=signature.algorithm,
+                               bytes=signature.nbytes, count=signature.count, dtype=str(signature.dtype)):
+                self._checked_run(name, signature, checked, run_algorithm, run_mpi)
+        else:
+            self._checked_run(name, signature, checked, run_algorithm, run_mpi)
+
+    def _checked_run(self, name: str | None, signature: Signature, checked, run_algorithm, run_mpi) -> None:
+        context = self._checked_context(signature, checked)
+        if name is None:
+            with watchdog.watch_of(self, signature.collective):     # MPI's own blocking call
+                run_mpi()
+            return
+        try:
+            run_algorithm(algorithms.get(name), context)
+            context.settle_fingerprint()
+        except BaseException:
+            # Messages of the failed call may still be on their way.  A broken context stays (later calls
+            # are refused); otherwise (ranks that disagreed, an interrupt) it is retired: abandoned, not
+            # freed, and the next call sets up a fresh one.
+            if not context.broken:
+                self.__dict__.pop("_context", None)
+                context.free(abandon=True)
+            raise
+
+
+def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, limit: float):
+    """``name``, calling MPI directly for numpy buffers under ``limit`` bytes, under the watchdog's deadline
+    (MPI's blocking call cannot be interrupted: past ``MPICOLL_TIMEOUT`` the watchdog names the missing
+    ranks and ends the job, :mod:`mpicoll.channel.watchdog`)."""
+    # What _OneCall and the watchdog's ``with`` do, and the overlap check, inlined (each call into Python costs
+    # ~60 ns): this path's cost over mpi4py's own call is about 0.3 us (docs/failures.md).  Overlapping
+    # buffers take the checked path, which refuses them in one line (MPICH aborts the job on them).
+    lock, watch = owner._call_lock(), watchdog.watch_of(owner, name)
+    ndarray, now, in_place, share = np.ndarray, time.monotonic, MPI.IN_PLACE, np.may_share_memory
+    acquire, release = lock.acquire, lock.release
+
+    def apart(sendbuf, recvbuf) -> bool:       # numpy points a view's base at its memory's owner
+        mine, theirs = sendbuf.base, recvbuf.base
+        return ((sendbuf if mine is None else mine) is not (recvbuf if theirs is None else theirs)
+                or not sendbuf.size or not share(sendbuf, recvbuf))
+
+    if name == "Bcast":
+        def collective(buf, root=0):
+            if type(buf) is ndarray and buf.nbytes < limit:
+                if not acquire(False):
+                    raise ConcurrentCall(name)
+                watch.started = now()
+                try:
+                    return mpi_call(buf, root)
+                finally:
+                    watch.started = 0.0
+                    release()
+            return checked_call(buf, root)
+    elif name == "Allgather":
+        def collective(sendbuf, recvbuf):
+            if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
+                    sendbuf is in_place or type(sendbuf) is ndarray and apart(sendbuf, recvbuf)):
+                if not acquire(False):
+                    raise ConcurrentCall(name)
+                watch.started = now()
+                try:
+                    return mpi_call(sendbuf, recvbuf)
+                finally:
+                    watch.started = 0.0
+                    release()
+            return checked_call(sendbuf, recvbuf)
+    else:
+        def collective(sendbuf, recvbuf, op=MPI.SUM):
+            if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
+                    sendbuf is in_place or type(sendbuf) is ndarray and apart(sendbuf, recvbuf)):
+                if not acquire(False):
+                    raise ConcurrentCall(name)
+                watch.started = now()
+                try:
+                    return mpi_call(sendbuf, recvbuf, op)
+                finally:
+                    watch.started = 0.0
+                    release()
+            return checked_call(sendbuf, recvbuf, op)
+    collective.__doc__ = getattr(Communicator, name).__doc__
+    return collective
+
+
+class _OneCall:
+    """``with`` around one collective call: refuses a second thread's call while one is in flight
+    (:class:`mpicoll.ConcurrentCall`) instead of waiting for it."""
+
+    __slots__ = ("lock", "collective")
+
+    def __init__(self, lock: threading.Lock, collective: str):
+        self.lock, self.collective = lock, collective
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            raise ConcurrentCall(self.collective)
+
+    def __exit__(self, *exc_info):
+        self.lock.release()
+
+
+def _array(message: Message | None):
+    return None if message is None else message.array
+
+
+def _check_pair(send: Message | None, recv: Message, collective: str, send_count: int) -> None:
+    """Refuse a send buffer that does not go with the receive buffer (mpi4py's checks, and a few more)."""
+    if send is None:
+        return
+    if send.library != recv.library:
+        where = {None: "host memory"}
+        raise TypeError(f"{collective}: sendbuf is in {where.get(send.library, send.library)} but recvbuf in "
+                        f"{where.get(recv.library, recv.library)}; pass both on the host or both on one device")
+    if send.datatype != recv.datatype:
+        raise ValueError(f"{collective}: mismatch in send and receive MPI datatypes ({send.array.dtype} and "
+                         f"{recv.array.dtype}); pass buffers of one datatype")
+    if send.count != send_count:
+        raise ValueError(f"{collective}: mismatch in send count {send.count} and the {send_count} elements "
+                         f"recvbuf implies; they must match")
+    if send.count and recv.count and send.library is None and np.may_share_memory(send.array, recv.array):
+        raise ValueError(f"{collective}: sendbuf and recvbuf overlap; pass MPI.IN_PLACE as sendbuf instead")
+
+
+_REDUCTIONS: dict[tuple[int, int], Reduction] = {}
+
+
+def _reduction(op: MPI.Op, message: Message, other: Message | None = None) -> Reduction | None:
+    """The Reduction for (op, datatype), cached for predefined ops; None where MPI reduces."""
+    if not isinstance(op, MPI.Op):
+        raise TypeError(f"op must be an MPI.Op such as MPI.SUM, got {op!r}")
+    if not (message.native and (other is None or other.native)):
+        return None
+    if not op.is_predefined:
+        reduction = Reduction(op, message.datatype, message.array.dtype)
+    else:
+        key = (op.handle, message.datatype.handle)
+        reduction = _REDUCTIONS.get(key)
+        if reduction is None or reduction.dtype != message.array.dtype:
+            reduction = _REDUCTIONS[key] = Reduction(op, message.datatype, message.array.dtype)
+    if message.on_device:
+        reduction.check_device()
+    return reduction

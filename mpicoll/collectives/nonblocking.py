@@ -1,0 +1,245 @@
+"""Nonblocking collectives: start one, compute, then wait for it, as with mpi4py's ``Iallreduce``.
+
+    request = comm.Iallreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
+    ...                                    # compute: the reduction moves meanwhile
+    request.Wait()
+
+How they progress.  mpicoll's algorithms are Python driving MPI's
+point-to-point calls, so something has to keep driving them while the caller
+computes.  A communicator's first nonblocking call gives it a :class:`Worker`:
+a private duplicate of the communicator (its own channel, the same algorithm)
+and one background thread that runs the started calls one after another, in
+the order they were started.  That is MPI's rule for nonblocking collectives
+(every rank starts the same ones in the same order), so the ranks' workers
+meet call by call.  The thread spends its time inside MPI and numpy, which
+release the GIL, so data moves while the caller's thread runs torch or numpy
+kernels; pure-Python work in the caller shares the GIL with it (measured in
+``docs/nonblocking.md``).  Without ``MPI_THREAD_MULTIPLE`` there can be no
+such thread: calls then run to completion when started (a warning says so).
+
+A started call's errors (ranks that disagree, a lost peer) are raised by its
+``Wait``/``Test``; the calls started after it on the same communicator are
+not run and raise an error that says so.  Buffers belong to the call until
+it completes: do not touch them before ``Wait`` returns.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+import warnings
+from typing import Callable
+
+from mpi4py import MPI
+
+from ..base import config, timeline
+from ..channel.context import Context
+from ..base.errors import CollectiveTimeout, MpicollError
+
+__all__ = ["Request", "Worker"]
+
+_GRACE_S = 10.0        # past the communicator's timeout, how long Wait trusts a call that is still running
+
+
+class Request:
+    """A started collective, like ``MPI.Request``: ``Wait()`` blocks until it is done, ``Test()`` says whether.
+
+    ``wait()`` and ``test()`` (lower case, as mpi4py's object requests) also
+    return the call's result: the output array for the array API, None for
+    the buffer calls.  Waiting raises the call's error, if it failed.
+    """
+
+    def __init__(self, collective: str, run: Callable, result=None):
+        self.collective = collective
+        self._run = run                     # takes the worker's private Communicator
+        self._result = result
+        self._then: list[Callable] = []
+        self._callbacks: list[Callable] = []
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._worker: Worker | None = None
+
+    def __repr__(self) -> str:
+        return f"<mpicoll.Request {self.collective} {'done' if self._done.is_set() else 'pending'}>"
+
+    def then(self, transform: Callable) -> "Request":
+        """Replace the result by ``transform(result)`` once the call completes (in the thread that
+        completes it); returns this request.  Used to finish a result, e.g. divide a sum."""
+        with self._lock:
+            if not self._done.is_set():
+                self._then.append(transform)
+                return self
+        if self._error is None:
+            self._result = transform(self._result)
+        return self
+
+    def add_done_callback(self, callback: Callable) -> None:
+        """Call ``callback(request)`` once the call has completed or failed (at once if it has), in the
+        thread that completes it, like ``concurrent.futures``; ``request.error`` says which."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The call's error, once it has failed; None while it runs or after it succeeded."""
+        return self._error
+
+    def Test(self, status: MPI.Status | None = None) -> bool:
+        """Whether the call has completed (raising its error if it failed)."""
+        if not self._done.is_set():
+            return False
+        self._raise()
+        return True
+
+    def Wait(self, status: MPI.Status | None = None) -> bool:
+        """Block until the call has completed; raise its error if it failed."""
+        if not self._done.is_set():
+            with timeline.span(f"wait {self.collective}", "wait"):
+                while not self._done.wait(1.0):
+                    if self._worker is not None:
+                        self._worker.check_alive(self)
+        self._raise()
+        return True
+
+    def wait(self):
+        """``Wait()``, then the call's result."""
+        self.Wait()
+        return self._result
+
+    def test(self) -> tuple[bool, object]:
+        """(whether the call has completed, its result or None)."""
+        return (True, self._result) if self.Test() else (False, None)
+
+    @staticmethod
+    def Waitall(requests: list["Request"]) -> bool:
+        """Wait for every request, in order."""
+        for request in requests:
+            request.Wait()
+        return True
+
+    @staticmethod
+    def Testall(requests: list["Request"]) -> bool:
+        """Whether every request has completed."""
+        return all([request.Test() for request in requests])
+
+    def _execute(self, comm: "Communicator") -> None:
+        try:
+            self._run(comm)
+        except BaseException as error:
+            self._finish(error)
+            raise
+        self._finish(None)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._error = error
+            try:
+                if error is None:
+                    for transform in self._then:
+                        self._result = transform(self._result)
+            except BaseException as failure:       # a transform that fails fails the request
+                self._error = failure
+            self._run = None                       # let go of the buffers
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:           # the caller's bug, not the call's: report it, keep the worker going
+                traceback.print_exc()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+class Worker:
+    """The private channel and thread that run one communicator's nonblocking calls in start order.
+
+    Made in the caller's thread by the first nonblocking call, which every
+    rank makes at the same point of its call sequence: duplicating the
+    communicator is a collective, done with the same deadline as any call.
+    """
+
+    _warned = False
+
+    def __init__(self, comm: "Communicator", communicator: type):
+        self.rank = comm.Get_rank()
+        self.others = [q for q in range(comm.Get_size()) if q != self.rank]
+        self._channel = Context(comm, "nonblocking set-up")         # every rank here, then a duplicate
+        # ``communicator``: the class of ``comm`` that runs the calls (mpicoll.collectives.communicator, which uses this
+        # module: it hands its class in rather than this module importing it)
+        self.comm = communicator(self._channel.comm, algorithm=comm.algorithm)
+        self.comm.background = True         # shares the core with the caller: wait without spinning
+        self.failed: BaseException | None = None
+        self._running: tuple[Request, float] | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = None
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            self._thread = threading.Thread(target=self._serve, name="mpicoll-nonblocking", daemon=True)
+            self._thread.start()
+        elif not Worker._warned:
+            warnings.warn("MPI was initialised without MPI_THREAD_MULTIPLE: mpicoll's nonblocking collectives "
+                          "run to completion when started, overlapping nothing", RuntimeWarning, stacklevel=3)
+            Worker._warned = True
+
+    def start(self, request: Request) -> Request:
+        """Queue ``request`` behind the calls started before it (or run it now, without a thread)."""
+        request._worker = self
+        timeline.instant(f"start {request.collective}", "nonblocking")
+        if self._thread is None:
+            self._serve_one(request)
+        else:
+            self._queue.put(request)
+        return request
+
+    def _serve(self) -> None:
+        while (request := self._queue.get()) is not None:
+            self._serve_one(request)
+
+    def _serve_one(self, request: Request) -> None:
+        if self.failed is not None:
+            request._finish(MpicollError(f"{request.collective}: not run, because an earlier nonblocking call "
+                                         f"on this communicator failed: {self.failed}"))
+            return
+        self._running = (request, time.monotonic())
+        try:
+            request._execute(self.comm)
+        except BaseException as error:          # raised again by the request's Wait
+            self.failed = error
+        finally:
+            self._running = None
+
+    def check_alive(self, request: Request) -> None:
+        """Called while ``request`` is waited for: raise a timeout if the call running now has run
+        past the deadline without ending (MPI's own calls, used for small messages, have none)."""
+        running = self._running
+        limit = config.timeout()
+        if running is None or not limit or time.monotonic() - running[1] < limit + _GRACE_S:
+            return
+        error = CollectiveTimeout(request.collective, self.rank, self.others, limit, some_of=True)
+        self.failed = self.failed or error
+        raise error
+
+    def close(self, abandon: bool = False) -> None:
+        """Finish the started calls, stop the thread and release the private channel; with ``abandon`` (a
+        rank leaving on an error) the thread is told to stop and the channel dropped, without waiting."""
+        if self._thread is not None:
+            self._queue.put(None)
+            limit = config.timeout()
+            if not abandon:
+                self._thread.join(limit + _GRACE_S if limit else None)
+            stuck = self._thread.is_alive()
+            self._thread = None
+        else:
+            stuck = False
+        abandon = abandon or stuck or self.failed is not None
+        if not abandon:
+            self.comm.close()
+        self._channel.free(abandon=abandon)

@@ -1,0 +1,157 @@
+"""Combine two contributions of a reduction, in the order MPI defines.
+
+Every algorithm reduces through :meth:`Reduction.combine`, ``out = left (op)
+right`` with ``left`` the contribution of the lower ranks.  Predefined ops on
+numpy types run as one numpy ufunc pass (three operands, no temporary);
+everything else (user ops from ``MPI.Op.Create``, MAXLOC/MINLOC on pair
+types, types numpy does not know) goes through ``MPI.Op.Reduce_local``, so
+MPI's own definition of the op is the one applied.
+
+Float MIN and MAX follow numpy: a NaN in any contribution gives NaN, so a
+diverged replica is visible rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import compute
+from ..compute import numpy_kernels
+from ..base.errors import ReductionError
+
+__all__ = ["Reduction", "ReductionError", "op_name", "resolve_op", "OP_NAMES"]
+
+_UNKNOWN = object()
+_INTEGER = "iu"
+_NUMERIC = "iufc"
+
+# op -> (ufunc, numpy kinds MPI defines it for, extra ufunc keywords)
+_UFUNCS = {
+    "SUM": (np.add, _NUMERIC, {}),
+    "PROD": (np.multiply, _NUMERIC, {}),
+    "MIN": (np.minimum, "iuf", {}),
+    "MAX": (np.maximum, "iuf", {}),
+    "LAND": (np.logical_and, _INTEGER + "b", {"casting": "unsafe"}),
+    "LOR": (np.logical_or, _INTEGER + "b", {"casting": "unsafe"}),
+    "LXOR": (np.logical_xor, _INTEGER + "b", {"casting": "unsafe"}),
+    "BAND": (np.bitwise_and, _INTEGER + "b", {}),
+    "BOR": (np.bitwise_or, _INTEGER + "b", {}),
+    "BXOR": (np.bitwise_xor, _INTEGER + "b", {}),
+}
+# MPI's predefined reductions, by the names mpicoll's array API takes too ("sum" or "SUM")
+OP_NAMES = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR", "MAXLOC", "MINLOC")
+_PREDEFINED = (*OP_NAMES, "REPLACE", "NO_OP")
+
+
+def op_name(op: MPI.Op) -> str:
+    """MPI's name for a predefined op ("SUM"), or "user op" for one from MPI.Op.Create."""
+    for name in _PREDEFINED:
+        if op == getattr(MPI, name, MPI.OP_NULL):
+            return name
+    return "user op"
+
+
+def resolve_op(op) -> MPI.Op:
+    """An ``MPI.Op`` from itself or from a name such as "sum" or "max"."""
+    if isinstance(op, MPI.Op):
+        return op
+    name = str(op).upper()
+    if name not in OP_NAMES:
+        raise ValueError(f"Unrecognized op: {op!r}; use an MPI.Op or one of "
+                         f"{', '.join(n.lower() for n in OP_NAMES)}")
+    return getattr(MPI, name)
+
+
+class Reduction:
+    """``out = left (op) right`` for one op and one element type."""
+
+    def __init__(self, op: MPI.Op, datatype: MPI.Datatype, dtype: np.dtype):
+        if op == MPI.OP_NULL:
+            raise ReductionError("MPI.OP_NULL is not a reduction")
+        self.op = op
+        self.datatype = datatype
+        self.dtype = np.dtype(dtype)
+        self.name = op_name(op)
+        self.commutative = bool(op.Is_commutative())
+        self._streaming = _UNKNOWN
+        entry = _UFUNCS.get(self.name)
+        # the kernel layer's ops on its types run its reductions (numpy on the host, the GPU
+        # for device arrays); the other ufunc ops stay here, and device arrays refuse them
+        self._kernel = self.name.lower() if (self.name.lower() in compute.REDUCE_OPS
+                                             and self.dtype in compute.REDUCIBLE) else None
+        if entry is not None and self.dtype.kind in entry[1] and self.dtype.fields is None:
+            self._ufunc, _, self._keywords = entry
+        else:
+            self._ufunc = None
+            if op.is_predefined:
+                self._check_mpi_defines_it()
+
+    def _check_mpi_defines_it(self):
+        """Ask MPI once, on one element, whether the predefined op applies to this datatype."""
+        probe = np.zeros(1, self.dtype)
+        try:
+            self.op.Reduce_local([probe, 1, self.datatype], [probe.copy(), 1, self.datatype])
+        except MPI.Exception as error:
+            raise ReductionError(
+                f"MPI.{self.name} is not defined for {self.dtype} elements: {error.Get_error_string()}"
+            ) from None
+
+    def _streaming_loop(self):
+        """The kernel layer's streaming loop for this op and type (looked up once; None if none)."""
+        if self._streaming is _UNKNOWN:
+            self._streaming = (compute.streaming_reducer(self._kernel, self.dtype)
+                               if self._kernel is not None else None)
+        return self._streaming
+
+    def check_device(self) -> None:
+        """Refuse, before any message, a reduction the GPU kernels do not have."""
+        if self._kernel is None:
+            raise TypeError(f"device arrays are reduced on the GPU with SUM, PROD, MIN or MAX on "
+                            f"{', '.join(map(str, compute.REDUCIBLE))}, not {self.name} on {self.dtype}; "
+                            "pass host (numpy) arrays for other ops")
+
+    def combine(self, left: np.ndarray, right: np.ndarray, out: np.ndarray, *, streaming: bool = False) -> None:
+        """Store ``left (op) right`` in ``out``; ``out`` may be either operand.
+
+        ``streaming``: the result will not be read again soon, so write it
+        around the caches where the kernel layer can
+        (:func:`mpicoll.compute.streaming_reducer`; same bits either way).
+        Device arrays are reduced on their GPU by :func:`mpicoll.compute.reduce`.
+        """
+        if type(out) is not np.ndarray:
+            self.check_device()
+            compute.reduce(left, right, out=out, op=self._kernel)
+            return
+        if streaming and self._streaming_loop() is not None and _contiguous(out, left, right):
+            self._streaming(out, left, right)
+            return
+        if self._kernel is not None:
+            numpy_kernels.reduce(out, left, right, self._kernel)
+            return
+        if self._ufunc is not None:
+            self._ufunc(left, right, out=out, **self._keywords)
+            return
+        count = out.size
+        if count == 0:
+            return
+        out_is_left = _same_memory(out, left)
+        if out_is_left and not self.commutative:
+            result = right.copy()
+            self.op.Reduce_local([left, count, self.datatype], [result, count, self.datatype])
+            out[...] = result
+            return
+        if out_is_left:  # commutative: right (op) left is the same value
+            left, right = right, left
+        elif not _same_memory(out, right):
+            out[...] = right
+        # Reduce_local(inbuf, inoutbuf) stores inbuf (op) inoutbuf in inoutbuf.
+        self.op.Reduce_local([left, count, self.datatype], [out, count, self.datatype])
+
+
+def _contiguous(*arrays: np.ndarray) -> bool:
+    return all(a.flags.c_contiguous for a in arrays)
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]

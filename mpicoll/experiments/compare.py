@@ -1,0 +1,192 @@
+"""``mpicoll compare`` and ``mpicoll plot``: several training runs side by side.
+
+``compare`` launches ``mpicoll train`` once per training method under mpiexec
+(or ``mpicoll cluster run``, across emulated nodes), on the same data, model,
+seed and budget (training options are passed through; ``sequential`` always
+on one rank), then writes a report folder; ``plot`` writes the same report from existing JSON-lines logs.  With
+``--repeats R`` every method runs R times, in alternating order, so a drift of
+the machine does not favour one method.  The report: ``report.md`` (final
+accuracy, time to the target accuracy, samples per second, wall time: means,
+and standard deviations over the repeats, and each method's wall time as a
+ratio to the first method's) and two plots, loss against wall time and
+accuracy against epochs, one line per run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ..base.launcher import mpiexec_command
+from .plots import finish, pyplot
+from ..train.run import METHODS
+
+__all__ = ["compare", "report", "read_log", "time_to"]
+
+
+def read_log(path: str | Path) -> tuple[list[dict], dict]:
+    """(evaluation records, summary) of one ``mpicoll train --output`` log, with a clear error if malformed."""
+    records, summary = [], None
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} line {number}: not JSON ({error.msg})") from None
+        if record.get("summary"):
+            summary = record
+        else:
+            missing = {"time_s", "epoch", "samples", "loss", "accuracy"} - set(record)
+            if missing:
+                raise ValueError(f"{path} line {number}: an evaluation record without {', '.join(sorted(missing))}")
+            records.append(record)
+    if summary is None:
+        raise ValueError(f"{path}: no summary record; the run did not finish")
+    return records, summary
+
+
+def label(summary: dict) -> str:
+    """A method's name in tables and legends, with the option that distinguishes SGP runs."""
+    tau = summary.get("options", {}).get("tau", 0)
+    method = summary.get("method", summary.get("algorithm"))      # logs before the rename say "algorithm"
+    return f"{method} (tau={tau})" if method == "sgp" and tau else method
+
+
+def time_to(records: list[dict], target: float) -> float | None:
+    """Seconds until the first evaluation at ``target`` accuracy or above; None if never."""
+    return next((r["time_s"] for r in records if r["accuracy"] >= target), None)
+
+
+def _spread(values: list[float], form: str) -> str:
+    """The mean, and ± the sample standard deviation when there are several values."""
+    if not values:
+        return "-"
+    mean = format(statistics.fmean(values), form)
+    return mean if len(values) < 2 else f"{mean} ± {format(statistics.stdev(values), form)}"
+
+
+def report(logs: list[str | Path], folder: str | Path, target: float | None = None) -> Path:
+    """Write ``report.md`` and the plots for ``logs`` into ``folder``; returns the markdown's path.
+
+    Runs of the same method (and SGP tau) make one row: means, ± the standard
+    deviation over runs, and the mean wall time as a ratio to the first row's.
+    ``target``: the accuracy whose time the table gives; None: 90% of the best
+    run's final accuracy (a target any data set's runs reach).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = [(Path(path), *read_log(path)) for path in logs]
+    best = max((summary["final_accuracy"] for _, _, summary in runs), default=0.0)
+    target_note = f"{target:.1%}" if target is not None else f"{0.9 * best:.1%}, 90% of the best final accuracy"
+    target = target if target is not None else 0.9 * best
+    groups: dict[str, list] = {}
+    for run in runs:
+        groups.setdefault(label(run[2]), []).append(run)
+    lines = [f"| method | ranks | runs | final accuracy (%) | time to {target:.1%} (s) | samples/s | wall (s) | "
+             "wall / first | logs |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    first_wall = None
+    for name, members in groups.items():
+        summaries = [summary for _, _, summary in members]
+        walls = [summary["wall_s"] for summary in summaries]
+        reached = [t for t in (time_to(records, target) for _, records, _ in members) if t is not None]
+        first_wall = first_wall or statistics.fmean(walls)
+        lines.append(f"| {name} | {summaries[0]['ranks']} | {len(members)} | "
+                     f"{_spread([100 * s['final_accuracy'] for s in summaries], '.1f')} | "
+                     f"{_spread(reached, '.2f') if len(reached) == len(members) else '-'} | "
+                     f"{_spread([s['samples_per_s'] for s in summaries], ',.0f')} | {_spread(walls, '.2f')} | "
+                     f"{statistics.fmean(walls) / first_wall:.2f} | {', '.join(path.name for path, _, _ in members)} |")
+    options = runs[0][2].get("options", {}) if runs else {}
+    text = "\n".join([f"# mpicoll compare: {runs[0][2].get('data', '?') if runs else ''}", "",
+                      f"Options of the first run: `{json.dumps(options)}`", "",
+                      f"Target accuracy: {target_note}.", "", *lines, "",
+                      "![loss against wall time](loss_vs_time.png)", "",
+                      "![accuracy against epochs](accuracy_vs_epoch.png)", ""])
+    markdown = folder / "report.md"
+    markdown.write_text(text)
+    _plots(runs, folder)
+    return markdown
+
+
+def _plots(runs, folder: Path) -> None:
+    plt = pyplot("mpicoll compare")
+    if plt is None:
+        return
+    for file, x_key, y_key, x_label, y_label in [
+            ("loss_vs_time.png", "time_s", "loss", "wall time (s)", "test loss"),
+            ("accuracy_vs_epoch.png", "epoch", "accuracy", "epoch", "test accuracy")]:
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        looks = _looks([label(summary) for _, _, summary in runs])
+        drawn: set[str] = set()
+        for _, records, summary in runs:          # repeats of a method share a look and a legend entry
+            method = label(summary)
+            axes.plot([r[x_key] for r in records], [r[y_key] for r in records], markersize=3, **looks[method],
+                      label=None if method in drawn else method)
+            drawn.add(method)
+        if y_key == "loss":
+            axes.set_yscale("log")
+        finish(plt, figure, axes, folder / file, x_label, y_label)
+
+
+# Ten colours that stay apart (matplotlib's tab10), four dash patterns and five markers: every method (up to 20
+# with no repeat of both colour and dashes) has a look of its own, told apart in print and by colour-blind readers.
+_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+            "#17becf")
+_DASHES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "v")
+
+
+def _looks(methods: list[str]) -> dict[str, dict]:
+    """Each method's colour, line style and marker, in the order the methods first appear."""
+    order = list(dict.fromkeys(methods))
+    return {method: {"color": _COLOURS[i % len(_COLOURS)], "marker": _MARKERS[i % len(_MARKERS)],
+                     "linestyle": _DASHES[(i // len(_COLOURS) + i) % len(_DASHES)]} for i, method in enumerate(order)}
+
+
+def compare(methods: list[str], ranks: int, folder: str | Path, train_args: list[str], target: float | None = None,
+            timeout: float = 600, repeats: int = 1, cluster: bool = False) -> Path:
+    """Run ``mpicoll train`` for each method ``repeats`` times (one job each) and write the report.
+
+    ``cluster``: launch through ``mpicoll cluster run`` (an emulated cluster must be up).
+    """
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"mpicoll compare: unknown method(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(METHODS)}")
+    if repeats < 1:
+        raise SystemExit(f"mpicoll compare: --repeats must be at least 1, got {repeats}")
+    short = [m for m in methods if not METHODS[m].one_rank and METHODS[m].min_ranks > ranks]
+    if short:
+        raise SystemExit(f"mpicoll compare: {', '.join(short)} need(s) at least "
+                         f"{max(METHODS[m].min_ranks for m in short)} ranks, not {ranks}: raise -n or leave "
+                         "them out of --methods")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    logs = []
+
+    def launch(ranks: int) -> list[str]:
+        if cluster:
+            return [sys.executable, "-m", "mpicoll", "cluster", "run", "-n", str(ranks), "--"]
+        try:
+            return mpiexec_command(ranks)
+        except FileNotFoundError as error:
+            raise SystemExit(f"mpicoll compare: {error}") from None
+
+    for repeat in range(repeats):
+        for method in methods if repeat % 2 == 0 else methods[::-1]:
+            log = folder / (f"{method}.jsonl" if repeats == 1 else f"{method}.{repeat + 1}.jsonl")
+            log.unlink(missing_ok=True)           # this report's own log of an earlier compare
+            command = [*launch(1 if METHODS[method].one_rank else ranks), sys.executable, "-m", "mpicoll", "train",
+                       "--method", method, "--output", str(log), *train_args]
+            print(f"+ {' '.join(command)}", file=sys.stderr, flush=True)
+            result = subprocess.run(command, timeout=timeout)
+            if result.returncode != 0:
+                raise SystemExit(f"mpicoll compare: {method} failed (exit {result.returncode}); see its output above")
+            logs.append(log)
+    logs.sort(key=lambda log: methods.index(log.name.split(".")[0]))
+    markdown = report(logs, folder, target)
+    print(f"mpicoll compare: wrote {markdown} and the plots beside it", file=sys.stderr)
+    return markdown
