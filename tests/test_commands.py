@@ -212,8 +212,8 @@ def test_every_option_of_every_command_says_what_it_does():
     def silent(parser, name):
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
-                for command, sub in action.choices.items():
-                    yield from silent(sub, f"{name} {command}")
+                for word, sub in action.choices.items():
+                    yield from silent(sub, f"{name} {word}")
             elif not action.help:
                 yield f"{name} {'/'.join(action.option_strings) or action.dest}"
 

@@ -23,21 +23,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from .errors import CheckpointMismatch
 
 __all__ = ["save", "load", "versions", "check", "path", "existing", "CheckpointMismatch", "FORMAT"]
 
 FORMAT = 3            # 1: no identity; 2: no point or checksums (mpicoll before checkpoint sets)
 _IDENTITY = "__identity__"
-
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint belongs to another run (different method, model, data, or rank counts), or is damaged."""
 
 
 def save(path: str | Path, identity: dict, point: int, **arrays) -> Path:

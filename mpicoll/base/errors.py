@@ -151,5 +151,27 @@ class SetupError(MpicollError, ValueError):
         super().__init__(text)
 
 
+class WorkersLost(MpicollError):
+    """Every worker of a Sandblaster job fell silent: no gradient can be computed."""
+
+
+class WorkerLost(MpicollError):
+    """Synchronous training lost a worker: it cannot go on, and says which (a RuntimeError, as every
+    :class:`mpicoll.MpicollError`: ``mpicoll train`` prints it in one line)."""
+
+
+class LaunchMismatch(MpicollError):
+    """The launcher started a different number of tasks than MPI sees in its world: the processes are not
+    one job.  Raised before any work, on every rank, with the fix."""
+
+
+class CheckpointMismatch(MpicollError, ValueError):
+    """A checkpoint belongs to another run (different method, model, data, or rank counts), or is damaged."""
+
+
+class ClusterError(MpicollError):
+    """The cluster cannot do what was asked; the message says why and what to do."""
+
+
 def _ranks(ranks) -> str:
     return ", ".join(str(r) for r in ranks)

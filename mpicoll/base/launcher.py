@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from . import config
-from .errors import MpicollError
+from .errors import LaunchMismatch
 
 __all__ = ["launcher", "mpiexec_command", "keep_survivors", "announced", "check_world", "check_this_launch",
            "LaunchMismatch"]
@@ -85,11 +85,6 @@ def announced() -> tuple[int, int, str, str] | None:
         except (KeyError, ValueError):
             continue
     return None
-
-
-class LaunchMismatch(MpicollError):
-    """The launcher started a different number of tasks than MPI sees in its world: the processes are not
-    one job.  Raised before any work, on every rank, with the fix."""
 
 
 def check_world(world_size: int, library: str = "") -> None:

@@ -51,7 +51,7 @@ class NodeLayout:
     ``local`` and ``cross`` exist where the layout is :attr:`layered`.
     """
 
-    def __init__(self, ctx: "Context"):
+    def __init__(self, ctx):
         comm = ctx.comm
         ctx.rendezvous()                              # the splits below block until every rank is here
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
@@ -82,7 +82,7 @@ class NodeLayout:
         return self.layered and (self.contiguous or not in_rank_order)
 
 
-def _names(part: MPI.Intracomm, ctx: "Context") -> list[int]:
+def _names(part: MPI.Intracomm, ctx) -> list[int]:
     """How errors name the ranks of ``part``: by their ranks in ``ctx``'s communicator."""
     mine, theirs = part.Get_group(), ctx.comm.Get_group()
     try:
@@ -92,7 +92,7 @@ def _names(part: MPI.Intracomm, ctx: "Context") -> list[int]:
         theirs.Free()
 
 
-def node_layout(ctx: "Context") -> NodeLayout:
+def node_layout(ctx) -> NodeLayout:
     """``ctx``'s layout, built on first use (every rank must be in the same call)."""
     if ctx.node_layout is None:
         ctx.node_layout = NodeLayout(ctx)

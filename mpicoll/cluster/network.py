@@ -18,6 +18,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..base.errors import ClusterError
+
 __all__ = ["PREFIX", "SWITCH", "namespace", "gbit_per_s", "check_tools", "create", "destroy", "shape", "set_link",
            "processes", "existing"]
 
@@ -25,10 +27,6 @@ PREFIX = "mpicoll-"
 SWITCH = PREFIX + "switch"
 _TIME = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
 _NETNS_ETC = Path("/etc/netns")
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot do what was asked; the message says why and what to do."""
 
 
 def namespace(node: str) -> str:

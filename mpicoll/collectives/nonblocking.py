@@ -128,7 +128,7 @@ class Request:
         """Whether every request has completed."""
         return all([request.Test() for request in requests])
 
-    def _execute(self, comm: "Communicator") -> None:
+    def _execute(self, comm) -> None:
         try:
             self._run(comm)
         except BaseException as error:
@@ -169,7 +169,7 @@ class Worker:
 
     _warned = False
 
-    def __init__(self, comm: "Communicator", communicator: type):
+    def __init__(self, comm, communicator: type):
         self.rank = comm.Get_rank()
         self.others = [q for q in range(comm.Get_size()) if q != self.rank]
         self._channel = Context(comm, "nonblocking set-up")         # every rank here, then a duplicate

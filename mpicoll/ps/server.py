@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ..base import checkpoint
 from ..channel.context import Context
 from ..channel.checks import all_finite
-from ..base.errors import Diverged, MpicollError
+from ..base.errors import Diverged, WorkerLost
 from ..base.tags import Tag
 from .layout import Layout
 from .protocol import Kind
@@ -50,11 +50,6 @@ class ServerStats:
     idle_s: float = 0.0
     update_s: float = 0.0                  # time inside the rule's updates
     wall_s: float = 0.0
-
-
-class WorkerLost(MpicollError):
-    """Synchronous training lost a worker: it cannot go on, and says which (a RuntimeError, as every
-    :class:`mpicoll.MpicollError`: ``mpicoll train`` prints it in one line)."""
 
 
 # One non-finite gradient is skipped (a bad batch); once each active worker has sent this many in a row with

@@ -27,17 +27,13 @@ import numpy as np
 
 from ..base.chunks import balanced_bounds
 from ..channel.context import Context
-from ..base.errors import MpicollError
+from ..base.errors import WorkersLost
 from ..base.tags import Tag
 from .protocol import COMMAND_WORDS, HEADER, Op, Roles, Task
 
 __all__ = ["RemoteVectors", "Stats", "WorkersLost"]
 
 _LOOK_AROUND_S = 0.01       # how often a wait for workers looks for silent ones
-
-
-class WorkersLost(MpicollError):
-    """Every worker of a Sandblaster job fell silent: no gradient can be computed."""
 
 
 @dataclass

@@ -1,0 +1,30 @@
+"""PyTorch tensors through mpicoll's collectives, the way Horovod and torch.distributed take them.
+
+    import mpicoll.torch as mt
+    mt.broadcast_parameters(model.state_dict(), root=0)     # every replica starts alike
+    optimizer = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ...
+    loss.backward()                                         # buckets of gradients start their allreduce here
+    optimizer.step()                                        # waits for them, averages, steps
+
+Needs ``pip install mpicoll[torch]``.  CPU tensors are read and written where
+they are (numpy shares their memory); CUDA tensors go to the array layer as
+device arrays (``__cuda_array_interface__``) and are reduced on their GPU.
+Results are tensors of the input's kind; ``out=`` may be the input itself.
+``comm`` is any mpi4py communicator (default ``MPI.COMM_WORLD``), wrapped once
+in a :class:`~mpicoll.Communicator` of ``algorithm``; every rank must make the
+same calls in the same order.  numpy has no bfloat16, so bfloat16 tensors are
+refused with a message saying what to pass.
+"""
+
+from __future__ import annotations
+
+from ..models.modules import point_at
+from .collectives import OPS, allgather, allreduce, allreduce_async, broadcast
+from .functions import FlatParameters, broadcast_optimizer_state, broadcast_parameters, init_process_group
+from .hooks import allreduce_hook
+from .optimizer import DistributedOptimizer
+
+__all__ = ["allreduce", "allreduce_async", "allgather", "broadcast", "broadcast_parameters",
+           "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "init_process_group",
+           "FlatParameters", "point_at", "OPS"]

@@ -1,0 +1,102 @@
+"""Tensors through mpicoll's collectives: allreduce (blocking and started), allgather, broadcast, on the
+tensors' own memory (CPU tensors through numpy without a copy, CUDA tensors as device arrays)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..collectives import api
+from ..collectives.nonblocking import Request
+
+__all__ = ["OPS", "allreduce", "allreduce_async", "allgather", "broadcast"]
+
+
+# torch/Horovod names -> the array API's; "average" is a sum divided by the rank count
+OPS = {"average": "sum", "sum": "sum", "min": "min", "max": "max", "product": "prod"}
+
+
+def as_array(tensor: torch.Tensor):
+    """The tensor's memory as a numpy (CPU) or device array, without a copy."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype == torch.bfloat16:
+        raise TypeError("bfloat16 tensors are not supported (numpy has no bfloat16): pass "
+                        "tensor.float() and convert the result back")
+    tensor = tensor.detach()
+    return tensor if tensor.is_cuda else tensor.numpy()
+
+
+def _tensor(array, like: torch.Tensor) -> torch.Tensor:
+    """An array the array API returned, as a tensor of ``like``'s kind (no copy)."""
+    return torch.from_numpy(array) if isinstance(array, np.ndarray) else torch.as_tensor(array, device=like.device)
+
+
+def _size(comm) -> int:
+    return (MPI.COMM_WORLD if comm is None else comm).Get_size()
+
+
+def allreduce(tensor: torch.Tensor, op: str = "average", *, comm=None, algorithm: str = "auto",
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The elementwise ``op`` of ``tensor`` over all ranks: average (default), sum, min, max or product.
+
+    ``out=tensor`` reduces in place.  Averaging needs a floating-point tensor.
+    """
+    call, finish = _allreduce(tensor, op, comm, algorithm, out)
+    return finish(call.run())
+
+
+def allreduce_async(tensor: torch.Tensor, op: str = "average", *, comm=None, algorithm: str = "auto",
+                    out: torch.Tensor | None = None) -> Request:
+    """:func:`allreduce`, started: returns a :class:`~mpicoll.Request` whose ``wait()`` gives the result.
+
+    The reduction runs while the caller goes on (:mod:`mpicoll.collectives.nonblocking`);
+    leave ``tensor`` and ``out`` alone until it has completed.
+    """
+    call, finish = _allreduce(tensor, op, comm, algorithm, out)
+    return call.start().then(finish)
+
+
+def _allreduce(tensor, op, comm, algorithm, out):
+    """(the prepared array call, what turns its result into the tensor to return)."""
+    if op not in OPS:
+        raise ValueError(f"Unrecognized op: {op!r}; use one of {', '.join(OPS)}")
+    if op == "average" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"averaging needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide")
+    source = as_array(tensor)
+    target = None if out is None else source if out is tensor else as_array(out)
+    size = _size(comm)
+
+    def finish(array) -> torch.Tensor:
+        result = _tensor(array, tensor) if out is None else out
+        if op == "average":
+            with torch.no_grad():
+                result.div_(size)
+        return result
+
+    return api._allreduce(source, OPS[op], comm, algorithm, target), finish
+
+
+def allgather(tensor: torch.Tensor, *, comm=None, algorithm: str = "auto",
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dimension 0, in rank order (a scalar gives shape (p,))."""
+    source = as_array(tensor)
+    if out is None:
+        return _tensor(api.allgather(source, comm=comm, algorithm=algorithm), tensor)
+    api.allgather(source, comm=comm, algorithm=algorithm, out=as_array(out))
+    return out
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0, *, comm=None, algorithm: str = "auto",
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The root's ``tensor`` on every rank (the others pass one of the same shape and dtype).
+
+    Returns a new tensor unless ``out`` is given; ``out=tensor`` overwrites it in place.
+    """
+    source = as_array(tensor)
+    if out is None:
+        return _tensor(api.broadcast(source, root, comm=comm, algorithm=algorithm), tensor)
+    target = source if out is tensor else as_array(out)
+    api.broadcast(source, root, comm=comm, algorithm=algorithm, out=target)
+    return out
