@@ -19,7 +19,7 @@ from mpicoll import ps
 from mpicoll.base.straggler import Straggler, parse_delay
 from mpicoll.train import Options, SoftmaxRegression, load, train
 from mpicoll.train import schedule
-from mpicoll.train.run import _batches
+from mpicoll.train.common import batches as _batches
 from conftest import P, RANK, WORLD, everywhere, mpiexec, shared_seed
 
 ROOT = Path(__file__).resolve().parents[1]

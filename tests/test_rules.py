@@ -37,3 +37,16 @@ def test_warm_start_needs_an_asynchronous_rule():
     layout = ps.Layout(MPI.COMM_SELF, 4, (0,), (1,))
     with pytest.raises(ValueError, match="warm start"):
         ps.Server(None, layout, ps.Sync(lr=0.1), np.zeros(4), worker_timeout=1).run(warm_start=5)
+
+
+@pytest.mark.parametrize("name, options, workers, pushes, expected", [
+    ("sync", {}, 5, 1, 5), ("softsync", {"k": 0.5}, 5, 1, 3), ("softsync", {"k": 2}, 5, 1, 2),
+    ("async", {}, 5, 1, 1), ("dcasgd", {}, 5, 1, 1), ("downpour", {}, 5, 4, 4)])
+def test_gradients_per_update_is_what_one_update_takes_in(name, options, workers, pushes, expected):
+    """The unit of a training budget counted in updates (one place for it, the rule): a sync round takes every
+    worker's gradient, a soft-sync round its quorum, Downpour a push of n_push, the others one."""
+    rule = ps.make(name, lr=0.1, **options)
+    assert rule.gradients_per_update(workers, pushes) == expected
+    rule.setup(np.zeros(3), tuple(range(1, workers + 1)))
+    if name == "softsync":                 # the round closes where the budget counts it closed
+        assert rule.quorum() == expected

@@ -47,7 +47,7 @@ def test_every_method_trains_and_logs(method, tmp_path_factory):
     everywhere(logged == json.loads(json.dumps(final)), "the log's summary is the returned one")
     everywhere(final["method"] == method and final["ranks"] == comm.Get_size() and final["wall_s"] > 0
                and final["samples_per_s"] > 0, f"summary {final}")
-    if METHODS[method].rule:                    # the servers' staleness histogram, counted in the log
+    if METHODS[method].reports_staleness:       # the servers' staleness histogram, counted in the log
         lags = {int(lag): count for lag, count in final["staleness"].items()}
         everywhere(sum(lags.values()) >= final["samples"] // options.batch and
                    (method != "ps-sync" or set(lags) == {0}), f"{method}: staleness {lags}")
@@ -60,7 +60,7 @@ def test_every_method_trains_and_logs(method, tmp_path_factory):
 def allreduce_sgd(model, data, options, ranks: int) -> float:
     """The test loss after one epoch of allreduce SGD over ``ranks`` ranks, computed in this process."""
     import math
-    from mpicoll.train.run import _batches
+    from mpicoll.train.common import batches as _batches
     steps = math.ceil(len(data.y) / (ranks * options.batch))
     params = model.init(options.seed)
     shards = [data.shard(r, ranks) for r in range(ranks)]
@@ -111,7 +111,7 @@ def test_downpour_of_one_pipelined_replica_is_adagrad_on_the_whole_model():
     if P != 4:
         pytest.skip("one replica of 2 stages and a server per stage: 4 ranks")
     import math
-    from mpicoll.train.run import _batches
+    from mpicoll.train.common import batches as _batches
     data = digits()
     model = MLP(data.features, data.classes, [16, 12], dtype=np.float64)
     options = Options(method="downpour", epochs=1, batch=8, lr=0.05, seed=5, progress=False, model_parallel=2)

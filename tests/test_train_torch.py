@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 from mpicoll.train import METHODS, Options, load, train  # noqa: E402
-from mpicoll.train.run import _batches  # noqa: E402
+from mpicoll.train.common import batches as _batches  # noqa: E402
 from mpicoll.models.dense import CNN  # noqa: E402
 from mpicoll.models.modules import TorchModel, make  # noqa: E402
 from mpi4py import MPI  # noqa: E402

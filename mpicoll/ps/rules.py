@@ -41,6 +41,11 @@ class Rule:
     reads_live = True                 # may workers read the weights without telling the server?
     refuses_late = False              # may a gradient be dropped for its version alone? (then workers ask first)
 
+    def gradients_per_update(self, workers: int, pushes: int = 1) -> int:
+        """How many gradients one update of the weights takes in, with ``workers`` workers each sending
+        ``pushes`` gradients per message (Downpour's n_push): the unit of a training budget in updates."""
+        return 1
+
     def setup(self, weights: np.ndarray, workers: tuple[int, ...]) -> None:
         """Take the shard's initial weights and the workers that will train."""
         self.w = weights
@@ -158,6 +163,9 @@ class Sync(_Rounds):
     name = "sync"
     tolerates_lost_workers = False
 
+    def gradients_per_update(self, workers: int, pushes: int = 1) -> int:
+        return workers
+
     def quorum(self) -> int:
         return len(self.active)
 
@@ -183,8 +191,12 @@ class SoftSync(_Rounds):
         super().setup(weights, workers)
         self.workers = len(workers)
 
+    def gradients_per_update(self, workers: int, pushes: int = 1) -> int:
+        """A round closes at ``k`` gradients: a count, or a fraction of the workers rounded up."""
+        return math.ceil(self.k * workers) if self.k < 1 else int(self.k)
+
     def quorum(self) -> int:
-        return math.ceil(self.k * self.workers) if self.k < 1 else int(self.k)
+        return self.gradients_per_update(self.workers)
 
 
 class Async(Rule):
@@ -262,6 +274,9 @@ class Downpour(Rule):
 
     def __init__(self, lr: float, eps: float = 1e-8):
         self.lr, self.eps = lr, eps
+
+    def gradients_per_update(self, workers: int, pushes: int = 1) -> int:
+        return pushes
 
     def setup(self, weights, workers):
         super().setup(weights, workers)

@@ -3,11 +3,11 @@
     mpiexec -n 4 mpicoll train --method allreduce-ring
     mpiexec -n 4 mpicoll train --method dcasgd --straggler 3=3 --output run.jsonl
 
-Pieces: :mod:`.data` (digits or an .npz file, sharded per worker),
-:mod:`.models` (softmax regression, MLP, or your own over a flat vector),
-:mod:`.torch_models` (torch modules over the same flat vector: ``--framework torch``),
-:mod:`.run` (the table of methods and one runner per family), :mod:`.report` (progress
-bar and JSON-lines log), :mod:`.compare` (several runs side by side, plots).
+Pieces: :mod:`.data` (digits, MNIST-1D or an .npz file, sharded per worker), the models
+(:mod:`mpicoll.models`: softmax regression, MLP, CNN, torch modules, or your own over a flat vector),
+:mod:`.run` (the table of methods, the checks before a run), one module per family of methods
+(:mod:`.allreduce`, :mod:`.parameter_servers`, :mod:`.sgp`, :mod:`.lbfgs`; what they share in
+:mod:`.common`), :mod:`.report` (progress bar and JSON-lines log), :mod:`.schedule` (learning rates).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from ..base.errors import MpicollError, SetupError
 from .data import Dataset, load
 from ..models.dense import MLP, Model, SoftmaxRegression
 from .report import interrupted
-from .run import METHODS, Method, Options, reporting_rank, train
+from .run import METHODS, Family, Options, train
 
-__all__ = ["METHODS", "Method", "Options", "train", "load", "Dataset", "Model", "SoftmaxRegression", "MLP", "main"]
+__all__ = ["METHODS", "Family", "Options", "train", "load", "Dataset", "Model", "SoftmaxRegression", "MLP",
+           "main"]
 
 
 def _array_namespace(device: str):
@@ -73,7 +74,7 @@ def main(args) -> int:
     try:
         train(comm, options, model, data, xp)
     except KeyboardInterrupt:            # Ctrl-C reaches every rank: one line, from the rank that reports
-        if comm.Get_rank() == reporting_rank(options, METHODS[options.method]):
+        if comm.Get_rank() == METHODS[options.method].reporting_rank(options):
             print(interrupted(options), file=sys.stderr, flush=True)
         return 130
     except SetupError as error:          # raised on every rank alike: say it once, stop them all

@@ -1,0 +1,119 @@
+"""The allreduce family: every rank a worker, gradients averaged by an allreduce each step (``allreduce-ring``,
+``allreduce-parallel``, ``allreduce-auto``), and ``sequential``, the same loop on one process, the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import arrays
+from ..base import checkpoint, timeline
+from ..channel.checks import load_checkpoint_set
+from ..collectives.communicator import Communicator
+from ..models.dense import Model
+from . import schedule as schedules
+from .common import Family, Options, batches, check_whole_replicas, setup, stop_if_diverged
+from .report import Reporter
+
+__all__ = ["Allreduce"]
+
+
+class Allreduce(Family):
+    """Allreduce SGD with the collective ``algorithm``; ``one_rank``: plain SGD on one process."""
+
+    def __init__(self, name: str, algorithm: str, one_rank: bool = False):
+        super().__init__(name)
+        self.algorithm, self.one_rank = algorithm, one_rank
+
+    def check(self, options: Options, model: Model, size: int) -> None:
+        if self.one_rank and size > 1:
+            raise ValueError(f"{options.method} is plain SGD on one process, the reference the distributed methods' "
+                             f"updates are compared with: run it with mpiexec -n 1, not {size} ranks")
+
+    def check_model_parallel(self, options: Options, model: Model, size: int) -> None:
+        if self.one_rank:
+            super().check_model_parallel(options, model, size)
+        check_whole_replicas(options, model, size)
+
+    def checkpoint_file(self, options: Options, rank: int) -> Path:
+        """One file (every rank holds the same), or one per stage with ``--model-parallel`` (the replicas of a
+        stage hold the same)."""
+        if options.model_parallel > 1:
+            return checkpoint.path(options.checkpoint, "stage", rank % options.model_parallel)
+        return checkpoint.path(options.checkpoint, None, rank)
+
+    def check_memory(self, options: Options, model: Model, size: int) -> None:
+        """Refuse a run whose ranks would hold more training state than ``--max-rank-memory``, saying which
+        ``--model-parallel K`` would fit (the stage with the most state decides)."""
+        if not hasattr(model, "state_bytes"):
+            raise ValueError("--max-rank-memory is enforced for the allreduce methods on numpy dense models (mlp, "
+                             "softmax): drop it, or use one of those")
+        from ..modelparallel import layer_sizes, split
+        layers = layer_sizes(model)
+
+        def need(k: int) -> int:
+            return max(model.state_bytes(options.batch, first, end) for first, end in split(layers, k))
+
+        k, budget = options.model_parallel, options.max_rank_memory
+        if need(k) <= budget:
+            return
+        fits = [j for j in range(k + 1, len(layers) + 1) if need(j) <= budget]
+        advice = (f"--model-parallel {fits[0]} would fit (mpiexec -n a multiple of {fits[0]})" if fits else
+                  f"no cut of its {len(layers)} layers fits: each layer is one stage at most; use a smaller model or "
+                  f"batch, or more memory")
+        raise ValueError(f"--max-rank-memory {budget:,} bytes: the model ({model.size:,} parameters) needs "
+                         f"{need(k):,} bytes of training state per rank with --model-parallel {k} (parameters, "
+                         f"gradient and allreduce result, and a batch of {options.batch} rows' activations); {advice}")
+
+    def run(self, comm, options, model, data, xp, run):
+        """Allreduce SGD; with ``--model-parallel K``, of N/K replicas of a model cut into K pipelined stages
+        (rank = replica x K + stage): each replica trains on its own shard through its pipeline, and the
+        replicas of each stage average that stage's gradient, so every replica takes the step plain
+        allreduce training over N/K ranks takes."""
+        rank, size, k = comm.Get_rank(), comm.Get_size(), options.model_parallel
+        replica, replicas = rank // k, size // k
+        _, steps, X, y, slow = setup(comm, options, data, xp, tuple(range(0, size, k)), me=replica)
+        if k > 1:
+            from ..modelparallel import stage
+            pipe_comm, channel_comm = comm.Split(replica, rank), comm.Split(rank % k, rank)
+            pipe = stage(pipe_comm, model, micro_batches=min(k, options.batch))
+            params, gradient_of = xp.asarray(pipe.init(options.seed)), pipe.loss_and_gradient
+        else:
+            channel_comm, params, gradient_of = comm, model.init(options.seed), model.loss_and_gradient
+
+        def test_score():       # (loss, accuracy) on the test set, on rank 0; through replica 0's pipeline
+            if k == 1:
+                return model.evaluate(params, reporter.X_test, reporter.y_test) if reporter else None
+            if replica == 0:    # every stage of it takes part; none holds the whole model
+                return pipe.evaluate(params, data.X_test, data.y_test)
+            return None
+
+        start = 0
+        if options.resume:                       # every replica holds the same parameters: one file per stage
+            state = load_checkpoint_set(comm, self.checkpoint_file(options, rank), run, "epochs")
+            params, start = xp.asarray(state["params"]), int(state["epoch"])
+        average = xp.empty_like(params)
+        lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
+        with Communicator(channel_comm, algorithm=self.algorithm) as channel:
+            reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
+            for epoch in range(start, options.epochs):
+                losses = []
+                for step, batch in enumerate(batches(len(y), options.batch, steps, [options.seed, replica, epoch])):
+                    with slow, timeline.span("gradient", "train"):
+                        loss, grad = gradient_of(params, X[batch], y[batch])
+                    losses.append(loss)
+                    channel.Allreduce(grad, average)
+                    with timeline.span("update", "train"):
+                        params -= (lr_at(epoch, step) / replicas) * average
+                stop_if_diverged(comm, params, [(epoch, losses)], f"after epoch {epoch + 1}")   # before saving it
+                if options.checkpoint and replica == 0:     # the first replica: a file per stage (one stage: rank 0)
+                    checkpoint.save(self.checkpoint_file(options, rank), run, epoch + 1,
+                                    params=arrays.as_host(params), epoch=epoch + 1)
+                score = test_score()
+                if reporter:
+                    reporter.evaluate(None, epoch + 1, (epoch + 1) * steps * options.batch * replicas, measured=score)
+            final = test_score()
+        if k > 1:
+            pipe.close()
+            pipe_comm.Free()
+            channel_comm.Free()
+        return reporter.finish(None, measured=final) if reporter else None

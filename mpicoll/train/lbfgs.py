@@ -1,0 +1,75 @@
+"""The Sandblaster family: ``sandblaster-lbfgs``, DistBelief's batch L-BFGS (:mod:`mpicoll.sandblaster`)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from .. import arrays
+from ..base.straggler import Straggler
+from ..models.dense import Model
+from .common import Family, Options
+from .report import Reporter
+
+__all__ = ["Lbfgs"]
+
+
+class Lbfgs(Family):
+    """Rank 0 coordinates, ``--servers`` shards hold the vectors, the rest compute gradients."""
+
+    min_ranks = 3            # a coordinator, a shard and a worker
+
+    def reporting_rank(self, options: Options) -> int:
+        return options.servers + 1
+
+    def checkpoint_file(self, options: Options, rank: int) -> Path | None:
+        """The coordinator's file and each shard's; workers keep none."""
+        from ..sandblaster import checkpoint_file
+        return checkpoint_file(options.checkpoint, rank, options.servers)
+
+    def check(self, options: Options, model: Model, size: int) -> None:
+        if size < options.servers + 2:
+            raise ValueError(f"sandblaster-lbfgs needs a coordinator, {options.servers} server shard(s) and at least "
+                             f"one worker: mpiexec -n {options.servers + 2} or more, not {size}")
+        from ..sandblaster import MAX_HISTORY
+        if not 1 <= options.history <= MAX_HISTORY or options.lbfgs_batch < 0 or options.portions < 0:
+            raise ValueError(f"--history must be 1 to {MAX_HISTORY} and --lbfgs-batch, --portions at least 0, got "
+                             f"{options.history}, {options.lbfgs_batch}, {options.portions}")
+
+    def run(self, comm, options, model, data, xp, run):
+        """Sandblaster L-BFGS (mpicoll.sandblaster): rank 0 coordinates, ``--servers`` shards, the rest compute
+        gradients over portions of the batch (the whole training set unless ``--lbfgs-batch``).  The budget:
+        gradient evaluations worth ``epochs`` passes over the training set; the first worker reports after
+        each accepted step that completes a pass."""
+        from .. import sandblaster
+        rank, samples = comm.Get_rank(), len(data.y)
+        batch = options.lbfgs_batch or samples
+        X, y = xp.asarray(data.X), xp.asarray(data.y)           # any worker may get any portion
+
+        def loss_and_gradient(w, rows):
+            loss, grad = model.loss_and_gradient(xp.asarray(w, model.dtype), X[rows], y[rows])
+            return loss, arrays.as_host(grad)
+
+        reports = rank == self.reporting_rank(options)
+        reporter = Reporter(options, model, data, xp, ranks=comm.Get_size()) if reports else None
+        reported = [0]
+
+        def report(w, iteration, evaluations):               # on the first worker, after an accepted step
+            epoch = min(evaluations * batch // samples, options.epochs)      # a last line search may run over
+            if epoch > reported[0]:
+                reported[0] = epoch
+                reporter.evaluate(xp.asarray(w, model.dtype), epoch, evaluations * batch)
+
+        result = sandblaster.run(
+            comm, arrays.as_host(model.init(options.seed)), loss_and_gradient, samples=samples, batch=batch,
+            servers=options.servers, history=options.history, iterations=10 ** 9, portions=options.portions or None,
+            backup=options.backup, seed=options.seed, evaluations=math.ceil(options.epochs * samples / batch),
+            slow=Straggler.for_rank(rank, options.straggler, options.delay, options.seed),
+            on_report=report if reporter else None, checkpoint=options.checkpoint, resume=options.resume, identity=run)
+        if result.role == "coordinator" and result.stopped and options.progress:
+            print(f"sandblaster-lbfgs: stopped early: {result.stopped}", file=sys.stderr, flush=True)
+        if reporter:
+            final = xp.asarray(result.weights, model.dtype)
+            return reporter.finish(final)
+        return None
