@@ -278,3 +278,20 @@ def test_a_round_is_sent_while_the_receiver_computes(mailbox):
     pushsum.drain()
     pushsum.close()
     everywhere(took < 0.5, f"rank 0's first round took {took:.3f} s while its receiver computed for 1 s")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_freed_onesided_mailbox_frees_once_and_refuses_use():
+    """Freeing swaps the window's handle out first (as mpi4py frees its objects): a second close does nothing,
+    and a use after it is refused, never a read of freed memory."""
+    pushsum = gossip.PushSum(WORLD, np.ones(4), mailbox="onesided")
+    mailbox = pushsum.mailbox
+    pushsum.close()
+    mailbox.close()                                       # a second free: nothing
+    refused = []
+    for use in (lambda: mailbox.win.Lock(RANK), lambda: mailbox.take(0)):
+        try:
+            use()
+        except (MPI.Exception, AttributeError) as error:
+            refused.append(type(error).__name__)
+    everywhere(len(refused) == 2 and mailbox.win == MPI.WIN_NULL, f"refused: {refused}")

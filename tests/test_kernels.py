@@ -15,6 +15,7 @@ import pytest
 
 from conftest import cupy_or_skip, numba_cuda_or_skip
 from mpicoll import compute
+from mpicoll.base import launcher
 from mpicoll.compute import sources
 
 CPU_SIZES = (0, 1, 31, 10**6 + 3)
@@ -222,9 +223,9 @@ def test_backend_report_names_every_backend():
 def test_ranks_per_node_come_from_the_launcher(monkeypatch, variable, value, ranks):
     for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(name, raising=False)
-    assert compute.ranks_on_this_node() == 1
+    assert launcher.ranks_started_here() == 1
     monkeypatch.setenv(variable, value)
-    assert compute.ranks_on_this_node() == ranks
+    assert launcher.ranks_started_here() == ranks
 
 
 def test_sources_carry_their_header_inline():

@@ -24,7 +24,7 @@ from . import config
 from .errors import LaunchMismatch
 
 __all__ = ["launcher", "mpiexec_command", "keep_survivors", "announced", "check_world", "check_this_launch",
-           "LaunchMismatch"]
+           "ranks_started_here", "LaunchMismatch"]
 
 
 def launcher() -> tuple[list[str], str]:
@@ -72,6 +72,20 @@ def mpiexec_command(ranks: int, flags=()) -> list[str]:
 _ANNOUNCERS = (("PMI_RANK", "PMI_SIZE", "the launcher"),
                ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
                ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "srun"))
+
+
+_LOCAL_RANKS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_started_here() -> int:
+    """How many ranks the launcher started on this node (MPICH, Open MPI or Slurm say so); 1 if unknown.
+    What the launcher said, before MPI starts and without a collective (the kernels' thread budget);
+    :func:`mpicoll.channel.nodes.ranks_on_this_node` asks MPI, collectively."""
+    for variable in _LOCAL_RANKS:
+        value = os.environ.get(variable, "").split("(")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def announced() -> tuple[int, int, str, str] | None:

@@ -34,7 +34,7 @@ from ..collectives import algorithms
 from ..channel.checks import Signature
 from ..collectives.communicator import FINGERPRINT_FROM, Communicator
 from ..channel.nodes import node_count
-from .common import check_counts, format_bytes, interleaved_times, parse_sizes, write_records
+from .common import link_option, check_counts, format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run", "default_sizes", "measure", "COLLECTIVES"]
 
@@ -291,6 +291,24 @@ def fingerprint_work(calls: int = 20000) -> float:
     seconds = (time.perf_counter() - start) / calls
     comm.close()
     return seconds
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="a collective (default allreduce) of every algorithm against MPI's own, side by side",
+        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench --sizes 8:64M")
+    bench.add_argument("--collective", default="allreduce", choices=["allreduce", "reduce_scatter", "allgather", "bcast"],
+                       help="which collective to time (default allreduce)")
+    bench.add_argument("--sizes", help="'8,1K,64M', or a range LOW:HIGH[:FACTOR] (default factor 4); default 8 B to 64 MiB")
+    bench.add_argument("--algorithms", help="comma-separated; default: all, and auto (mpi always runs)")
+    bench.add_argument("--dtype", default="float32", help="numpy dtype of the elements (default float32)")
+    bench.add_argument("--iters", type=int, default=50, help="timed calls per size up to 1 MiB (default 50)")
+    bench.add_argument("--min-iters", type=int, default=15, help="timed calls at least, at any size (default 15)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm after the "
+                       "first, whose result is checked against MPI's (default 3)")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per (algorithm, size)")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw bus bandwidth against size")
+    link_option(bench, "report each time as a share of the link bound across nodes")
 
 
 def run(args) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -94,3 +95,27 @@ def interleaved_times(comm, calls: list, n: int) -> np.ndarray:
             times[j, i] = time.perf_counter() - start
     comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
     return times
+
+
+# -- command-line options more than one benchmark takes ------------------------------------------------
+
+def float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def link_option(bench, what: str) -> None:
+    bench.add_argument("--link-gbps", type=float, default=float_or_none(os.environ.get("MPICOLL_LINK_GBPS")),
+                       help=f"the nodes' link rate in Gbit/s: {what} (default $MPICOLL_LINK_GBPS, which "
+                            "mpicoll cluster run sets)")
+
+
+def simulated_training_options(bench, output: str) -> None:
+    """The options of the benchmarks that simulate training steps (bench-ps, bench-gossip)."""
+    bench.add_argument("--sizes", default="4M,64M", help="parameter bytes: '4M,64M' or LOW:HIGH[:FACTOR]")
+    bench.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+    bench.add_argument("--compute-ms", type=float, default=20.0, help="simulated gradient time (default 20)")
+    bench.add_argument("--straggler", help="RANK=FACTOR: also run with that rank slowed, e.g. 3=3")
+    bench.add_argument("--output", metavar="FILE.json", help=output)

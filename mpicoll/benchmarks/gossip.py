@@ -30,7 +30,7 @@ from .. import Communicator, compute
 from ..gossip import GRAPHS, MAILBOXES, PushSum, UniformMixing, make, rounds_to_average
 from ..base.straggler import Straggler, parse
 from ..channel.nodes import node_count
-from .common import format_bytes, parse_choices, parse_sizes, write_records
+from .common import link_option, simulated_training_options, format_bytes, parse_choices, parse_sizes, write_records
 
 __all__ = ["run"]
 
@@ -101,6 +101,19 @@ def methods(graphs: list[str], mailboxes: list[str], taus: list[int]) -> list[di
     found += [{"method": "sgp", "graph": g, "mailbox": t, "tau": tau} for g in graphs for t in mailboxes
               for tau in taus]
     return found
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-gossip", help="SGP gossip rounds against ring allreduce, per training iteration",
+        description="Run under mpiexec, e.g.: mpiexec -n 8 mpicoll bench-gossip --straggler 3=3")
+    bench.add_argument("--graphs", default="time-varying-exponential,exponential",
+                       help="comma-separated: time-varying-exponential, exponential, ring, complete")
+    bench.add_argument("--mailboxes", default="p2p,onesided", help="comma-separated: p2p, onesided")
+    bench.add_argument("--taus", default="0,1", help="comma-separated overlap bounds (default 0,1)")
+    bench.add_argument("--iters", type=int, default=20, help="iterations per method (default 20)")
+    link_option(bench, "report each method's iterations against what the links allow across nodes")
+    simulated_training_options(bench, "write the averaging and iteration records")
 
 
 def run(args) -> int:

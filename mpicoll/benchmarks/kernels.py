@@ -65,6 +65,19 @@ def _kernels(library: str | None, n: int, dtype, rng) -> dict:
     }
 
 
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-kernels", help="every kernel and backend against the device's copy bandwidth",
+        description="Single process: mpicoll bench-kernels --threads 1,2 --output kernels.json")
+    bench.add_argument("--elements", type=int, default=16 * 2**20, help="array length (default 16M)")
+    bench.add_argument("--dtype", default="float32", help="float16, float32 or float64 (default float32)")
+    bench.add_argument("--backends", default="numpy,numba,cupy,numba-cuda",
+                       help="comma-separated (default: all; those not available here are skipped with the reason)")
+    bench.add_argument("--threads", help="Numba thread counts to run, e.g. 1,2 (default: Numba's own)")
+    bench.add_argument("--iters", type=int, default=10, help="timed calls per kernel (default 10)")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per (kernel, backend, threads)")
+
+
 def run(args) -> int:
     dtype = np.dtype(args.dtype)
     n = args.elements

@@ -63,6 +63,18 @@ def _python(seconds: float):
 WORK = {"matmul": _matmul, "sleep": _sleep, "python": _python}
 
 
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-overlap", help="how much of a nonblocking allreduce hides behind numpy, sleeping or Python work",
+        description="Run under mpiexec, e.g.: mpiexec -n 2 mpicoll bench-overlap --sizes 1M,16M")
+    bench.add_argument("--sizes", default="1M,16M", help="bytes: '1M,16M' or LOW:HIGH[:FACTOR]")
+    bench.add_argument("--work", default="matmul,sleep,python", help="kinds of work (default all three)")
+    bench.add_argument("--work-ms", type=float, default=50, help="milliseconds of work (default 50)")
+    bench.add_argument("--algorithm", default="auto", help="mpicoll algorithm (default auto)")
+    bench.add_argument("--iters", type=int, default=10, help="rounds (default 10)")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per size and work")
+
+
 def run(args) -> int:
     world = MPI.COMM_WORLD
     comm = Communicator(world, algorithm=args.algorithm)

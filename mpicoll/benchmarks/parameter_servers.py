@@ -21,7 +21,7 @@ from mpi4py import MPI
 from ..channel.nodes import node_members
 from ..ps import TRANSPORTS, ParameterServer, make
 from ..base.straggler import Straggler, parse
-from .common import format_bytes, median_seconds, parse_choices, parse_sizes, write_records
+from .common import link_option, simulated_training_options, format_bytes, median_seconds, parse_choices, parse_sizes, write_records
 
 __all__ = ["run"]
 
@@ -84,6 +84,19 @@ def _link_report(records: list[dict], gbps: float) -> list[str]:
         else:
             lines.append(f"#   {r['rule']:>9} {r['transport']:>9}: every worker on the server's node, no link crossed")
     return lines
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-ps", help="parameter-server updates/s and GB/s by rule, size and straggler",
+        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench-ps --straggler 3=3")
+    from ..ps.rules import RULES
+    bench.add_argument("--rules", default=",".join(RULES), help=f"comma-separated (default {','.join(RULES)})")
+    bench.add_argument("--servers", type=int, default=1, help="server ranks (default 1)")
+    bench.add_argument("--transports", default="p2p", help="comma-separated: p2p, onesided (default p2p)")
+    bench.add_argument("--seconds", type=float, default=3.0, help="length of each run (default 3)")
+    link_option(bench, "report each server's traffic as a share of its node's link")
+    simulated_training_options(bench, "write one record per (rule, size, straggler, server)")
 
 
 def run(args) -> int:

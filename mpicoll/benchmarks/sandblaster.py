@@ -66,6 +66,23 @@ def _one(comm, workers, case, backup, args) -> dict | None:
             "backups": stats.backups, "discarded": stats.discarded}
 
 
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-sandblaster", help="Sandblaster L-BFGS time per iteration against workers, straggler, backup tasks",
+        description="Run under mpiexec, e.g.: mpiexec -n 6 mpicoll bench-sandblaster (1 coordinator, 1 shard, "
+        "1 to 4 workers)")
+    bench.add_argument("--servers", type=int, default=1, help="server shards (default 1)")
+    bench.add_argument("--params", type=int, default=1 << 20, help="parameters (default 1M)")
+    bench.add_argument("--rows", type=int, default=4096, help="rows per batch (default 4096)")
+    bench.add_argument("--compute-ms", type=float, default=120.0,
+                       help="one worker's time for a whole batch's gradient, simulated (default 120)")
+    bench.add_argument("--portions", type=int, default=4, help="portions per worker (default 4)")
+    bench.add_argument("--straggler-factor", type=float, default=3.0, help="the straggler's slowness (default 3)")
+    bench.add_argument("--iterations", type=int, default=8, help="L-BFGS iterations per case (default 8)")
+    bench.add_argument("--history", type=int, default=10, help="L-BFGS pairs (default 10)")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per (workers, case)")
+
+
 def run(args) -> int:
     world = MPI.COMM_WORLD
     rank, most = world.Get_rank(), world.Get_size() - 1 - args.servers

@@ -19,10 +19,32 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..base.config import parse_bytes
 from . import torch_training
 from .common import format_bytes, interleaved_times, parse_sizes, write_records
 
 __all__ = ["run"]
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench-torch", help="mpicoll.torch.allreduce against torch's gloo and MPI's own, in place",
+        description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench-torch --sizes 1M,16M")
+    bench.add_argument("--sizes", default="64K,1M,16M", help="bytes: '1M,16M' or LOW:HIGH[:FACTOR]")
+    bench.add_argument("--algorithms", default="auto", help="mpicoll algorithms to time (default auto)")
+    bench.add_argument("--iters", type=int, default=10, help="timed calls per size and peer (default 10)")
+    bench.add_argument("--master", help="host for gloo's rendezvous (default: rank 0's; 127.0.0.1 on one node)")
+    bench.add_argument("--timeout", type=float, default=60, help="seconds for gloo's set-up and calls")
+    bench.add_argument("--output", metavar="FILE.json", help="write one record per size")
+    bench.add_argument("--threads", type=int, help="torch threads per rank (default: torch's)")
+    training = bench.add_argument_group(
+        "training", "--training times whole training steps instead: DistributedOptimizer against DDP on gloo")
+    training.add_argument("--training", action="store_true", help="time training steps of an MLP")
+    training.add_argument("--hidden", default="1024,1024,1024", help="hidden widths (default 1024,1024,1024)")
+    training.add_argument("--batch", type=int, default=64, help="samples per rank and step (default 64)")
+    training.add_argument("--steps", type=int, default=5, help="steps per contender and round (default 5)")
+    training.add_argument("--bucket-bytes", type=parse_bytes, help="DistributedOptimizer's bucket_bytes "
+                          "(default: its own)")
 
 
 def run(args) -> int:

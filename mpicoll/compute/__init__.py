@@ -41,11 +41,11 @@ import os
 
 import numpy as np
 
-from ..base import config
+from ..base import config, launcher
 from ..arrays import kinds     # which memory, and views: the only part of the array layer the kernels need
 
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad", "warm_up",
-           "backend_for", "backends", "set_threads", "streaming_reducer", "ranks_on_this_node", "REDUCIBLE",
+           "backend_for", "backends", "set_threads", "streaming_reducer", "REDUCIBLE",
            "REDUCE_OPS", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
@@ -55,18 +55,6 @@ _MODULES = {"numpy": "numpy_kernels", "numba": "numba_kernels", "cupy": "cupy_ke
             "numba-cuda": "numba_cuda_kernels"}
 _loaded: dict[str, object] = {}
 _missing: dict[str, str] = {}
-
-
-_LOCAL_RANKS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
-
-
-def ranks_on_this_node() -> int:
-    """How many ranks the launcher started on this node (MPICH, Open MPI or Slurm say so); 1 if unknown."""
-    for variable in _LOCAL_RANKS:
-        value = os.environ.get(variable, "").split("(")[0]
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
 
 
 def _backend(name: str):
@@ -97,7 +85,7 @@ def backends() -> dict[str, str]:
 
 def share_of_cores() -> int:
     """This rank's share of the node's cores: the cores over the ranks the launcher put here."""
-    return max(1, config.cores() // ranks_on_this_node())
+    return max(1, config.cores() // launcher.ranks_started_here())
 
 
 def limit_blas_threads() -> int | None:

@@ -9,7 +9,7 @@ import sys
 
 from ..train import METHODS
 
-__all__ = ["add_compare_parsers", "add_reproduce_parser", "compare_main", "plot_main", "reproduce_main",
+__all__ = ["add_compare_parser", "add_plot_parser", "add_reproduce_parser", "compare_main", "plot_main", "reproduce_main",
            "DEFAULT_PROBLEM"]
 
 
@@ -18,7 +18,7 @@ __all__ = ["add_compare_parsers", "add_reproduce_parser", "compare_main", "plot_
 DEFAULT_PROBLEM = ("--data", "mnist1d", "--model", "mlp", "--hidden", "512,512", "--epochs", "20")
 
 
-def add_compare_parsers(commands) -> None:
+def add_compare_parser(commands) -> None:
     compare = commands.add_parser(
         "compare", help="train with several methods (each under mpiexec) and write a report with plots",
         description="Any other option is passed to every 'mpicoll train' run, e.g. --epochs 5 --straggler 3=3. "
@@ -35,6 +35,9 @@ def add_compare_parsers(commands) -> None:
                          help="runs per method, in alternating order; the report gives means and spreads")
     compare.add_argument("--cluster", action="store_true",
                          help="launch through 'mpicoll cluster run' (an emulated cluster that is up)")
+
+
+def add_plot_parser(commands) -> None:
     plot = commands.add_parser("plot", help="the compare report (table and plots) from train logs")
     plot.add_argument("logs", nargs="+", help="mpicoll train --output files (JSON lines)")
     plot.add_argument("--output", default="compare-report", help="report folder (default compare-report)")

@@ -192,9 +192,15 @@ class OneSidedMailbox:
         self.win.Unlock(self.rank)
 
     def close(self) -> None:
-        """Free the window (collective)."""
+        """Free the window (collective).  The handle is swapped for ``MPI.WIN_NULL`` first (as mpi4py frees its
+        own objects): a second call does nothing, and a use after it is refused by MPI instead of reaching
+        freed memory."""
+        win, self.win = self.win, MPI.WIN_NULL
+        if win == MPI.WIN_NULL:
+            return
+        self.inbox = self.freed = None            # views of the window's memory
         self.ctx.rendezvous()
-        self.win.Free()
+        win.Free()
 
 
 class PointToPointMailbox:

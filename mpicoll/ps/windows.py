@@ -117,10 +117,15 @@ class Windows:
         win.Unlock(rank)
 
     def free(self) -> None:
-        """Free the windows (collective: every rank must call it)."""
-        self.weights = None
-        for win in (self.live_win, self.inbox_win, self.mine_win):
-            win.Free()
+        """Free the windows (collective: every rank must call it).  As mpi4py frees its own objects: the handles
+        are swapped for ``MPI.WIN_NULL`` and the views into window memory dropped first, so a second call does
+        nothing and a use after it is refused (MPI refuses a null window) instead of reading freed memory."""
+        windows = (self.live_win, self.inbox_win, self.mine_win)
+        self.live_win = self.inbox_win = self.mine_win = MPI.WIN_NULL
+        self.weights = self.version = self.versions = self.inboxes = None
+        for win in windows:
+            if win != MPI.WIN_NULL:
+                win.Free()
 
 
 class _Exclusive:
