@@ -114,3 +114,28 @@ class TestStreaming:
             reduction.combine(left[view], right[view], plain)
             reduction.combine(left[view], right[view], streamed, streaming=True)
             assert np.array_equal(plain, streamed)
+
+
+def test_one_op_table_names_every_op_everywhere():
+    """mpicoll.base.ops is the one place ops are spelled: every entry resolves by each of its names to MPI's op and
+    back; the kernel layer, its numpy reference and mpicoll.torch take exactly the table's kernel ops."""
+    from mpicoll.base import ops
+    from mpicoll.collectives.reduction import resolve_op
+    from mpicoll.compute import REDUCE_OPS, numpy_kernels
+    for entry in ops.OPS:
+        for name in (entry.name, entry.mpi, entry.name.upper(), *entry.spellings):
+            assert resolve_op(name) == getattr(MPI, entry.mpi) and ops.find(name) is entry, name
+        assert op_name(getattr(MPI, entry.mpi)) == entry.mpi and ops.of_mpi(getattr(MPI, entry.mpi)) is entry
+    assert REDUCE_OPS == ("sum", "prod", "min", "max") == tuple(numpy_kernels._REDUCE)
+    torch = pytest.importorskip("torch")
+    import mpicoll.torch as mt
+    assert set(mt.OPS.values()) == set(REDUCE_OPS) and mt.OPS["product"] == "prod"
+    assert all(getattr(torch.distributed.ReduceOp, entry.torch) for entry in ops.OPS if entry.torch)
+
+
+def test_op_names_of_ops_that_are_no_reduction_and_of_user_ops():
+    user = MPI.Op.Create(lambda a, b, datatype: None, commute=True)
+    try:
+        assert (op_name(MPI.REPLACE), op_name(MPI.NO_OP), op_name(user)) == ("REPLACE", "NO_OP", "user op")
+    finally:
+        user.Free()

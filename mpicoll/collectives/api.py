@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import arrays
+from ..base import ops
 from .communicator import Communicator
 from .nonblocking import Request
 from .reduction import resolve_op
@@ -109,7 +110,7 @@ class _Call:
 def _average(op, x, communicator: Communicator) -> tuple:
     """(the op to reduce with, what to divide its result by): "average" (also "avg", "mean", torch's and
     Horovod's name) is a sum divided by the rank count, for floating-point and complex arrays."""
-    if not (isinstance(op, str) and op.lower() in ("average", "avg", "mean")):
+    if not (isinstance(op, str) and op.lower() in ops.AVERAGE):
         return resolve_op(op), 1
     if np.dtype(x.dtype).kind not in "fc":
         raise ValueError(f"op {op!r} needs floating-point or complex arrays, got {x.dtype}: reduce with 'sum' and "

@@ -17,50 +17,31 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import compute
-from ..compute import numpy_kernels
+from ..base import ops
 from ..base.errors import ReductionError
 
-__all__ = ["Reduction", "ReductionError", "op_name", "resolve_op", "OP_NAMES"]
+__all__ = ["Reduction", "ReductionError", "op_name", "resolve_op"]
 
 _UNKNOWN = object()
-_INTEGER = "iu"
-_NUMERIC = "iufc"
-
-# op -> (ufunc, numpy kinds MPI defines it for, extra ufunc keywords)
-_UFUNCS = {
-    "SUM": (np.add, _NUMERIC, {}),
-    "PROD": (np.multiply, _NUMERIC, {}),
-    "MIN": (np.minimum, "iuf", {}),
-    "MAX": (np.maximum, "iuf", {}),
-    "LAND": (np.logical_and, _INTEGER + "b", {"casting": "unsafe"}),
-    "LOR": (np.logical_or, _INTEGER + "b", {"casting": "unsafe"}),
-    "LXOR": (np.logical_xor, _INTEGER + "b", {"casting": "unsafe"}),
-    "BAND": (np.bitwise_and, _INTEGER + "b", {}),
-    "BOR": (np.bitwise_or, _INTEGER + "b", {}),
-    "BXOR": (np.bitwise_xor, _INTEGER + "b", {}),
-}
-# MPI's predefined reductions, by the names mpicoll's array API takes too ("sum" or "SUM")
-OP_NAMES = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR", "MAXLOC", "MINLOC")
-_PREDEFINED = (*OP_NAMES, "REPLACE", "NO_OP")
+_NOT_REDUCTIONS = ("REPLACE", "NO_OP")        # MPI's predefined ops that are not in the table (one-sided only)
 
 
 def op_name(op: MPI.Op) -> str:
     """MPI's name for a predefined op ("SUM"), or "user op" for one from MPI.Op.Create."""
-    for name in _PREDEFINED:
-        if op == getattr(MPI, name, MPI.OP_NULL):
-            return name
-    return "user op"
+    entry = ops.of_mpi(op)
+    if entry is not None:
+        return entry.mpi
+    return next((name for name in _NOT_REDUCTIONS if op == getattr(MPI, name, MPI.OP_NULL)), "user op")
 
 
 def resolve_op(op) -> MPI.Op:
-    """An ``MPI.Op`` from itself or from a name such as "sum" or "max"."""
+    """An ``MPI.Op`` from itself or from a name such as "sum" or "max" (:data:`mpicoll.base.ops.OPS`)."""
     if isinstance(op, MPI.Op):
         return op
-    name = str(op).upper()
-    if name not in OP_NAMES:
-        raise ValueError(f"Unrecognized op: {op!r}; use an MPI.Op or one of "
-                         f"{', '.join(n.lower() for n in OP_NAMES)}")
-    return getattr(MPI, name)
+    entry = ops.find(op)
+    if entry is None:
+        raise ValueError(f"Unrecognized op: {op!r}; use an MPI.Op or one of {ops.names()}")
+    return entry.mpi_op
 
 
 class Reduction:
@@ -75,13 +56,13 @@ class Reduction:
         self.name = op_name(op)
         self.commutative = bool(op.Is_commutative())
         self._streaming = _UNKNOWN
-        entry = _UFUNCS.get(self.name)
-        # the kernel layer's ops on its types run its reductions (numpy on the host, the GPU
-        # for device arrays); the other ufunc ops stay here, and device arrays refuse them
-        self._kernel = self.name.lower() if (self.name.lower() in compute.REDUCE_OPS
-                                             and self.dtype in compute.REDUCIBLE) else None
-        if entry is not None and self.dtype.kind in entry[1] and self.dtype.fields is None:
-            self._ufunc, _, self._keywords = entry
+        entry = ops.of_mpi(op) if op.is_predefined else None
+        # device arrays are reduced by the kernel layer (the GPU), which has the table's kernel ops on its
+        # types; others refuse them.  Host arrays: the op's ufunc, one pass, where MPI defines it for the kind
+        self._kernel = entry.name if entry and entry.kernel and self.dtype in compute.REDUCIBLE else None
+        if entry is not None and entry.ufunc is not None and self.dtype.kind in entry.kinds \
+                and self.dtype.fields is None:
+            self._ufunc, self._keywords = entry.ufunc, entry.keywords
         else:
             self._ufunc = None
             if op.is_predefined:
@@ -125,9 +106,6 @@ class Reduction:
             return
         if streaming and self._streaming_loop() is not None and _contiguous(out, left, right):
             self._streaming(out, left, right)
-            return
-        if self._kernel is not None:
-            numpy_kernels.reduce(out, left, right, self._kernel)
             return
         if self._ufunc is not None:
             self._ufunc(left, right, out=out, **self._keywords)

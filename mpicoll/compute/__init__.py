@@ -41,7 +41,7 @@ import os
 
 import numpy as np
 
-from ..base import config, launcher
+from ..base import config, launcher, ops
 from ..arrays import kinds     # which memory, and views: the only part of the array layer the kernels need
 
 __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad", "warm_up",
@@ -49,7 +49,7 @@ __all__ = ["reduce", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "a
            "REDUCE_OPS", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
-REDUCE_OPS = ("sum", "prod", "min", "max")
+REDUCE_OPS = ops.KERNEL_OPS          # sum, prod, min, max (mpicoll.base.ops: the one op table)
 REDUCIBLE = FLOATS + tuple(np.dtype(t) for t in (np.int32, np.int64, np.complex64, np.complex128))
 _MODULES = {"numpy": "numpy_kernels", "numba": "numba_kernels", "cupy": "cupy_kernels",
             "numba-cuda": "numba_cuda_kernels"}

@@ -7,14 +7,16 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..base import ops
 from ..collectives import api
 from ..collectives.nonblocking import Request
 
 __all__ = ["OPS", "allreduce", "allreduce_async", "allgather", "broadcast"]
 
 
-# torch/Horovod names -> the array API's; "average" is a sum divided by the rank count
-OPS = {"average": "sum", "sum": "sum", "min": "min", "max": "max", "product": "prod"}
+# torch/Horovod names -> the array API's (mpicoll.base.ops, the one op table); "average" is a sum divided by the
+# rank count
+OPS = {"average": "sum", **{op.torch.lower(): op.name for op in ops.OPS if op.kernel}}
 
 
 def as_array(tensor: torch.Tensor):

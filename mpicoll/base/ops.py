@@ -1,0 +1,78 @@
+"""One table of reduction ops: every name mpicoll takes for an op, MPI's op, numpy's ufunc and the element kinds
+MPI defines it for, and whether the kernel layer reduces it.
+
+Op resolution (:func:`mpicoll.collectives.reduction.resolve_op`), :class:`~mpicoll.collectives.reduction.Reduction`,
+the kernel backends (:mod:`mpicoll.compute`) and :mod:`mpicoll.torch` read it; nothing else spells an op.
+"average" is not an MPI op: the array API and the torch module take it as a sum divided by the rank count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["Op", "OPS", "KERNEL_OPS", "AVERAGE", "find", "of_mpi", "names"]
+
+_INTEGER = "iu"
+_NUMERIC = "iufc"
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str                          # the array API's name, "sum"
+    mpi: str                           # MPI's, "SUM" (MPI.SUM)
+    ufunc: np.ufunc | None             # numpy's, for the kinds below; None: MPI applies it (MAXLOC, MINLOC)
+    kinds: str = ""                    # numpy dtype kinds MPI defines the op for
+    kernel: bool = False               # the kernel layer reduces it (host and GPU backends)
+    spellings: tuple[str, ...] = ()    # other names for it (torch's and Horovod's "product")
+    torch: str = ""                    # torch.distributed.ReduceOp's name for it ("" where torch has none)
+    keywords: dict = field(default_factory=dict)    # extra ufunc keywords
+
+    @property
+    def mpi_op(self) -> MPI.Op:
+        return getattr(MPI, self.mpi)
+
+
+OPS = (
+    Op("sum", "SUM", np.add, _NUMERIC, kernel=True, torch="SUM"),
+    Op("prod", "PROD", np.multiply, _NUMERIC, kernel=True, spellings=("product",), torch="PRODUCT"),
+    Op("min", "MIN", np.minimum, "iuf", kernel=True, torch="MIN"),
+    Op("max", "MAX", np.maximum, "iuf", kernel=True, torch="MAX"),
+    Op("land", "LAND", np.logical_and, _INTEGER + "b", keywords={"casting": "unsafe"}),
+    Op("lor", "LOR", np.logical_or, _INTEGER + "b", keywords={"casting": "unsafe"}),
+    Op("lxor", "LXOR", np.logical_xor, _INTEGER + "b", keywords={"casting": "unsafe"}),
+    Op("band", "BAND", np.bitwise_and, _INTEGER + "b", torch="BAND"),
+    Op("bor", "BOR", np.bitwise_or, _INTEGER + "b", torch="BOR"),
+    Op("bxor", "BXOR", np.bitwise_xor, _INTEGER + "b", torch="BXOR"),
+    Op("maxloc", "MAXLOC", None),
+    Op("minloc", "MINLOC", None),
+)
+# The kernel layer's reductions, in the order its kernels number them (kernels/reduce.cu)
+KERNEL_OPS = tuple(op.name for op in OPS if op.kernel)
+# A sum divided by the rank count (mpicoll.torch's default, Horovod's Average)
+AVERAGE = ("average", "avg", "mean")
+
+_BY_NAME = {spelling: op for op in OPS for spelling in (op.name, op.mpi.lower(), *op.spellings)}
+
+
+def find(name: str) -> Op | None:
+    """The op a name means ("sum", "SUM", "product"), or None."""
+    return _BY_NAME.get(str(name).lower())
+
+
+def of_mpi(op: MPI.Op) -> Op | None:
+    """The table's entry for a predefined ``MPI.Op``, or None (a user op from ``MPI.Op.Create``): a dictionary
+    lookup by the op's handle (it runs on every call that reduces)."""
+    if not _BY_HANDLE:
+        _BY_HANDLE.update({entry.mpi_op.py2f(): entry for entry in OPS})
+    return _BY_HANDLE.get(op.py2f())
+
+
+_BY_HANDLE: dict[int, Op] = {}            # filled on first use, once MPI has started
+
+
+def names() -> str:
+    """The op names, for messages."""
+    return ", ".join(op.name for op in OPS)
