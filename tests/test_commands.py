@@ -220,6 +220,18 @@ def test_every_option_of_every_command_says_what_it_does():
     assert list(silent(make_parser(), "mpicoll")) == []
 
 
+def test_one_option_chooses_how_ranks_exchange_for_parameter_servers_and_gossip():
+    """--transport is the one name for p2p or onesided (parameter servers and SGP alike); --mailbox, SGP's old
+    name for it, sets the same thing."""
+    from mpicoll.cli import make_parser
+    from mpicoll.train import Options
+    parse = make_parser().parse_args
+    for words, expected in [([], "p2p"), (["--transport", "onesided"], "onesided"), (["--mailbox", "onesided"],
+                                                                                    "onesided")]:
+        options = Options.from_args(parse(["train", "--method", "sgp", *words]))
+        assert options.transport == expected and not hasattr(options, "mailbox"), words
+
+
 ANNOUNCED = {"srun": {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3"},
              "Open MPI's mpirun": {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3"}}
 

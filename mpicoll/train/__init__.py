@@ -169,7 +169,8 @@ def add_parser(commands) -> None:
     group.add_argument("--n-push", type=int, default=1, help="downpour: push every N steps")
     group.add_argument("--warm-start", type=int, default=0, help="downpour: updates by one worker before the rest")
     group.add_argument("--transport", default="p2p", choices=ps.TRANSPORTS,
-                       help="how workers reach the servers: p2p messages (default) or onesided windows")
+                       help="how ranks exchange parameters and gradients: p2p messages (default) or onesided "
+                       "windows (MPI RMA); the parameter servers' pulls and pushes, and SGP's gossip")
     group = train_.add_argument_group("Sandblaster L-BFGS (sandblaster-lbfgs: rank 0 coordinates, --servers "
                                       "shards, the rest compute gradients)")
     group.add_argument("--history", type=int, default=10, help="L-BFGS pairs kept (default 10)")
@@ -182,8 +183,8 @@ def add_parser(commands) -> None:
     group.add_argument("--no-backup", dest="backup", action="store_false",
                        help="no backup copies of the slowest portions (on by default)")
     group = train_.add_argument_group("stochastic gradient push (sgp)")
-    group.add_argument("--mailbox", default="p2p", choices=gossip.MAILBOXES,
-                       help="how gossip arrives: p2p messages (default) or onesided windows")
+    group.add_argument("--mailbox", dest="transport", choices=gossip.MAILBOXES,
+                       help="--transport's old name for sgp (how gossip arrives: p2p or onesided)")
     group.add_argument("--graph", default="time-varying-exponential",
                        choices=("time-varying-exponential", "exponential", "ring", "complete"),
                        help="whom each rank sends to: time-varying-exponential (default, SGP's: one peer per round, "

@@ -42,8 +42,7 @@ class Options:
     n_fetch: int = 1                  # downpour
     n_push: int = 1
     warm_start: int = 0
-    transport: str = "p2p"            # ps: how workers reach servers, p2p or onesided
-    mailbox: str = "p2p"              # sgp: how gossip arrives, p2p or onesided
+    transport: str = "p2p"            # ps and sgp: how ranks exchange, p2p messages or onesided windows
     graph: str = "time-varying-exponential"
     tau: int = 0                      # sgp overlap
     model_parallel: int = 1           # allreduce methods: stages per replica (mpicoll.modelparallel)

@@ -28,7 +28,7 @@ class Sgp(Family):
         rank, size = comm.Get_rank(), comm.Get_size()
         _, steps, X, y, slow = setup(comm, options, data, xp, tuple(range(size)))
         pushsum = gossip.PushSum(comm, model.init(options.seed), graph=options.graph, tau=options.tau,
-                                 mailbox=options.mailbox)
+                                 mailbox=options.transport)
         sgp = gossip.SGP(pushsum, options.lr)
         start, mine = 0, self.checkpoint_file(options, rank)
         if options.resume:                       # each rank its own numerator and push-sum weight
