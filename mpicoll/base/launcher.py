@@ -66,14 +66,6 @@ def mpiexec_command(ranks: int, flags=()) -> list[str]:
     return [*command, *extra, *flags, "-n", str(ranks)]
 
 
-# What launchers tell the processes they start: (variable with the process's index, variable with the task count,
-# who sets them).  Most specific first: Hydra's mpiexec and srun's PMI-2 both set PMI_*, and a launcher started
-# inside a Slurm allocation passes Slurm's own variables on to its processes.
-_ANNOUNCERS = (("PMI_RANK", "PMI_SIZE", "the launcher"),
-               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
-               ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "srun"))
-
-
 _LOCAL_RANKS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
@@ -86,6 +78,14 @@ def ranks_started_here() -> int:
         if value.isdigit() and int(value) > 0:
             return int(value)
     return 1
+
+
+# What launchers tell the processes they start: (variable with the process's index, variable with the task count,
+# who sets them).  Most specific first: Hydra's mpiexec and srun's PMI-2 both set PMI_*, and a launcher started
+# inside a Slurm allocation passes Slurm's own variables on to its processes.
+_ANNOUNCERS = (("PMI_RANK", "PMI_SIZE", "the launcher"),
+               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+               ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "srun"))
 
 
 def announced() -> tuple[int, int, str, str] | None:
@@ -121,8 +121,8 @@ def check_world(world_size: int, library: str = "") -> None:
         fix = (f"the launcher belongs to another MPI library than the one mpi4py loaded ({mpi}): start the job "
                "with that library's mpiexec (the MPICH wheel's is beside this Python), or point mpi4py at the "
                "launcher's library")
-    raise LaunchMismatch(f"{who} started {tasks} tasks ({variable}={tasks}), but MPI sees a world of {world_size}: {fix} "
-                         "(MPICOLL_CHECK_LAUNCH=0 skips this check)")
+    raise LaunchMismatch(f"{who} started {tasks} tasks ({variable}={tasks}), but MPI sees a world of {world_size}: "
+                         f"{fix} (MPICOLL_CHECK_LAUNCH=0 skips this check)")
 
 
 @functools.cache

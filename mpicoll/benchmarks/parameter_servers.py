@@ -21,7 +21,8 @@ from mpi4py import MPI
 from ..channel.nodes import node_members
 from ..ps import TRANSPORTS, ParameterServer, make
 from ..base.straggler import Straggler, parse
-from .common import link_option, simulated_training_options, format_bytes, median_seconds, parse_choices, parse_sizes, write_records
+from .common import (format_bytes, link_option, median_seconds, parse_choices, parse_sizes, simulated_training_options,
+                     write_records)
 
 __all__ = ["run"]
 

@@ -9,8 +9,8 @@ import sys
 
 from ..train import METHODS
 
-__all__ = ["add_compare_parser", "add_plot_parser", "add_reproduce_parser", "compare_main", "plot_main", "reproduce_main",
-           "DEFAULT_PROBLEM"]
+__all__ = ["add_compare_parser", "add_plot_parser", "add_reproduce_parser", "compare_main", "plot_main",
+           "reproduce_main", "DEFAULT_PROBLEM"]
 
 
 # compare's problem unless its options change it (later options win): big enough that the methods' wall times
@@ -111,7 +111,7 @@ def compare_main(args) -> int:
     from .compare import compare
     methods = args.methods.split(",")
     if args.methods == ",".join(METHODS):             # every method, by default: those that fit -n
-        fit = [m for m in methods if m not in METHODS or METHODS[m].one_rank or METHODS[m].min_ranks <= args.ranks]
+        fit = [m for m in methods if m not in METHODS or METHODS[m].fits(args.ranks)]
         if fit != methods:
             print(f"mpicoll compare: leaving out {', '.join(m for m in methods if m not in fit)}: more than "
                   f"{args.ranks} ranks needed", file=sys.stderr)

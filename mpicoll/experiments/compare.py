@@ -158,7 +158,7 @@ def compare(methods: list[str], ranks: int, folder: str | Path, train_args: list
                          f"{', '.join(METHODS)}")
     if repeats < 1:
         raise SystemExit(f"mpicoll compare: --repeats must be at least 1, got {repeats}")
-    short = [m for m in methods if not METHODS[m].one_rank and METHODS[m].min_ranks > ranks]
+    short = [m for m in methods if not METHODS[m].fits(ranks)]
     if short:
         raise SystemExit(f"mpicoll compare: {', '.join(short)} need(s) at least "
                          f"{max(METHODS[m].min_ranks for m in short)} ranks, not {ranks}: raise -n or leave "

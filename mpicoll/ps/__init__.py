@@ -83,8 +83,8 @@ class ParameterServer:
         what else the checkpoint belongs to (e.g. the training run's data), refused on resume if it differs.
         ``lr_at``: a learning-rate schedule, update count -> the rule's rate, set before each update.
         ``state``: with ``resume``, the arrays of a set of servers' files chosen together
-        (:func:`mpicoll.channel.checks.load_checkpoint_set` over every rank) instead of this server's newest file: servers
-        stopped between their writes then resume from the newest point all of them hold.
+        (:func:`mpicoll.channel.checks.load_checkpoint_set` over every rank) instead of this server's newest file:
+        servers stopped between their writes then resume from the newest point all of them hold.
         """
         if not self.is_server:
             raise RuntimeError(f"rank {self.layout.rank} is a worker: use .client")
@@ -96,7 +96,7 @@ class ParameterServer:
                                 worker_timeout, lr_at).run(checkpoint=checkpoint, every=every, resume=resume,
                                                     warm_start=warm_start, identity=identity, state=state)
         except Exception as error:
-            notices.tell(self.context, self.layout.workers, error, Tag.PS_FAILED)    # they stop now, not at their timeout
+            notices.tell(self.context, self.layout.workers, error, Tag.PS_FAILED)     # they stop now, not later
             self.context.broken_by(error)
             raise
         self._unclean = bool(self.stats.lost)

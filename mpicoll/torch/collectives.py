@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from ..base import ops
 from ..collectives import api
@@ -14,9 +13,9 @@ from ..collectives.nonblocking import Request
 __all__ = ["OPS", "allreduce", "allreduce_async", "allgather", "broadcast"]
 
 
-# torch/Horovod names -> the array API's (mpicoll.base.ops, the one op table); "average" is a sum divided by the
-# rank count
-OPS = {"average": "sum", **{op.torch.lower(): op.name for op in ops.OPS if op.kernel}}
+# torch/Horovod names -> the array API's (mpicoll.base.ops, the one op table); "average", a sum divided by the rank
+# count, is the array API's too, which divides
+OPS = {"average": "average", **{op.torch.lower(): op.name for op in ops.OPS if op.kernel}}
 
 
 def as_array(tensor: torch.Tensor):
@@ -33,10 +32,6 @@ def as_array(tensor: torch.Tensor):
 def _tensor(array, like: torch.Tensor) -> torch.Tensor:
     """An array the array API returned, as a tensor of ``like``'s kind (no copy)."""
     return torch.from_numpy(array) if isinstance(array, np.ndarray) else torch.as_tensor(array, device=like.device)
-
-
-def _size(comm) -> int:
-    return (MPI.COMM_WORLD if comm is None else comm).Get_size()
 
 
 def allreduce(tensor: torch.Tensor, op: str = "average", *, comm=None, algorithm: str = "auto",
@@ -68,14 +63,9 @@ def _allreduce(tensor, op, comm, algorithm, out):
         raise TypeError(f"averaging needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide")
     source = as_array(tensor)
     target = None if out is None else source if out is tensor else as_array(out)
-    size = _size(comm)
 
     def finish(array) -> torch.Tensor:
-        result = _tensor(array, tensor) if out is None else out
-        if op == "average":
-            with torch.no_grad():
-                result.div_(size)
-        return result
+        return _tensor(array, tensor) if out is None else out
 
     return api._allreduce(source, OPS[op], comm, algorithm, target), finish
 

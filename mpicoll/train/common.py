@@ -163,6 +163,10 @@ class Family:
     def __init__(self, name: str):
         self.name = name
 
+    def fits(self, ranks: int) -> bool:
+        """Whether it runs on ``ranks`` ranks (the sequential reference runs on one, whatever is asked)."""
+        return self.one_rank or ranks >= self.min_ranks
+
     def workers(self, options: Options, size: int) -> int:
         """How many of ``size`` ranks compute gradients (each needs a shard of the data)."""
         return size
@@ -182,8 +186,9 @@ class Family:
                          "softmax): drop it, or use one of those")
 
     def checkpoint_file(self, options: Options, rank: int) -> Path | None:
-        """The file this rank saves to and resumes from (None: it keeps none)."""
-        return checkpoint.path(options.checkpoint, None, rank)
+        """The file this rank saves to and resumes from (None: it keeps none); a family that checks its resume
+        otherwise need not say."""
+        raise NotImplementedError
 
     def check_resume(self, comm: MPI.Intracomm, options: Options, model: Model, run: dict) -> None:
         """Raise unless this rank's checkpoint belongs to the run ``run`` describes."""

@@ -3,8 +3,6 @@ update rule of :mod:`mpicoll.ps` (Downpour also over pipelines of model stages, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 from mpi4py import MPI
 
@@ -65,16 +63,13 @@ class ParameterServers(Family):
             raise ValueError("downpour --model-parallel does not checkpoint yet: drop --checkpoint (the allreduce "
                              "methods do)")
 
-    def checkpoint_file(self, options: Options, rank: int) -> Path | None:
-        """One file per server; workers keep none."""
-        return checkpoint.path(options.checkpoint, "server", rank) if rank < options.servers else None
-
     def check_resume(self, comm: MPI.Intracomm, options: Options, model: Model, run: dict) -> None:
-        rank = comm.Get_rank()
-        if rank < options.servers:
+        """Each server's file (:func:`mpicoll.ps.server.checkpoint_file`) must be its own; workers keep none."""
+        if comm.Get_rank() < options.servers:
             layout = ps.Layout.split(comm, model.size, options.servers)
             rule, _ = self.rule(options, len(layout.workers))
-            checkpoint.check(self.checkpoint_file(options, rank), ps.server.checkpoint_identity(layout, rule, run))
+            checkpoint.check(ps.server.checkpoint_file(options.checkpoint, layout),
+                             ps.server.checkpoint_identity(layout, rule, run))
 
     def run(self, comm, options, model, data, xp, run):
         if options.model_parallel > 1:

@@ -128,6 +128,8 @@ class Reporter:
             self.stream.flush()
         if self.log:
             self.log.close()
+        global _running
+        _running = None
         return summary
 
     def _write(self, record: dict) -> None:
