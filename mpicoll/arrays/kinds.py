@@ -179,9 +179,10 @@ def host_view(obj, *, writable: bool = False) -> np.ndarray:
     return array.reshape(-1, order="A") if array.ndim != 1 else array
 
 
-def device_view(obj):
-    """(library, array): a CUDA array as a CuPy or Numba array, without a copy."""
-    name = library(obj)
+def device_view(obj, name: str | None = None):
+    """(library, array): a CUDA array as a CuPy or Numba array, without a copy.  ``name``: its
+    :func:`library`, where the caller has read it already."""
+    name = library(obj) if name is None else name
     if name is HOST:
         raise TypeError(f"{type(obj).__name__} is in host memory, not a CUDA array")
     module = type(obj).__module__
@@ -195,10 +196,10 @@ def device_view(obj):
 
 def view(obj, *, writable: bool = False):
     """(library, 1-D view) of any array mpi4py takes: numpy for host memory, CuPy/Numba for device memory."""
-    if library(obj) is HOST:
+    name = library(obj)
+    if name is HOST:
         return HOST, host_view(obj, writable=writable)
-    name, array = device_view(obj)
-    return name, flat(array, "buffer")
+    return name, flat(device_view(obj, name)[1], "buffer")
 
 
 def _flag(array, name: str) -> bool:

@@ -71,8 +71,9 @@ def copy(source, target) -> None:
         target.copy_to_device(source)
 
 
-def contiguous(array):
+def contiguous(array, name: str | None = None):
     """``array`` itself when C-contiguous, else a C-contiguous copy of it on the same device (or host).
+    ``name``: its library, where the caller has read it already.
 
     C order, not any contiguity: a Fortran-ordered array's memory holds its
     elements in another order than a packed result's (measured: an in-place
@@ -82,7 +83,7 @@ def contiguous(array):
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)
     if is_c_contiguous(array):
         return array
-    if library(array) == "cupy":
+    if (library(array) if name is None else name) == "cupy":
         return _module("cupy").ascontiguousarray(array)
     return _module("numba-cuda").to_device(np.ascontiguousarray(array.copy_to_host()))
 

@@ -30,13 +30,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..base.collectives import ALLGATHER, ALLREDUCE, COLLECTIVES, REDUCE_SCATTER_BLOCK, Collective, find
 from ..collectives import algorithms
 from ..channel.checks import Signature
 from ..collectives.communicator import FINGERPRINT_FROM, Communicator
 from ..channel.nodes import node_count
 from .common import link_option, check_counts, format_bytes, interleaved_times, parse_sizes, write_records
 
-__all__ = ["run", "default_sizes", "measure", "COLLECTIVES"]
+__all__ = ["run", "default_sizes", "measure"]
 
 PEER = "mpi"
 
@@ -46,43 +47,33 @@ def default_sizes() -> list[int]:
     return [8] + [16 << (2 * i) for i in range(12)]
 
 
-# collective -> (mpi4py method, bus-bandwidth factor as in nccl-tests, given p)
-COLLECTIVES = {
-    "allreduce": ("Allreduce", lambda p: 2 * (p - 1) / p),
-    "reduce_scatter": ("Reduce_scatter_block", lambda p: (p - 1) / p),
-    "allgather": ("Allgather", lambda p: (p - 1) / p),
-    "bcast": ("Bcast", lambda p: 1.0),
-}
-
-
-def _calls(comm: MPI.Intracomm, names: list[str], collective: str):
+def _calls(comm: MPI.Intracomm, names: list[str], collective: Collective):
     """One function per algorithm: (send, recv) -> None (Bcast uses recv alone, from rank 0)."""
-    method = COLLECTIVES[collective][0]
     calls = {}
     for name in names:
         if name == PEER:
-            target, raw = comm, getattr(MPI.Intracomm, method)
-            calls[name] = ((lambda s, r, c=target, f=raw: f(c, r, 0)) if collective == "bcast"
+            target, raw = comm, getattr(MPI.Intracomm, collective.method)
+            calls[name] = ((lambda s, r, c=target, f=raw: f(c, r, 0)) if collective.rooted
                            else (lambda s, r, c=target, f=raw: f(c, s, r)))
         else:
             calls[name] = _own_call(Communicator(comm, algorithm=name), collective)
     return calls
 
 
-def _own_call(wrapped: Communicator, collective: str):
+def _own_call(wrapped: Communicator, collective: Collective):
     """(send, recv) -> None on one of mpicoll's communicators.  The method is looked up per call, as user
     code does (auto installs a faster method after its first call)."""
-    method = COLLECTIVES[collective][0]
-    if collective == "bcast":
+    method = collective.method
+    if collective.rooted:
         return lambda s, r: getattr(wrapped, method)(r, 0)
     return lambda s, r: getattr(wrapped, method)(s, r)
 
 
-def _buffers(collective: str, count: int, p: int, dtype, rng):
+def _buffers(collective: Collective, count: int, p: int, dtype, rng):
     """(send, recv shape) for ``count`` elements of the collective's full message, rounded to p."""
-    count = max(p, count - count % p) if collective in ("reduce_scatter", "allgather") else max(1, count)
-    send_count = {"reduce_scatter": count, "allgather": count // p}.get(collective, count)
-    recv_count = {"reduce_scatter": count // p}.get(collective, count)
+    count = max(p, count - count % p) if collective.blocks else max(1, count)
+    send_count = count // p if collective is ALLGATHER else count
+    recv_count = count // p if collective is REDUCE_SCATTER_BLOCK else count
     send = (rng.standard_normal(send_count) if dtype.kind in "fc" else rng.integers(0, 100, send_count)).astype(dtype)
     return count, send, recv_count
 
@@ -92,24 +83,26 @@ def _iterations(nbytes: int, iters: int, min_iters: int) -> int:
 
 
 def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None, collective="allreduce") -> list[dict]:
-    """Time every (algorithm, size); returns one record per pair (on every rank)."""
+    """Time every (algorithm, size) of ``collective`` (any spelling of :mod:`mpicoll.base.collectives`);
+    returns one record per pair (on every rank)."""
     p, rank = comm.Get_size(), comm.Get_rank()
     dtype = np.dtype(dtype)
+    collective = find(collective)
     calls = _calls(comm, list(dict.fromkeys([PEER, *names])), collective)   # MPI's own checks every result
-    bus_factor = COLLECTIVES[collective][1](p)
+    bus_factor = collective.bus_factor(p)
     records = []
     rng = np.random.default_rng(1234 + rank)
     for nbytes in sizes:
         count, send, recv_count = _buffers(collective, nbytes // dtype.itemsize, p, dtype, rng)
         outputs = {name: np.empty(recv_count, dtype) for name in names}
-        if collective == "bcast":
+        if collective.rooted:
             for output in outputs.values():
                 output[...] = send
         for name in names:
             for _ in range(1 + warmup):               # the first call's result is checked below
                 calls[name](send, outputs[name])
         reference = np.empty(recv_count, dtype)
-        if collective == "bcast":
+        if collective.rooted:
             reference[...] = send
         calls[PEER](send, reference)
         for name in names:
@@ -121,7 +114,7 @@ def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None, co
         for j, name in enumerate(names):
             seconds = float(np.median(times[j]))
             algbw = count * dtype.itemsize / seconds / 1e9
-            row.append({"algorithm": name, "collective": collective, "bytes": count * dtype.itemsize, "ranks": p,
+            row.append({"algorithm": name, "collective": collective.option, "bytes": count * dtype.itemsize, "ranks": p,
                         "dtype": dtype.name, "time_s": seconds, "algbw_gbps": algbw,
                         "busbw_gbps": algbw * bus_factor, "iters": n})
         peer = next((r for r in row if r["algorithm"] == PEER), None)
@@ -202,12 +195,6 @@ def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> 
     return best["mpi"], best["auto"]
 
 
-# the least each node must send over its link, as a share of the message, given n nodes (nccl-tests' factors
-# with nodes for ranks: the ranks of a node share its link)
-LINK_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-                "allgather": lambda n: (n - 1) / n, "bcast": lambda n: 1.0}
-
-
 def link_bound_report(records: list[dict], nodes: int, gbps: float) -> list[str]:
     """Each time against the link bound (adds ``link_bound_s`` and ``of_link_bound`` to the records)."""
     if nodes < 2:
@@ -215,7 +202,9 @@ def link_bound_report(records: list[dict], nodes: int, gbps: float) -> list[str]
     lines = [f"# link bound: {nodes} nodes at {gbps:g} Gbit/s; each time as a share of it (1.0 = at the bound):"]
     for size in dict.fromkeys(r["bytes"] for r in records):
         row = [r for r in records if r["bytes"] == size]
-        bound = row[0]["bytes"] * LINK_FACTORS[row[0]["collective"]](nodes) * 8 / (gbps * 1e9)
+        # the least each node must send over its link: the bus-bandwidth factor with nodes for ranks (the
+        # ranks of a node share its link)
+        bound = row[0]["bytes"] * find(row[0]["collective"]).bus_factor(nodes) * 8 / (gbps * 1e9)
         for r in row:
             r["link_bound_s"], r["of_link_bound"] = bound, bound / r["time_s"]
         lines.append(f"#   {format_bytes(size):>8}: {bound * 1e3:9.2f} ms; "
@@ -239,6 +228,7 @@ def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], d
     """
     own = [name for name in names if name not in (PEER, "auto")]
     dtype = np.dtype(dtype)
+    collective = find(collective)
 
     def variant(wrapped, threshold):
         call = _own_call(wrapped, collective)
@@ -252,11 +242,11 @@ def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], d
     costs = []
     for nbytes in sizes:
         count, send, recv_count = _buffers(collective, nbytes // dtype.itemsize, comm.Get_size(), dtype, rng)
-        per_rank = count // comm.Get_size() if collective in ("reduce_scatter", "allgather") else count
+        per_rank = count // comm.Get_size() if collective.blocks else count
         if per_rank < FINGERPRINT_FROM:       # what a call's signature counts: one rank's block for these
             continue
         out = np.empty(recv_count, dtype)
-        if collective == "bcast":
+        if collective.rooted:
             out[...] = send
         for name in own:
             wrapped = Communicator(comm, algorithm=name)
@@ -283,7 +273,7 @@ def fingerprint_work(calls: int = 20000) -> float:
     data = np.zeros(FINGERPRINT_FROM, np.float32)
     comm.Allreduce(MPI.IN_PLACE, data)                     # sets up the context and its fingerprint
     fingerprint = comm._context.fingerprint
-    signature = Signature("Allreduce", data.size, data.dtype, "MPI_SUM", algorithm="ring")
+    signature = Signature(ALLREDUCE.method, data.size, data.dtype, "MPI_SUM", algorithm="ring")
     start = time.perf_counter()
     for _ in range(calls):
         fingerprint.start(signature)
@@ -297,7 +287,7 @@ def add_parser(commands) -> None:
     bench = commands.add_parser(
         "bench", help="a collective (default allreduce) of every algorithm against MPI's own, side by side",
         description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench --sizes 8:64M")
-    bench.add_argument("--collective", default="allreduce", choices=["allreduce", "reduce_scatter", "allgather", "bcast"],
+    bench.add_argument("--collective", default="allreduce", choices=[c.option for c in COLLECTIVES.values()],
                        help="which collective to time (default allreduce)")
     bench.add_argument("--sizes", help="'8,1K,64M', or a range LOW:HIGH[:FACTOR] (default factor 4); default 8 B to 64 MiB")
     bench.add_argument("--algorithms", help="comma-separated; default: all, and auto (mpi always runs)")

@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base import checkpoint
+from ..base.collectives import COLLECTIVES
 from ..base.errors import MismatchError, NonFiniteError, SetupError
 from ..base.tags import Tag
 from .watchdog import bounded
@@ -92,7 +93,8 @@ TAG_SPAN = 128
 
 # Collectives whose every rank's result needs every rank's messages: a rank that completes one received,
 # through a chain of messages carrying the call's stamp, from every rank, so all ranks made the same call.
-_EVERYONE_HEARS_EVERYONE = frozenset({"Allreduce", "Reduce_scatter_block", "Allgather"})
+# (By mpi4py's name, which a Signature carries: one set lookup per call.)
+_EVERYONE_HEARS_EVERYONE = frozenset(c.method for c in COLLECTIVES.values() if c.hears_everyone)
 
 
 class Fingerprint:

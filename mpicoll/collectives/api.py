@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from .. import arrays
 from ..base import ops
+from ..base.collectives import ALLGATHER, ALLREDUCE, BCAST, REDUCE_SCATTER_BLOCK, Collective
 from .communicator import Communicator
 from .nonblocking import Request
 from .reduction import resolve_op
@@ -58,20 +59,23 @@ def _communicator(comm, algorithm: str) -> Communicator:
     return communicator
 
 
-def _as_array(x):
-    """``x`` as a numpy array (host memory) or a CuPy/Numba array (device memory), without a copy."""
-    return arrays.device_view(x)[1] if arrays.is_device(x) else np.asarray(x)
+def _as_array(x) -> tuple:
+    """(library, array): ``x`` as a numpy array (host memory) or a CuPy/Numba array (device memory), without
+    a copy.  A call reads its input's kind here, once, and hands it on."""
+    kind = arrays.library(x)
+    return kind, (np.asarray(x) if kind is arrays.HOST else arrays.device_view(x, kind)[1])
 
 
-def _output(out, shape, like):
-    """(contiguous array to write the result into, the caller's ``out`` to copy it into afterwards or None)."""
+def _output(out, shape, like, kind):
+    """(contiguous array to write the result into, the caller's ``out`` to copy it into afterwards or None);
+    ``kind``: the library of ``like``, the call's input."""
     shape = tuple(shape)
     if out is None:
-        return arrays.empty_like(like, shape), None
-    out = _as_array(out)
+        return arrays.empty(kind, shape, like.dtype), None
+    out_kind, out = (kind, out) if out is like else _as_array(out)
     if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(like.dtype):
         raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected {shape} and {like.dtype}")
-    if arrays.library(out) != arrays.library(like):
+    if out_kind != kind:
         raise TypeError("out must be in the same kind of memory as x (both host, or both one device library)")
     if arrays.is_c_contiguous(out) and (not isinstance(out, np.ndarray) or out.flags.writeable):
         return out, None
@@ -79,24 +83,25 @@ def _output(out, shape, like):
 
 
 class _Call:
-    """One prepared collective call: the communicator method, its arguments, and where the result ends up.
+    """One prepared collective call: the collective, its arguments, and where the result ends up.
 
-    ``run()`` makes it blocking; ``start()`` nonblocking, returning a Request
-    whose ``wait()`` gives the result.
+    ``run()`` makes it blocking (the communicator's method); ``start()``
+    nonblocking (its nonblocking method), returning a Request whose ``wait()``
+    gives the result.
     """
 
-    def __init__(self, communicator: Communicator, method: str, args: tuple, result, copy_into=None,
+    def __init__(self, communicator: Communicator, collective: Collective, args: tuple, result, copy_into=None,
                  divide_by: int = 1):
-        self.communicator, self.method, self.args = communicator, method, args
+        self.communicator, self.collective, self.args = communicator, collective, args
         self.result, self.copy_into, self.divide_by = result, copy_into, divide_by
 
     def run(self):
-        getattr(self.communicator, self.method)(*self.args)
+        getattr(self.communicator, self.collective.method)(*self.args)
         return self._finish()
 
     def start(self) -> Request:
-        nonblocking = getattr(self.communicator, f"I{self.method[0].lower()}{self.method[1:]}")   # Iallreduce, ...
-        return nonblocking(*self.args).then(lambda _: self._finish())
+        started = getattr(self.communicator, self.collective.nonblocking)(*self.args)
+        return started.then(lambda _: self._finish())
 
     def _finish(self):
         if self.divide_by != 1:                       # "average": the sum, divided by the rank count
@@ -121,42 +126,44 @@ def _average(op, x, communicator: Communicator) -> tuple:
 def _allreduce(x, op, comm, algorithm, out) -> _Call:
     communicator = _communicator(comm, algorithm)
     in_place = out is x
-    x = _as_array(x)
+    kind, x = _as_array(x)
     op, divide_by = _average(op, x, communicator)
-    source = arrays.contiguous(x)
+    source = arrays.contiguous(x, kind)
     if in_place and source is x and (not isinstance(x, np.ndarray) or x.flags.writeable):
-        return _Call(communicator, "Allreduce", (MPI.IN_PLACE, x, op), x, divide_by=divide_by)
-    result, copy_into = _output(x if in_place else out, x.shape, x)
-    return _Call(communicator, "Allreduce", (source, result, op), result, copy_into, divide_by)
+        return _Call(communicator, ALLREDUCE, (MPI.IN_PLACE, x, op), x, divide_by=divide_by)
+    result, copy_into = _output(x if in_place else out, x.shape, x, kind)
+    return _Call(communicator, ALLREDUCE, (source, result, op), result, copy_into, divide_by)
 
 
 def _reduce_scatter(x, op, comm, algorithm, out) -> _Call:
     communicator = _communicator(comm, algorithm)
-    x = arrays.contiguous(_as_array(x))
+    kind, x = _as_array(x)
+    x = arrays.contiguous(x, kind)
     size = communicator.Get_size()
     if x.ndim == 0 or x.shape[0] % size:
         raise ValueError(f"reduce_scatter: x has shape {x.shape}; its first axis must be a multiple of {size} ranks")
-    result, copy_into = _output(out, (x.shape[0] // size, *x.shape[1:]), x)
+    result, copy_into = _output(out, (x.shape[0] // size, *x.shape[1:]), x, kind)
     op, divide_by = _average(op, x, communicator)
-    return _Call(communicator, "Reduce_scatter_block", (x, result, op), result, copy_into, divide_by)
+    return _Call(communicator, REDUCE_SCATTER_BLOCK, (x, result, op), result, copy_into, divide_by)
 
 
 def _allgather(x, comm, algorithm, out) -> _Call:
     communicator = _communicator(comm, algorithm)
-    x = arrays.contiguous(_as_array(x))
+    kind, x = _as_array(x)
+    x = arrays.contiguous(x, kind)
     size = communicator.Get_size()
     shape = (size,) if x.ndim == 0 else (size * x.shape[0], *x.shape[1:])
-    result, copy_into = _output(out, shape, x)
-    return _Call(communicator, "Allgather", (x, result), result, copy_into)
+    result, copy_into = _output(out, shape, x, kind)
+    return _Call(communicator, ALLGATHER, (x, result), result, copy_into)
 
 
 def _broadcast(x, root, comm, algorithm, out) -> _Call:
     communicator = _communicator(comm, algorithm)
-    x = _as_array(x)
-    result, copy_into = _output(out, x.shape, x)
+    kind, x = _as_array(x)
+    result, copy_into = _output(out, x.shape, x, kind)
     if communicator.Get_rank() == root and result is not x:
         arrays.copy(x, result)
-    return _Call(communicator, "Bcast", (result, root), result, copy_into)
+    return _Call(communicator, BCAST, (result, root), result, copy_into)
 
 
 def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):

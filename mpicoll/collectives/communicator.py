@@ -23,6 +23,7 @@ from mpi4py import MPI
 from . import algorithms
 from .. import arrays
 from ..base import timeline
+from ..base.collectives import ALLGATHER, ALLREDUCE, BCAST, COLLECTIVES, REDUCE_SCATTER_BLOCK, Collective
 from ..channel import watchdog
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
@@ -95,8 +96,8 @@ class Communicator(MPI.Intracomm):
         context = self.__dict__.pop("_context", None)
         if context is not None:
             context.free(abandon=abandon)
-        for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
-            self.__dict__.pop(name, None)
+        for collective in COLLECTIVES.values():       # the fast paths _hand_small_calls_to_mpi installed
+            self.__dict__.pop(collective.method, None)
 
     def context(self) -> Context | None:
         """The private channel of this communicator's collectives (None before the first call or after
@@ -149,10 +150,10 @@ class Communicator(MPI.Intracomm):
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
         recv = read_message(recvbuf, writable=True, role="Allreduce: recvbuf")
         send = None if is_in_place(sendbuf) else read_message(sendbuf, role="Allreduce: sendbuf")
-        _check_pair(send, recv, "Allreduce", recv.count)
+        _check_pair(send, recv, ALLREDUCE.method, recv.count)
         reduction = _reduction(op, recv, send)
-        self._run(self._choose("allreduce", recv, reduction, send),
-                  Signature("Allreduce", recv.count, recv.array.dtype, op_name(op)), recv if send is None else send,
+        self._run(self._choose(ALLREDUCE, recv, reduction, send),
+                  Signature(ALLREDUCE.method, recv.count, recv.array.dtype, op_name(op)), recv if send is None else send,
                   lambda a, ctx: a.allreduce(ctx, _array(send), recv.array, reduction),
                   lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, op))
 
@@ -164,10 +165,10 @@ class Communicator(MPI.Intracomm):
         else:
             recv = read_message(recvbuf, writable=True, role="Reduce_scatter_block: recvbuf")
             send = read_message(sendbuf, role="Reduce_scatter_block: sendbuf", blocks=size)
-            _check_pair(send, recv, "Reduce_scatter_block", recv.count * size)
+            _check_pair(send, recv, REDUCE_SCATTER_BLOCK.method, recv.count * size)
         reduction = _reduction(op, recv, send)
-        self._run(self._choose("reduce_scatter_block", send, reduction, recv),
-                  Signature("Reduce_scatter_block", recv.count, recv.array.dtype, op_name(op)), send,
+        self._run(self._choose(REDUCE_SCATTER_BLOCK, send, reduction, recv),
+                  Signature(REDUCE_SCATTER_BLOCK.method, recv.count, recv.array.dtype, op_name(op)), send,
                   lambda a, ctx: a.reduce_scatter_block(ctx, send.array, recv.array, reduction),
                   lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
 
@@ -178,9 +179,9 @@ class Communicator(MPI.Intracomm):
         send = None
         if not is_in_place(sendbuf):
             send = read_message(sendbuf, role="Allgather: sendbuf")
-            _check_pair(send, recv, "Allgather", block)
+            _check_pair(send, recv, ALLGATHER.method, block)
         mine = recv.array[rank * block: (rank + 1) * block] if send is None else send.array
-        self._run(self._choose("allgather", recv, None, send), Signature("Allgather", block, recv.array.dtype),
+        self._run(self._choose(ALLGATHER, recv, None, send), Signature(ALLGATHER.method, block, recv.array.dtype),
                   Message(mine, recv.datatype, library=recv.library),
                   lambda a, ctx: a.allgather(ctx, _array(send), recv.array),
                   lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
@@ -190,8 +191,8 @@ class Communicator(MPI.Intracomm):
         if not 0 <= root < size:
             raise RootError(f"Bcast: root {root} is not a rank of this {size}-rank communicator; pass 0 to {size - 1}")
         message = read_message(buf, writable=self.Get_rank() != root, role="Bcast: buf")
-        self._run(self._choose("bcast", message, None),
-                  Signature("Bcast", message.count, message.array.dtype, root=root),
+        self._run(self._choose(BCAST, message, None),
+                  Signature(BCAST.method, message.count, message.array.dtype, root=root),
                   message if self.Get_rank() == root else None,
                   lambda a, ctx: a.bcast(ctx, message.array, root),
                   lambda: MPI.Intracomm.Bcast(self, buf, root))
@@ -200,20 +201,20 @@ class Communicator(MPI.Intracomm):
 
     def Iallreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:
         """``Allreduce``, started: returns a Request to ``Wait`` for (see :mod:`mpicoll.collectives.nonblocking`)."""
-        return self.start(Request("Iallreduce", lambda comm: comm.Allreduce(sendbuf, recvbuf, op)))
+        return self.start(Request(ALLREDUCE.nonblocking, lambda comm: comm.Allreduce(sendbuf, recvbuf, op)))
 
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:
         """``Reduce_scatter_block``, started: returns a Request to ``Wait`` for."""
-        return self.start(Request("Ireduce_scatter_block",
+        return self.start(Request(REDUCE_SCATTER_BLOCK.nonblocking,
                                   lambda comm: comm.Reduce_scatter_block(sendbuf, recvbuf, op)))
 
     def Iallgather(self, sendbuf, recvbuf) -> Request:
         """``Allgather``, started: returns a Request to ``Wait`` for."""
-        return self.start(Request("Iallgather", lambda comm: comm.Allgather(sendbuf, recvbuf)))
+        return self.start(Request(ALLGATHER.nonblocking, lambda comm: comm.Allgather(sendbuf, recvbuf)))
 
     def Ibcast(self, buf, root: int = 0) -> Request:
         """``Bcast``, started: returns a Request to ``Wait`` for."""
-        return self.start(Request("Ibcast", lambda comm: comm.Bcast(buf, root)))
+        return self.start(Request(BCAST.nonblocking, lambda comm: comm.Bcast(buf, root)))
 
     def start(self, request: Request) -> Request:
         """Hand ``request`` to this communicator's worker, made by the first nonblocking call (collective)."""
@@ -232,17 +233,18 @@ class Communicator(MPI.Intracomm):
         """
         if timeline.enabled:           # every call is recorded, small ones too
             return
-        for name in ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast"):
-            first, limit = auto.rule(name.lower(), across_nodes=self.across_nodes)[0]
+        for collective in COLLECTIVES.values():
+            first, limit = auto.rule(collective.name, across_nodes=self.across_nodes)[0]
             if first == "mpi":
-                if name == "Reduce_scatter_block":      # its rule is by the whole input: p blocks
+                if collective is REDUCE_SCATTER_BLOCK:      # its rule is by the whole input: p blocks
                     limit /= self.Get_size()
-                self.__dict__[name] = _straight_to_mpi(self, name, getattr(MPI.Intracomm, name).__get__(self),
+                name = collective.method
+                self.__dict__[name] = _straight_to_mpi(self, collective, getattr(MPI.Intracomm, name).__get__(self),
                                                        getattr(Communicator, name).__get__(self), limit)
 
     # -- shared machinery ---------------------------------------------------
 
-    def _choose(self, collective: str, sized: Message, reduction: Reduction | None, *messages) -> str | None:
+    def _choose(self, collective: Collective, sized: Message, reduction: Reduction | None, *messages) -> str | None:
         """The algorithm for this call; None for datatypes mpicoll leaves to MPI's own call.
 
         Device arrays get an algorithm that serves them: ``auto`` picks among
@@ -252,7 +254,7 @@ class Communicator(MPI.Intracomm):
         if not all(m is None or m.native for m in (sized, *messages)):
             if device:
                 if not arrays.cuda_aware()[0]:
-                    raise TypeError(f"{collective}: device arrays with a non-contiguous datatype need a "
+                    raise TypeError(f"{collective.method}: device arrays with a non-contiguous datatype need a "
                                     "CUDA-aware MPI; pass a contiguous datatype or host arrays")
                 arrays.synchronize(sized.library)
             return None
@@ -261,7 +263,7 @@ class Communicator(MPI.Intracomm):
                 algorithms.get(self.algorithm, device=True)
             return self.algorithm
         commutative = reduction is None or reduction.commutative
-        return auto.choose(collective, sized.nbytes, self.Get_size(), commutative, device, self.across_nodes)
+        return auto.choose(collective.name, sized.nbytes, self.Get_size(), commutative, device, self.across_nodes)
 
     def _call_lock(self) -> threading.Lock:
         """The lock that admits one collective call at a time on this communicator (taken without
@@ -305,13 +307,14 @@ class Communicator(MPI.Intracomm):
             raise
 
 
-def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, limit: float):
-    """``name``, calling MPI directly for numpy buffers under ``limit`` bytes, under the watchdog's deadline
+def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, checked_call, limit: float):
+    """The collective, calling MPI directly for numpy buffers under ``limit`` bytes, under the watchdog's deadline
     (MPI's blocking call cannot be interrupted: past ``MPICOLL_TIMEOUT`` the watchdog names the missing
     ranks and ends the job, :mod:`mpicoll.channel.watchdog`)."""
     # What _OneCall and the watchdog's ``with`` do, and the overlap check, inlined (each call into Python costs
     # ~60 ns): this path's cost over mpi4py's own call is about 0.3 us (docs/failures.md).  Overlapping
     # buffers take the checked path, which refuses them in one line (MPICH aborts the job on them).
+    name = collective.method
     lock, watch = owner._call_lock(), watchdog.watch_of(owner, name)
     ndarray, now, in_place, share = np.ndarray, time.monotonic, MPI.IN_PLACE, np.may_share_memory
     acquire, release = lock.acquire, lock.release
@@ -321,8 +324,8 @@ def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, lim
         return ((sendbuf if mine is None else mine) is not (recvbuf if theirs is None else theirs)
                 or not sendbuf.size or not share(sendbuf, recvbuf))
 
-    if name == "Bcast":
-        def collective(buf, root=0):
+    if collective.rooted:
+        def call(buf, root=0):
             if type(buf) is ndarray and buf.nbytes < limit:
                 if not acquire(False):
                     raise ConcurrentCall(name)
@@ -333,8 +336,8 @@ def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, lim
                     watch.started = 0.0
                     release()
             return checked_call(buf, root)
-    elif name == "Allgather":
-        def collective(sendbuf, recvbuf):
+    elif collective is ALLGATHER:
+        def call(sendbuf, recvbuf):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
                     sendbuf is in_place or type(sendbuf) is ndarray and apart(sendbuf, recvbuf)):
                 if not acquire(False):
@@ -347,7 +350,7 @@ def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, lim
                     release()
             return checked_call(sendbuf, recvbuf)
     else:
-        def collective(sendbuf, recvbuf, op=MPI.SUM):
+        def call(sendbuf, recvbuf, op=MPI.SUM):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
                     sendbuf is in_place or type(sendbuf) is ndarray and apart(sendbuf, recvbuf)):
                 if not acquire(False):
@@ -359,8 +362,8 @@ def _straight_to_mpi(owner: Communicator, name: str, mpi_call, checked_call, lim
                     watch.started = 0.0
                     release()
             return checked_call(sendbuf, recvbuf, op)
-    collective.__doc__ = getattr(Communicator, name).__doc__
-    return collective
+    call.__doc__ = getattr(Communicator, name).__doc__
+    return call
 
 
 class _OneCall:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import os
 
+from ...base.collectives import COLLECTIVES
 from ...base.config import parse_bytes
 
 __all__ = ["choose", "rule", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES"]
@@ -48,14 +49,16 @@ DEFAULT_RULES = {
     "bcast": "mpi",
 }
 # Across nodes of several ranks each, every node holding consecutive ranks (where ``hierarchical``
-# splits each collective between shared memory and the links): measured on 2 emulated nodes x 2 ranks
-# at 1 Gbit/s (docs/multi-node.md).  MPI's allreduce is ahead to 4 MiB; hierarchical's reduce-scatter
-# and allgather from 128 KiB.  A broadcast's chain already crosses each link once.
+# splits each collective between shared memory and the links): MPI's own below the size from which
+# hierarchical splits it, measured on 2 emulated nodes x 2 ranks at 1 Gbit/s (the table's
+# ``across_nodes_from``: allreduce 4M, reduce-scatter and allgather 128K; a broadcast stays MPI's).
+def _bytes_text(n: int) -> str:
+    return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K"
+
+
 ACROSS_NODES_RULES = {
-    "allreduce": "mpi:4M,hierarchical",
-    "reduce_scatter_block": "mpi:128K,hierarchical",
-    "allgather": "mpi:128K,hierarchical",
-    "bcast": "mpi",
+    c.name: "mpi" if c.across_nodes_from is None else f"mpi:{_bytes_text(c.across_nodes_from)},hierarchical"
+    for c in COLLECTIVES.values()
 }
 DEVICE_RULES = dict.fromkeys(DEFAULT_RULES, "direct")
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 
 from ...base.chunks import balanced_bounds, block_bounds
+from ...base.collectives import ALLGATHER, ALLREDUCE, COLLECTIVES, REDUCE_SCATTER_BLOCK
 from ...base.errors import MpicollError
 from ...channel.nodes import node_layout
 from .base import Algorithm
@@ -46,11 +47,8 @@ __all__ = ["Hierarchical", "ACROSS_NODES_FROM"]
 _RING, _MPI = Ring(), Mpi()
 
 # bytes of the whole message: below these, across several nodes of several ranks, MPI's own collective
-# (its latency-bound algorithms win there).  Measured on 2 emulated nodes x 2 ranks at 1 Gbit/s
-# (docs/multi-node.md): the allreduce behind MPI at 1 MiB (0.90x), even at 4 MiB (1.03x), 1.66x ahead at
-# 16 MiB; the reduce-scatter and allgather behind at 64 KiB (0.39x, 1.47x), ahead from 128 KiB (2.39x,
-# 1.73x) up to 64 MiB (1.77x, 1.36x).
-ACROSS_NODES_FROM = {"allreduce": 4 << 20, "reduce_scatter_block": 128 << 10, "allgather": 128 << 10}
+# (its latency-bound algorithms win there); the collective table's measured thresholds, auto's rule there too.
+ACROSS_NODES_FROM = {c.name: c.across_nodes_from for c in COLLECTIVES.values() if c.across_nodes_from is not None}
 
 
 class Hierarchical(Algorithm):
@@ -61,7 +59,7 @@ class Hierarchical(Algorithm):
         if layout is None or recv.size < layout.per_node:
             _RING.allreduce(ctx, send, recv, reduction)
             return
-        if recv.nbytes < ACROSS_NODES_FROM["allreduce"]:
+        if recv.nbytes < ACROSS_NODES_FROM[ALLREDUCE.name]:
             ctx.compare_calls_now()         # MPI's blocking call cannot be interrupted by a disagreement
             _MPI.allreduce(ctx, send, recv, reduction)
             return
@@ -90,7 +88,7 @@ class Hierarchical(Algorithm):
         if layout is None or recv.size == 0:
             _RING.reduce_scatter_block(ctx, send, recv, reduction)
             return
-        if send.nbytes < ACROSS_NODES_FROM["reduce_scatter_block"]:
+        if send.nbytes < ACROSS_NODES_FROM[REDUCE_SCATTER_BLOCK.name]:
             ctx.compare_calls_now()
             _MPI.reduce_scatter_block(ctx, send, recv, reduction)
             return
@@ -115,7 +113,7 @@ class Hierarchical(Algorithm):
         if layout is None or block == 0:
             _RING.allgather(ctx, send, recv)
             return
-        if recv.nbytes < ACROSS_NODES_FROM["allgather"]:
+        if recv.nbytes < ACROSS_NODES_FROM[ALLGATHER.name]:
             ctx.compare_calls_now()
             _MPI.allgather(ctx, send, recv)
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ...base.collectives import ALLGATHER, ALLREDUCE, BCAST, REDUCE_SCATTER_BLOCK, Collective
 from ...channel import watchdog
 from .base import Algorithm, MpiBuffers
 
@@ -25,47 +26,47 @@ class Mpi(Algorithm):
         buffers, datatype = MpiBuffers(ctx, recv, "mpi"), reduction.datatype
         if send is None:
             data = buffers.readable("recv", recv)
-            _call(ctx, "Allreduce", MPI.IN_PLACE, [data, data.size, datatype], reduction.op)
+            _call(ctx, ALLREDUCE, MPI.IN_PLACE, [data, data.size, datatype], reduction.op)
         else:
             source, data = buffers.readable("send", send), buffers.writable("recv", recv)
-            _call(ctx, "Allreduce", [source, source.size, datatype], [data, data.size, datatype], reduction.op)
+            _call(ctx, ALLREDUCE, [source, source.size, datatype], [data, data.size, datatype], reduction.op)
         buffers.deliver(data, recv)
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
         buffers, datatype = MpiBuffers(ctx, recv, "mpi"), reduction.datatype
         source, block = buffers.readable("send", send), recv.size    # mpi4py's explicit counts here are per rank
         if _same_memory(send, recv):
-            _call(ctx, "Reduce_scatter_block", MPI.IN_PLACE, [source, block, datatype], reduction.op)
+            _call(ctx, REDUCE_SCATTER_BLOCK, MPI.IN_PLACE, [source, block, datatype], reduction.op)
             data = source[:block]
         else:
             data = buffers.writable("recv", recv)
-            _call(ctx, "Reduce_scatter_block", [source, block, datatype], [data, block, datatype], reduction.op)
+            _call(ctx, REDUCE_SCATTER_BLOCK, [source, block, datatype], [data, block, datatype], reduction.op)
         buffers.deliver(data, recv)
 
     def allgather(self, ctx, send, recv):
         buffers = MpiBuffers(ctx, recv, "mpi")
         data = buffers.readable("recv", recv) if send is None else buffers.writable("recv", recv)
         source = MPI.IN_PLACE if send is None else [buffers.readable("send", send).view("u1"), MPI.BYTE]
-        _call(ctx, "Allgather", source, [data.view("u1"), MPI.BYTE])
+        _call(ctx, ALLGATHER, source, [data.view("u1"), MPI.BYTE])
         buffers.deliver(data, recv)
 
     def bcast(self, ctx, buf, root):
         buffers = MpiBuffers(ctx, buf, "mpi")
         data = buffers.readable("buf", buf) if ctx.rank == root else buffers.writable("buf", buf)
-        _call(ctx, "Bcast", [data.view("u1"), MPI.BYTE], root)
+        _call(ctx, BCAST, [data.view("u1"), MPI.BYTE], root)
         if ctx.rank != root:
             buffers.deliver(data, buf)
 
 
-def _call(ctx, name: str, *args) -> None:
-    """MPI's collective ``name`` on the context's channel: blocking, under the watchdog's deadline, or, for a
+def _call(ctx, collective: Collective, *args) -> None:
+    """MPI's ``collective`` on the context's channel: blocking, under the watchdog's deadline, or, for a
     background context, its nonblocking form waited for by the context (naps instead of MPI's busy wait,
     and a deadline it raises at)."""
     if not ctx.background:
-        with watchdog.watch_of(ctx, name):      # past the deadline the watchdog ends the job, naming who
-            getattr(ctx.comm, name)(*args)
+        with watchdog.watch_of(ctx, collective.method):      # past the deadline the watchdog ends the job
+            getattr(ctx.comm, collective.method)(*args)
         return
-    ctx.waitall([getattr(ctx.comm, "I" + name[0].lower() + name[1:])(*args)], ctx.others() or ctx.rank)
+    ctx.waitall([getattr(ctx.comm, collective.nonblocking)(*args)], ctx.others() or ctx.rank)
 
 
 def _same_memory(a, b) -> bool:
