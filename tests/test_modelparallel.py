@@ -9,7 +9,8 @@ import pytest
 
 from mpicoll.modelparallel import Pipeline, split
 from mpicoll.models.dense import MLP, SoftmaxRegression
-from conftest import P, WORLD, everywhere, launch, shared_seed
+from tests.support.jobs import launch
+from tests.support.mpi import P, WORLD, everywhere, shared_seed
 
 
 @pytest.mark.parametrize("sizes, stages, expected", [

@@ -44,7 +44,7 @@ def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0) -> None:
     print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} ends the job: {reason}", file=sys.stderr, flush=True)
     timeline.write_own()            # MPI_Abort skips the exit hooks that would write the whole trace
     # The launcher tears its output forwarding down as it ends the job: give the line time to get through
-    # (once in a CI run of test_faults.py, a job ended by MPI_Abort had printed nothing on stderr).
+    # (once in a CI run of tests/train/test_faults.py, a job ended by MPI_Abort had printed nothing on stderr).
     time.sleep(max(settle, _FORWARD_S))
     MPI.COMM_WORLD.Abort(code)
     os._exit(code)                  # not reached where MPI_Abort ends the process, as it should

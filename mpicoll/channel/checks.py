@@ -134,9 +134,9 @@ class Fingerprint:
 
     def __init__(self, context):
         self.context = context
-        self.channel = MPI.Intracomm(MPI.Intracomm.Dup(context.comm))
+        self.side = MPI.Intracomm(MPI.Intracomm.Dup(context.comm))
         self.values = np.zeros(2, np.int64)
-        self.request = self.channel.Allreduce_init(MPI.IN_PLACE, self.values, MPI.MAX)
+        self.request = self.side.Allreduce_init(MPI.IN_PLACE, self.values, MPI.MAX)
         # distinct hashes that fit the tags: stamp index 1 + parity + 2 * hash, times TAG_SPAN
         tag_ub = context.comm.Get_attr(MPI.TAG_UB) or 32767
         self.hashes = (tag_ub // TAG_SPAN - 2) // 2
@@ -188,7 +188,7 @@ class Fingerprint:
         if now < self.next_look:
             return
         self.next_look = now + self.LOOK_EVERY
-        if self.channel.Iprobe(MPI.ANY_SOURCE, Tag.MISMATCH) or self._foreign_message():
+        if self.side.Iprobe(MPI.ANY_SOURCE, Tag.MISMATCH) or self._foreign_message():
             self._raise()
 
     def settle(self) -> None:
@@ -203,7 +203,7 @@ class Fingerprint:
         """Release the request and the side channel (kept, as the context's own, when abandoned)."""
         if not abandon:
             self.request.Free()
-            self.channel.Free()
+            self.side.Free()
 
     def _compared(self) -> None:
         self.pending = False
@@ -233,8 +233,8 @@ class Fingerprint:
         text = str(signature).encode()[:width]
         everyone[self.context.rank, :len(text)] = np.frombuffer(text, np.uint8)
         mine = everyone[self.context.rank]
-        requests = [self.channel.Isend([mine, MPI.BYTE], peer, Tag.MISMATCH) for peer in others]
-        requests += [self.channel.Irecv([everyone[peer], MPI.BYTE], peer, Tag.MISMATCH) for peer in others]
+        requests = [self.side.Isend([mine, MPI.BYTE], peer, Tag.MISMATCH) for peer in others]
+        requests += [self.side.Irecv([everyone[peer], MPI.BYTE], peer, Tag.MISMATCH) for peer in others]
         self.context.waitall(requests, others + others)
         described = {rank: bytes(row).rstrip(b"\0").decode(errors="replace") for rank, row in enumerate(everyone)}
         raise MismatchError(signature.collective, described)

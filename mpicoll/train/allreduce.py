@@ -74,11 +74,11 @@ class Allreduce(Family):
         _, steps, X, y, slow = setup(comm, options, data, xp, tuple(range(0, size, k)), me=replica)
         if k > 1:
             from ..modelparallel import stage
-            pipe_comm, channel_comm = comm.Split(replica, rank), comm.Split(rank % k, rank)
+            pipe_comm, replicas_comm = comm.Split(replica, rank), comm.Split(rank % k, rank)
             pipe = stage(pipe_comm, model, micro_batches=min(k, options.batch))
             params, gradient_of = xp.asarray(pipe.init(options.seed)), pipe.loss_and_gradient
         else:
-            channel_comm, params, gradient_of = comm, model.init(options.seed), model.loss_and_gradient
+            replicas_comm, params, gradient_of = comm, model.init(options.seed), model.loss_and_gradient
 
         def test_score():       # (loss, accuracy) on the test set, on rank 0; through replica 0's pipeline
             if k == 1:
@@ -93,7 +93,7 @@ class Allreduce(Family):
             params, start = xp.asarray(state["params"]), int(state["epoch"])
         average = xp.empty_like(params)
         lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
-        with Communicator(channel_comm, algorithm=self.algorithm) as channel:
+        with Communicator(replicas_comm, algorithm=self.algorithm) as channel:
             reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
             for epoch in range(start, options.epochs):
                 losses = []
@@ -115,5 +115,5 @@ class Allreduce(Family):
         if k > 1:
             pipe.close()
             pipe_comm.Free()
-            channel_comm.Free()
+            replicas_comm.Free()
         return reporter.finish(None, measured=final) if reporter else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +56,6 @@ class Options:
     resume: bool = False              # continue from the checkpoint
     overwrite: bool = False           # a fresh run may replace an earlier run's checkpoint
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args) -> "Options":

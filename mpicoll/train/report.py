@@ -110,7 +110,7 @@ class Reporter:
         as for :meth:`evaluate`."""
         loss, accuracy = measured or self.model.evaluate(params, self.X_test, self.y_test)
         wall = time.perf_counter() - self.start
-        options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "extra", "resume")}
+        options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "resume")}
         summary = {"summary": True, "method": self.options.method, "ranks": self.ranks,
                    "final_accuracy": accuracy, "final_loss": loss, "wall_s": round(wall, 4),
                    "samples": int(self.samples), "samples_per_s": self.samples / max(wall, 1e-9),

@@ -55,8 +55,8 @@ class Sgp(Family):
                 reporter.evaluate(z, epoch + 1, (epoch + 1) * steps * options.batch * size)
         pushsum.drain()
         consensus = np.empty_like(pushsum.x)                             # the model one would deploy: the average
-        with Communicator(comm, algorithm="auto") as channel:
-            channel.Allreduce(pushsum.debiased(), consensus)
+        with Communicator(comm, algorithm="auto") as everyone:
+            everyone.Allreduce(pushsum.debiased(), consensus)
         consensus /= size
         pushsum.close()
         # checked once, at the end: ranks hold different parameters, and asking after every epoch would make

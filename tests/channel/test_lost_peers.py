@@ -1,0 +1,46 @@
+"""A peer that dies mid-collective is named by its neighbour (a real ``mpiexec`` job)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from tests.support.jobs import launch
+
+
+def test_dead_rank_is_named_by_its_neighbour(tmp_path):
+    """A rank dies mid-run: the survivors raise CollectiveTimeout naming it, instead of hanging.
+
+    The rank exits abruptly (no MPI_Finalize).  A SIGKILL does the same to mpicoll, but
+    MPICH 5.0.2's Hydra then sometimes tears the whole job down ("unable to forward PMI
+    response"), so the test would measure the launcher rather than mpicoll.
+    """
+    script = tmp_path / "dead.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, numpy as np
+        from mpi4py import MPI
+        import mpicoll
+        world = MPI.COMM_WORLD
+        comm = mpicoll.Communicator(world, algorithm="ring")
+        comm.Allreduce(np.ones(50000), np.empty(50000))
+        world.Barrier()
+        time.sleep(0.5)   # let the launcher's own traffic with every rank settle
+        if world.rank == world.size - 1:
+            os._exit(1)
+        try:
+            comm.Allreduce(np.ones(50000), np.empty(50000))
+            outcome = "finished"
+        except mpicoll.CollectiveTimeout as error:
+            outcome = str(error)
+        # stdout may be lost when the job is torn down: leave the outcome in a file
+        with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
+            handle.write(outcome)
+        time.sleep(0.5)
+        world.Abort(0)
+    """))
+    result = launch(3, str(script), str(tmp_path), env={"MPICOLL_TIMEOUT": "2"}, extra=["-disable-auto-cleanup"],
+                    timeout=120)
+    outcomes = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)
+                if (tmp_path / f"rank{rank}.txt").exists()}
+    assert 0 in outcomes, f"rank 0 left no outcome: {result.stdout} {result.stderr}"
+    assert outcomes[0].startswith("Allreduce: rank 0 waited 2 s for rank(s) 2,"), outcomes
+    assert all("finished" not in text for text in outcomes.values())

@@ -1,0 +1,67 @@
+"""A parameter-server job whose worker is killed (SIGKILL) goes on without it (a real ``mpiexec`` job)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mpicoll import ps
+from tests.support.jobs import ROOT, mpiexec
+
+
+@pytest.mark.parametrize("transport", ps.TRANSPORTS)
+def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transport):
+    """async training, 1 server + 3 workers, under ``scripts/launch --keep-going``; one worker
+    is killed with SIGKILL mid-run: training finishes, the server's log names the lost rank, and the
+    healthy workers get the final weights and learn which worker was lost."""
+    script = tmp_path / "ps_dead.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time, numpy as np
+        from mpi4py import MPI
+        from mpicoll import ps
+        world = MPI.COMM_WORLD
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((300, 8)); y = X @ rng.standard_normal(8)
+        server = ps.ParameterServer(world, np.zeros(8), ps.Async(lr=0.05), servers=1, transport=sys.argv[2])
+        doomed = server.layout.workers[-1]
+        outcome = ""
+        if server.is_server:
+            stats = server.serve(worker_timeout=1.0)
+            outcome = f"lost {stats.lost} updates {stats.updates}"
+        else:
+            w = server.client.pull().copy()
+            for step in range(400):
+                if world.rank == doomed and step == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                pick = rng.integers(0, 300, 16)
+                w = server.client.exchange(X[pick].T @ (X[pick] @ w - y[pick]) / 16).copy()
+            server.client.close()
+            outcome = f"trained, error {np.linalg.norm(X @ w - y) / np.linalg.norm(y):.1e}"
+        final = server.gather_weights()
+        outcome += f"; final error {np.linalg.norm(X @ final - y) / np.linalg.norm(y):.1e}, lost {server.lost}"
+        server.close()
+        with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
+            handle.write(outcome)
+        # MPI_Finalize would wait for the dead rank: rank 0 ends the job once the survivors have written
+        deadline = time.time() + 20
+        while world.rank == 0 and time.time() < deadline and len(os.listdir(sys.argv[1])) < 4:
+            time.sleep(0.05)
+        time.sleep(0.2 if world.rank == 0 else 30)
+        world.Abort(0)
+    """))
+    result = subprocess.run([str(ROOT / "scripts" / "launch"), "--keep-going", "-n", "4", sys.executable, str(script),
+                             str(tmp_path), transport], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec()}, start_new_session=True)
+    outcomes = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in range(4)
+                if (tmp_path / f"rank{rank}.txt").exists()}
+    assert outcomes.get(0, "").startswith("lost [3]"), (outcomes, result.stderr[-2000:])
+    assert all(outcomes.get(rank, "").startswith("trained") for rank in (1, 2)), outcomes
+    assert all(outcomes[rank].endswith("lost [3]") and float(outcomes[rank].split("final error ")[1][:7]) < 0.05
+               for rank in (0, 1, 2)), outcomes
+    # Hydra reports the dead process: the server drops it at once, not after the worker timeout
+    assert "worker rank 3 died (the MPI library reports its process gone): dropped" in result.stderr, \
+        result.stderr[-2000:]

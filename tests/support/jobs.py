@@ -1,0 +1,91 @@
+"""Launching real jobs as a user would (``mpiexec`` subprocesses), and finding what they leave behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpicoll.base.launcher import mpiexec_command
+
+__all__ = ["ROOT", "command", "mpiexec", "launch", "script_env", "left_behind", "rank_of", "LOSE_A_RANK"]
+
+ROOT = Path(__file__).resolve().parents[2]     # the checkout
+
+
+def command(ranks: int, flags=()) -> list[str]:
+    """The package's own command to start ``ranks`` ranks, or skip the test where there is no launcher."""
+    try:
+        return mpiexec_command(ranks, flags)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+def mpiexec() -> str:
+    """The launcher program itself (skips the test where there is none)."""
+    return command(1)[0]
+
+
+def launch(ranks: int, *args: str, env: dict | None = None, timeout: float = 240, extra=()) -> subprocess.CompletedProcess:
+    """``mpiexec -n ranks python args...`` from the checkout, its output captured."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    # A session of its own: under pytest's, Hydra tears the whole job down when one rank dies.
+    return subprocess.run([*command(ranks, extra), sys.executable, *args], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=timeout, start_new_session=True)
+
+
+def script_env(**extra) -> dict:
+    """The environment a user's shell would have: this venv's bin first on PATH."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT), **extra}
+
+
+# A job that loses a rank in a collective: argv algorithm, collective, victim, how ("exit" or "hang"),
+# and optionally the seconds the survivors start after the loss.  Every survivor prints one line.
+LOSE_A_RANK = """
+import os, sys, time, numpy as np
+from mpi4py import MPI
+import mpicoll
+world = MPI.COMM_WORLD
+algorithm, collective, victim, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+late = float(sys.argv[5]) if len(sys.argv) > 5 else 0       # seconds the survivors start after the loss
+x = np.ones(1 << 20, np.float32)
+with mpicoll.Communicator(world, algorithm=algorithm) as comm:   # closing after a loss must not hang either
+    comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))        # the first call's checks pass
+    if world.rank == victim:
+        if how == "hang":
+            time.sleep(40)
+        os._exit(3)
+    time.sleep(late)
+    try:
+        comm.Bcast(x, root=0) if collective == "bcast" else comm.Allreduce(MPI.IN_PLACE, x)
+        print(f"rank {world.rank}: finished", flush=True)
+    except mpicoll.MpicollError as error:
+        print(f"rank {world.rank}: {type(error).__name__}: {error}", flush=True)
+"""
+
+
+def left_behind(pattern: str, grace: float = 10) -> list[str]:
+    """Processes whose command line matches ``pattern``, once the launcher has had ``grace`` seconds to
+    reap its children (seen: a killed rank still exiting when the job had already returned)."""
+    deadline = time.perf_counter() + grace
+    while (left := subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()) \
+            and time.perf_counter() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def rank_of(pid: str) -> int | None:
+    """The MPI rank Hydra gave a Python process (PMI_RANK in its environment); None for other processes."""
+    try:
+        if not open(f"/proc/{pid}/comm").read().startswith("python"):
+            return None                                 # scripts/launch's shell around each rank
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    ranks = [item.split(b"=", 1)[1] for item in environ if item.startswith(b"PMI_RANK=")]
+    return int(ranks[0]) if ranks else None
