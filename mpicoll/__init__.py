@@ -15,7 +15,8 @@ _apply_ucx_defaults()           # before anything imports mpi4py.MPI, which star
 
 from .base import timeline
 from .base.errors import (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError,
-                          PartFailed, PeerFailed, ReductionError, RootError, ServerFailed, SetupError)
+                          PartFailed, PeerFailed, ReductionError, RootError, ServerFailed, SetupError,
+                          Unsupported)
 from .base.failure import end_job
 from .base.launcher import LaunchMismatch
 from .channel.watchdog import guard_job
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 
 # The errors a program catches are mpicoll's own, wherever they are defined: tracebacks name them so.
 for _error in (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError, PartFailed,
-               PeerFailed, ReductionError, RootError, ServerFailed, SetupError, LaunchMismatch):
+               PeerFailed, ReductionError, RootError, ServerFailed, SetupError, LaunchMismatch, Unsupported):
     _error.__module__ = __name__
 del _error
 
@@ -39,5 +40,5 @@ __all__ = [
     "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
     "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
     "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall", "LaunchMismatch",
-    "end_job", "guard_job", "timeline", "algorithms", "__version__",
+    "Unsupported", "end_job", "guard_job", "timeline", "algorithms", "__version__",
 ]

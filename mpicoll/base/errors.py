@@ -5,7 +5,8 @@ from __future__ import annotations
 from mpi4py import MPI
 
 __all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
-           "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError", "ConcurrentCall"]
+           "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError", "ConcurrentCall",
+           "Unsupported"]
 
 
 class MPIRefusal(MPI.Exception):
@@ -167,6 +168,11 @@ class LaunchMismatch(MpicollError):
 
 class CheckpointMismatch(MpicollError, ValueError):
     """A checkpoint belongs to another run (different method, model, data, or rank counts), or is damaged."""
+
+
+class Unsupported(MpicollError, RuntimeError):
+    """A call mpicoll does not serve (a collective, op or tensor kind of torch.distributed's, say): the
+    message names it and what to do instead.  Never a silent wrong answer."""
 
 
 class ClusterError(MpicollError):

@@ -1,10 +1,12 @@
-"""``mpicoll bench-torch``: ``mpicoll.torch.allreduce`` against torch's gloo and MPI's own, in one run.
+"""``mpicoll bench-torch``: ``dist.all_reduce`` over mpicoll against gloo and MPI's own, in one run.
 
 Run under mpiexec.  Every rank joins a gloo process group (``torch.distributed``,
-rendezvous on rank 0's host through a TCP port chosen by rank 0) next to MPI.
+rendezvous on rank 0's host through a TCP port chosen by rank 0) next to MPI,
+and a group of the same ranks over the "mpicoll" backend.
 For each size, one float32 tensor is reduced in place, sum, by each peer:
 gloo's ``all_reduce``, MPI's own ``Allreduce`` on the tensor's memory
-(mpi4py, ``MPI.IN_PLACE``), and ``mpicoll.torch.allreduce(t, "sum", out=t)``
+(mpi4py, ``MPI.IN_PLACE``), ``dist.all_reduce`` over the "mpicoll" group
+(``dist``), and ``mpicoll.torch.allreduce(t, "sum", out=t)``
 for each ``--algorithms``; every peer's result is first checked against the
 exact sum.  The peers then take turns in a rotating order, a barrier before
 each call; a call's time is the slowest rank's, and the median over
@@ -28,7 +30,8 @@ __all__ = ["run"]
 
 def add_parser(commands) -> None:
     bench = commands.add_parser(
-        "bench-torch", help="mpicoll.torch.allreduce against torch's gloo and MPI's own, in place",
+        "bench-torch", help="dist.all_reduce over mpicoll and mpicoll.torch.allreduce against torch's gloo and "
+                            "MPI's own, in place",
         description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench-torch --sizes 1M,16M")
     bench.add_argument("--sizes", default="64K,1M,16M", help="bytes: '1M,16M' or LOW:HIGH[:FACTOR]")
     bench.add_argument("--algorithms", default="auto", help="mpicoll algorithms to time (default auto)")
@@ -56,13 +59,14 @@ def run(args) -> int:
         raise SystemExit(f"mpicoll bench-torch needs PyTorch (pip install -e '.[torch]'): {error}") from None
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    algorithms = [name.strip() for name in args.algorithms.split(",") if name.strip()]
+    algorithms = ["dist"] + [name.strip() for name in args.algorithms.split(",") if name.strip()]
     mt.init_process_group("gloo", comm=comm, master=args.master, timeout=args.timeout)
+    group = dist.new_group(backend="mpicoll")          # every rank, over the "mpicoll" backend
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.training:
         try:
-            return torch_training.run(args, torch, mt, dist)
+            return torch_training.run(args, torch, mt, dist, group)
         finally:
             dist.destroy_process_group()
     records = []
@@ -75,8 +79,9 @@ def run(args) -> int:
         tensor = torch.empty(max(1, nbytes // 4), dtype=torch.float32)
         memory = tensor.numpy()
         calls = {"gloo": lambda: dist.all_reduce(tensor), "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, memory),
+                 "dist": lambda: dist.all_reduce(tensor, group=group),
                  **{name: lambda name=name: mt.allreduce(tensor, "sum", algorithm=name, out=tensor)
-                    for name in algorithms}}
+                    for name in algorithms[1:]}}
         for peer, call in calls.items():            # right first (and warm), then timed on zeros: no overflow
             tensor.fill_(rank + 1)
             call()

@@ -6,6 +6,7 @@ synthetic batches) for the same steps:
 ``compute``             no averaging at all: the bound the others are held to
 ``ddp-gloo``            torch's DistributedDataParallel, its own gloo allreduce
 ``ddp-mpicoll``         DDP with ``mpicoll.torch.allreduce_hook`` for its buckets
+``ddp-backend``         DDP over the "mpicoll" backend (``process_group``), no hook: no gloo
 ``mpicoll``             ``DistributedOptimizer``: buckets start during backward
 ``mpicoll-one-bucket``  ``DistributedOptimizer`` with one bucket: starts at the end of backward (no overlap)
 
@@ -28,10 +29,11 @@ from .common import format_bytes, interleaved_times, write_records
 
 __all__ = ["run", "CONTENDERS"]
 
-CONTENDERS = ["compute", "ddp-gloo", "ddp-mpicoll", "mpicoll", "mpicoll-one-bucket"]
+CONTENDERS = ["compute", "ddp-gloo", "ddp-mpicoll", "ddp-backend", "mpicoll", "mpicoll-one-bucket"]
 
 
-def run(args, torch, mt, dist) -> int:
+def run(args, torch, mt, dist, group) -> int:
+    """``group``: a torch process group of every rank over the "mpicoll" backend (``ddp-backend``'s)."""
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     hidden = [int(width) for width in args.hidden.split(",") if width]
@@ -53,7 +55,7 @@ def run(args, torch, mt, dist) -> int:
         net = model()
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         if name.startswith("ddp"):
-            net = torch.nn.parallel.DistributedDataParallel(net)
+            net = torch.nn.parallel.DistributedDataParallel(net, process_group=group if name == "ddp-backend" else None)
             if name == "ddp-mpicoll":
                 net.register_comm_hook(None, mt.allreduce_hook)
         elif name.startswith("mpicoll"):

@@ -190,10 +190,14 @@ class Worker:
             Worker._warned = True
 
     def start(self, request: Request) -> Request:
-        """Queue ``request`` behind the calls started before it (or run it now, without a thread)."""
+        """Queue ``request`` behind the calls started before it; or run it now, without a thread, or when it
+        is started by the worker's own thread: by a callback of a call that just completed (``then``,
+        ``add_done_callback``, a torch future's chain), which may wait for it.  Queued, it would wait for the
+        worker that waits for it; run there and then, it runs right after the call whose callback started it,
+        on every rank alike."""
         request._worker = self
         timeline.instant(f"start {request.collective}", "nonblocking")
-        if self._thread is None:
+        if self._thread is None or threading.current_thread() is self._thread:
             self._serve_one(request)
         else:
             self._queue.put(request)
@@ -208,13 +212,13 @@ class Worker:
             request._finish(MpicollError(f"{request.collective}: not run, because an earlier nonblocking call "
                                          f"on this communicator failed: {self.failed}"))
             return
-        self._running = (request, time.monotonic())
-        try:
+        outer, self._running = self._running, (request, time.monotonic())    # outer: a call whose callback
+        try:                                                                  # started this one
             request._execute(self.comm)
         except BaseException as error:          # raised again by the request's Wait
             self.failed = error
         finally:
-            self._running = None
+            self._running = outer
 
     def check_alive(self, request: Request) -> None:
         """Called while ``request`` is waited for: raise a timeout if the call running now has run

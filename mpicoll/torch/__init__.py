@@ -15,11 +15,17 @@ Results are tensors of the input's kind; ``out=`` may be the input itself.
 in a :class:`~mpicoll.Communicator` of ``algorithm``; every rank must make the
 same calls in the same order.  numpy has no bfloat16, so bfloat16 tensors are
 refused with a message saying what to pass.
+
+Importing this module also registers torch.distributed's ``"mpicoll"`` backend
+(:mod:`mpicoll.torch.backend`): ``dist.init_process_group("mpicoll")`` under
+mpiexec, with nothing else set, and DDP or any ``dist`` collective runs over
+mpicoll.
 """
 
 from __future__ import annotations
 
 from ..models.modules import point_at
+from . import backend
 from .collectives import OPS, allgather, allreduce, allreduce_async, broadcast
 from .functions import FlatParameters, broadcast_optimizer_state, broadcast_parameters, init_process_group
 from .hooks import allreduce_hook
@@ -27,4 +33,7 @@ from .optimizer import DistributedOptimizer
 
 __all__ = ["allreduce", "allreduce_async", "allgather", "broadcast", "broadcast_parameters",
            "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "init_process_group",
-           "FlatParameters", "point_at", "OPS"]
+           "FlatParameters", "point_at", "OPS", "ProcessGroupMpicoll"]
+
+backend.register()       # dist.init_process_group("mpicoll"), and env:// from MPI without MASTER_ADDR
+ProcessGroupMpicoll = backend.ProcessGroupMpicoll

@@ -3,7 +3,6 @@ parameters and optimizer state broadcast from one rank, a module's parameters as
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 from datetime import timedelta
 from itertools import zip_longest
@@ -13,6 +12,7 @@ from mpi4py import MPI
 
 from ..channel.checks import agree
 from ..models.modules import point_at
+from .backend import rendezvous_address
 from .collectives import as_array, broadcast
 
 __all__ = ["init_process_group", "FlatParameters", "broadcast_parameters", "broadcast_optimizer_state"]
@@ -26,20 +26,14 @@ def init_process_group(backend: str = "gloo", *, comm=None, master: str | None =
     Rank 0 picks a free TCP port on its host and tells the others through
     MPI; ``master`` overrides the host name the others dial (all ranks on one
     host use 127.0.0.1).  Torch's rank and world size are the communicator's.
+    (``dist.init_process_group`` with no ``MASTER_ADDR`` now does the same on
+    its own after ``import mpicoll.torch``; this one also takes a communicator
+    other than the world and a ``master`` host.)
     """
     import torch.distributed as dist
 
     comm = MPI.COMM_WORLD if comm is None else comm
-    if comm.Get_rank() == 0:
-        with socket.socket() as probe:             # a free port on rank 0's host
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        host = master or socket.gethostname()
-    else:
-        host = port = None
-    host, port = comm.bcast((host, port))
-    single_host = len(set(comm.allgather(socket.gethostname()))) == 1
-    address = "127.0.0.1" if single_host and not master else host
+    address, port = rendezvous_address(comm, master)
     dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=comm.Get_rank(),
                             world_size=comm.Get_size(), timeout=timedelta(seconds=timeout))
 

@@ -61,15 +61,22 @@ def comm(request, monkeypatch, mpi):
         yield communicator
 
 
-# Variants that differ from another only in the channel or a threshold run over the world alone; the
-# algorithms themselves run over every kind of communicator.
+# Variants that differ from another only in the channel or a threshold, and tests of the data path alone
+# (segments and pipelining of a large buffer), run over the world alone; the algorithms themselves run over
+# every kind of communicator.
 WORLD_ONLY = {"ring-shared", "ring-streaming", "hierarchical-p2p"}
+WORLD_ONLY_TESTS = {"test_allreduce_large_buffer"}
+
+
+def _world_only(item) -> bool:
+    params = item.callspec.params
+    return (params.get("comm") in WORLD_ONLY or item.originalname in WORLD_ONLY_TESTS) and \
+        params.get("mpi", "world") != "world"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Deselect the channel variants over communicators other than the world (``WORLD_ONLY``)."""
-    dropped = [item for item in items if getattr(item, "callspec", None) is not None
-               and item.callspec.params.get("comm") in WORLD_ONLY and item.callspec.params.get("mpi", "world") != "world"]
+    """Deselect what runs over the world alone (``WORLD_ONLY``, ``WORLD_ONLY_TESTS``) over other communicators."""
+    dropped = [item for item in items if getattr(item, "callspec", None) is not None and _world_only(item)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         dropped = set(dropped)

@@ -42,7 +42,8 @@ REDUCTIONS = [  # (dtype, ops)
 def test_allreduce_matches_mpi(comm, mpi):
     cases = Cases(mpi)
     rng = cases.rng
-    for dtype, ops in REDUCTIONS:
+    # every dtype and op over the world; over the other communicators (their handling is what differs) a third
+    for dtype, ops in REDUCTIONS if mpi is WORLD else REDUCTIONS[::3]:
         for op_name in ops:
             op = getattr(MPI, op_name)
             for count in SIZES:

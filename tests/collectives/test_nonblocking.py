@@ -78,6 +78,36 @@ def test_array_api_starts_and_returns_results():
 
 
 @pytest.mark.mpi
+def test_a_callback_may_start_a_call_and_wait_for_it_which_runs_next_on_every_rank():
+    """A completed call's callback starts another and waits for it (as torch's powerSGD hook does through its
+    futures): queued behind the worker that runs the callback, it would never run.  It runs there and then,
+    before the calls started after the first, on every rank alike, whatever the other threads do meanwhile."""
+    comm = mpicoll.Communicator(WORLD, algorithm="ring")
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    first, second, third = (rng.standard_normal(1000 + k) for k in range(3))
+    want = [WORLD.allreduce(v) for v in (first, second, third)]
+    order = []
+
+    def chained(request):
+        order.append("first")
+        comm.Iallreduce(MPI.IN_PLACE, second).Wait()          # started and waited for in the callback
+        order.append("second")
+
+    with comm:
+        request = comm.Iallreduce(MPI.IN_PLACE, first)
+        request.add_done_callback(chained)
+        if RANK == 0:
+            time.sleep(0.2)                                    # the third starts before the callback here only
+        later = comm.Iallreduce(MPI.IN_PLACE, third)
+        request.Wait()
+        later.Wait()
+        order.append("third")
+    results = [np.allclose(a, b) for a, b in zip((first, second, third), want)]
+    everywhere(all(results) and order == ["first", "second", "third"], f"seed {seed}: {results}, {order}")
+
+
+@pytest.mark.mpi
 def test_calls_progress_while_the_caller_is_elsewhere():
     """Rank 0 starts half a second late: the others' starts return at once, and their calls complete
     while they sleep (outside MPI), with no Wait or Test until after."""

@@ -109,16 +109,25 @@ def slurm(tmp_path_factory):
                 subprocess.run(["kill", pid.read_text().strip()], capture_output=True)
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE")
+
+
 def submit(slurm: dict, tmp_path: Path, script: str, *options: str, **settings: str) -> tuple[str, str, str]:
-    """``sbatch --wait`` of ``scripts/SCRIPT`` from the checkout with the test's venv: (state, exit code, log)."""
+    """``sbatch`` of ``scripts/SCRIPT`` from the checkout with the test's venv, waited for: (state, exit code,
+    log).  Polled every 0.2 s (``sbatch --wait`` looks every 10 s: 8 s lost per job, measured)."""
     env = {**slurm, "MPICOLL_VENV": sys.prefix, **settings}
     log = tmp_path / "job.log"
-    result = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={log}", *options, f"scripts/{script}"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(["sbatch", "--parsable", f"--output={log}", *options, f"scripts/{script}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     job = result.stdout.strip().split(";")[0]
-    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
-    state = re.search(r"JobState=(\w+)", shown)
-    code = re.search(r"ExitCode=(\S+)", shown)
+    deadline, state, code = time.monotonic() + 300, None, None
+    while job and time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+        state, code = re.search(r"JobState=(\w+)", shown), re.search(r"ExitCode=(\S+)", shown)
+        if state and state.group(1) in ENDED:
+            break
+        time.sleep(0.2)
     return (state.group(1) if state else f"unknown ({result.stderr.strip()})", code.group(1) if code else "?",
             log.read_text() if log.exists() else "")
 

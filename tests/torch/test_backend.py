@@ -1,0 +1,299 @@
+"""torch.distributed's "mpicoll" backend: every dist collective against numpy on the same data, DDP against one
+process on the combined batch, torch's own DDP comm hooks over it; at 1 to 4 ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import mpicoll  # noqa: E402
+import mpicoll.torch  # noqa: E402,F401  (registers the backend)
+from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+# the older names and, where this torch has them, the newer (all_gather_single, reduce_scatter_single)
+GATHER_INTO_TENSOR = [f for f in (getattr(dist, "all_gather_single", None), dist.all_gather_into_tensor) if f]
+REDUCE_SCATTER_TENSOR = [f for f in (getattr(dist, "reduce_scatter_single", None), dist.reduce_scatter_tensor) if f]
+SIZES = sorted({0, 1, max(P - 1, 1), P + 1, 1000})
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.uint8]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    """The default process group over "mpicoll", made with nothing but the backend's name."""
+    dist.init_process_group("mpicoll")
+    yield
+    dist.destroy_process_group()
+
+
+def everyone(seed: int, shape, dtype) -> torch.Tensor:
+    """Every rank's tensor, stacked (each rank takes row RANK): small values, exact in every dtype."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 4, (P, *shape)) if not dtype.is_floating_point else rng.integers(-8, 8, (P, *shape)) / 4
+    return torch.tensor(values).to(dtype)
+
+
+REDUCE = {dist.ReduceOp.SUM: lambda a: a.sum(0), dist.ReduceOp.PRODUCT: lambda a: a.prod(0),
+          dist.ReduceOp.MIN: lambda a: a.min(0).values, dist.ReduceOp.MAX: lambda a: a.max(0).values,
+          dist.ReduceOp.AVG: lambda a: a.sum(0) / P}
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    tolerance = {torch.float16: 1e-2, torch.bfloat16: 2e-2}.get(got.dtype, 1e-6)
+    return bool(torch.allclose(got.double(), want.double(), rtol=tolerance, atol=tolerance))
+
+
+def test_the_default_group_is_mpis_world():
+    everywhere((dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (RANK, P, "mpicoll"),
+               f"rank {dist.get_rank()} of {dist.get_world_size()}, backend {dist.get_backend()}")
+
+
+def test_all_reduce_matches_numpy_for_every_op_dtype_and_size():
+    seed, failures = shared_seed(), []
+    for dtype in DTYPES:
+        for op, reference in REDUCE.items():
+            if (op == dist.ReduceOp.AVG and not dtype.is_floating_point) or \
+                    (op == dist.ReduceOp.PRODUCT and dtype in (torch.float16, torch.bfloat16)):
+                continue
+            for n in SIZES:
+                data = everyone(seed + n, (n,), dtype)
+                mine = data[RANK].clone()
+                dist.all_reduce(mine, op=op)
+                want = reference(data.double()).to(dtype)
+                if not close(mine, want):
+                    failures.append(f"{dtype} {op} n={n}")
+    everywhere(not failures, f"seed {seed}: {failures[:6]}")
+
+
+def test_all_reduce_in_place_on_views_async_and_premultiplied():
+    seed = shared_seed()
+    data = everyone(seed, (6, 5), torch.float64)
+    failures = []
+    column = data[RANK].clone()
+    view = column[:, 1]                                    # not contiguous: written back in place
+    dist.all_reduce(view)
+    if not torch.equal(column[:, 1], data[:, :, 1].sum(0)) or not torch.equal(column[:, 0], data[RANK, :, 0]):
+        failures.append("a strided view")
+    mine = data[RANK].clone()
+    work = dist.all_reduce(mine, async_op=True)
+    work.wait()
+    if not torch.equal(mine, data.sum(0)) or not work.is_completed():
+        failures.append("async_op")
+    mine = data[RANK].clone()
+    dist.all_reduce(mine, op=dist._make_nccl_premul_sum(0.5))
+    if not torch.allclose(mine, data.sum(0) * 0.5):
+        failures.append("PREMUL_SUM")
+    everywhere(not failures, f"seed {seed}: {failures}")
+
+
+def test_broadcast_from_every_root():
+    seed, failures = shared_seed(), []
+    for root in range(P):
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            for n in SIZES:
+                data = everyone(seed + root + n, (n,), dtype)
+                mine = data[RANK].clone()
+                dist.broadcast(mine, src=root)
+                if not torch.equal(mine, data[root]):
+                    failures.append(f"root {root} {dtype} n={n}")
+    everywhere(not failures, f"seed {seed}: {failures[:6]}")
+
+
+def test_all_gather_and_all_gather_into_tensor():
+    seed, failures = shared_seed(), []
+    for dtype in (torch.float32, torch.int32, torch.float16):
+        for n in SIZES:
+            data = everyone(seed + n, (n, 2), dtype)
+            outputs = [torch.full((n, 2), -1).to(dtype) for _ in range(P)]
+            dist.all_gather(outputs, data[RANK])
+            if not all(torch.equal(out, data[q]) for q, out in enumerate(outputs)):
+                failures.append(f"all_gather {dtype} n={n}")
+            for gather in GATHER_INTO_TENSOR:
+                whole = torch.empty((P * n, 2), dtype=dtype)
+                gather(whole, data[RANK])
+                if not torch.equal(whole, data.reshape(P * n, 2)):
+                    failures.append(f"{gather.__name__} {dtype} n={n}")
+    everywhere(not failures, f"seed {seed}: {failures[:6]}")
+
+
+def test_reduce_scatter_and_reduce_scatter_tensor():
+    seed, failures = shared_seed(), []
+    for dtype in (torch.float32, torch.int64):
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG):
+            if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
+                continue
+            for n in SIZES:
+                data = everyone(seed + n, (P * n,), dtype)
+                want = REDUCE[op](data.double()).to(dtype).reshape(P, n)[RANK]
+                for scatter in REDUCE_SCATTER_TENSOR:
+                    out = torch.empty(n, dtype=dtype)
+                    kept = data[RANK].clone()
+                    scatter(out, data[RANK], op=op)
+                    if not close(out, want) or not torch.equal(data[RANK], kept):
+                        failures.append(f"{scatter.__name__} {dtype} {op} n={n}")
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter(out, list(data[RANK].reshape(P, n)), op=op)
+                if not close(out, want):
+                    failures.append(f"reduce_scatter {dtype} {op} n={n}")
+    everywhere(not failures, f"seed {seed}: {failures[:6]}")
+
+
+def test_reduce_gather_and_scatter_to_and_from_every_root():
+    seed, failures = shared_seed(), []
+    for root in range(P):
+        for n in SIZES:
+            data = everyone(seed + root + n, (n,), torch.float64)
+            mine = data[RANK].clone()
+            dist.reduce(mine, dst=root)
+            if RANK == root and not torch.equal(mine, data.sum(0)):
+                failures.append(f"reduce root {root} n={n}")
+            gathered = [torch.empty(n, dtype=torch.float64) for _ in range(P)] if RANK == root else None
+            dist.gather(data[RANK], gathered, dst=root)
+            if RANK == root and not all(torch.equal(g, data[q]) for q, g in enumerate(gathered)):
+                failures.append(f"gather root {root} n={n}")
+            out = torch.empty(n, dtype=torch.float64)
+            dist.scatter(out, list(data) if RANK == root else None, src=root)
+            if not torch.equal(out, data[RANK]):
+                failures.append(f"scatter root {root} n={n}")
+    everywhere(not failures, f"seed {seed}: {failures[:6]}")
+
+
+def test_all_to_all_even_uneven_and_by_list():
+    seed = shared_seed()
+    rng = np.random.default_rng(seed)
+    splits = rng.integers(0, 3, (P, P))                   # splits[q, r]: rows rank q sends rank r
+    rows = [torch.arange(int(splits[q].sum()) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * q for q in range(P)]
+    failures = []
+    out = torch.empty((int(splits[:, RANK].sum()), 2))
+    dist.all_to_all_single(out, rows[RANK], output_split_sizes=splits[:, RANK].tolist(),
+                           input_split_sizes=splits[RANK].tolist())
+    want = torch.cat([torch.split(rows[q], splits[q].tolist())[RANK] for q in range(P)])
+    if not torch.equal(out, want):
+        failures.append("uneven splits")
+    even = torch.arange(P * 3, dtype=torch.int64) + 1000 * RANK
+    out = torch.empty(P * 3, dtype=torch.int64)
+    dist.all_to_all_single(out, even)
+    if not torch.equal(out, torch.cat([torch.arange(RANK * 3, RANK * 3 + 3) + 1000 * q for q in range(P)])):
+        failures.append("even split")
+    inputs = [torch.full((q + 1,), float(RANK)) for q in range(P)]
+    outputs = [torch.empty(RANK + 1) for _ in range(P)]
+    dist.all_to_all(outputs, inputs)
+    if not all(torch.equal(o, torch.full((RANK + 1,), float(q))) for q, o in enumerate(outputs)):
+        failures.append("by list")
+    everywhere(not failures, f"seed {seed}: {failures}")
+
+
+def test_send_recv_isend_irecv_around_a_ring():
+    if P < 2:
+        pytest.skip("point to point needs two ranks")
+    right, left = (RANK + 1) % P, (RANK - 1) % P
+    sent = torch.arange(7, dtype=torch.float64) * (RANK + 1)
+    got = torch.empty(7, dtype=torch.float64)
+    requests = [dist.isend(sent, right), dist.irecv(got, left)]
+    for request in requests:
+        request.wait()
+    ok = torch.equal(got, torch.arange(7, dtype=torch.float64) * (left + 1))
+    if RANK % 2 == 0:
+        dist.send(sent, right)
+        dist.recv(got, left)
+    else:
+        dist.recv(got, left)
+        dist.send(sent, right)
+    ok = ok and torch.equal(got, torch.arange(7, dtype=torch.float64) * (left + 1))
+    everywhere(ok, f"received {got.tolist()}")
+
+
+def test_subgroups_reduce_among_their_members_only():
+    evens = dist.new_group(list(range(0, P, 2)))
+    odds = dist.new_group(list(range(1, P, 2))) if P > 1 else None
+    mine = evens if RANK % 2 == 0 else odds
+    t = torch.tensor([float(RANK)])
+    dist.all_reduce(t, group=mine)
+    members = list(range(RANK % 2, P, 2))
+    everywhere(t.item() == sum(members), f"group of {members} summed to {t.item()}")
+    dist.barrier()
+
+
+def test_what_is_not_supported_says_so_and_nothing_is_computed():
+    problems = []
+    for call, words in [
+        (lambda: dist.recv(torch.empty(1)), "recv without src"),
+        (lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG), "floating-point"),
+        (lambda: dist.all_reduce(torch.ones(2).to_sparse()), "sparse"),
+    ]:
+        try:
+            call()
+            problems.append(f"no error for {words}")
+        except (mpicoll.Unsupported, RuntimeError, ValueError) as error:
+            if words not in str(error):
+                problems.append(f"{words}: {error}")
+    everywhere(not problems, str(problems))
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        self.used, self.unused = _model(seed), torch.nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _batches(seed: int, steps: int, rows: int = 5):
+    rng = np.random.default_rng(seed)
+    return [[(torch.tensor(rng.standard_normal((rows, 6))), torch.tensor(rng.integers(0, 3, rows)))
+             for _ in range(P)] for _ in range(steps)]
+
+
+def _single_process(seed: int, steps: int, lr: float = 0.1) -> torch.Tensor:
+    """One process on every rank's batch at once: SGD on the mean of the ranks' mean losses."""
+    net = _WithUnused(seed)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    for step in _batches(seed, steps):
+        optimizer.zero_grad()
+        sum(torch.nn.functional.cross_entropy(net(x), y) for x, y in step).div(P).backward()
+        optimizer.step()
+    return torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+
+
+# (torch's bf16_compress_hook refuses any process group without CUDA and NCCL, itself: bfloat16 all_reduce is
+# tested above)
+@pytest.mark.parametrize("hook", [None, "fp16", "powerSGD"])
+def test_ddp_over_mpicoll_is_one_process_on_the_combined_batch(hook):
+    """Small buckets (several per step) and a parameter no step uses; every replica ends alike."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    seed, steps = shared_seed() % 1000, 4
+    net = _WithUnused(seed)
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.0005, find_unused_parameters=True)
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powerSGD":                # rank 2 is exact for these layers: the same steps as uncompressed
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=16,
+                                            start_powerSGD_iter=2, min_compression_rate=0.5,
+                                            use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in _batches(seed, steps):
+        optimizer.zero_grad()
+        x, y = step[RANK]
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    mine = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    replicas = WORLD.allgather(mine.numpy())
+    want = _single_process(seed, steps)
+    tolerance = {None: 1e-9, "fp16": 2e-3, "powerSGD": 1e-2}[hook]
+    worst = float((mine - want).abs().max())
+    everywhere(all(np.array_equal(r, replicas[0]) for r in replicas), f"{hook}: replicas differ")
+    everywhere(worst < tolerance, f"seed {seed}, hook {hook}: {worst:.2e} from one process on the combined batch")

@@ -1,0 +1,52 @@
+"""Starting the "mpicoll" backend as users do: under mpiexec with nothing set, as one process without a launcher,
+and refused, before any work, when torch's world is not MPI's."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.jobs import ROOT, launch
+
+pytest.importorskip("torch", reason="the torch extra is not installed")
+
+SCRIPT = """
+import torch, torch.distributed as dist, mpicoll.torch
+dist.init_process_group("mpicoll")
+t = torch.full((3,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.tolist()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def clean_environment(**extra) -> dict:
+    """This environment without torch's rendezvous variables (a launcher's are kept)."""
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": str(ROOT), **extra}
+
+
+def test_under_mpiexec_with_nothing_set():
+    result = launch(3, "-c", SCRIPT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # (the launcher may glue two ranks' lines together)
+    reports = sorted(re.findall(r"rank (\d) of (\d): (\[[^]]*\])", result.stdout))
+    assert reports == [(str(r), "3", "[6.0, 6.0, 6.0]") for r in range(3)], result.stdout
+
+
+def test_one_process_without_a_launcher():
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
+                            env=clean_environment(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "rank 0 of 1: [1.0, 1.0, 1.0]"
+
+
+def test_a_torch_world_that_is_not_mpis_is_refused_before_any_work():
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
+                            env=clean_environment(RANK="0", WORLD_SIZE="2"), cwd=ROOT)
+    assert result.returncode != 0 and "rank 0 of" not in result.stdout
+    assert "LaunchMismatch: torch.distributed was given world size 2, but MPI's is 1" in result.stderr, result.stderr
