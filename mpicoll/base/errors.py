@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 __all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
            "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError", "ConcurrentCall",
-           "Unsupported"]
+           "Unsupported", "HorovodInternalError"]
 
 
 class MPIRefusal(MPI.Exception):
@@ -173,6 +173,12 @@ class CheckpointMismatch(MpicollError, ValueError):
 class Unsupported(MpicollError, RuntimeError):
     """A call mpicoll does not serve (a collective, op or tensor kind of torch.distributed's, say): the
     message names it and what to do instead.  Never a silent wrong answer."""
+
+
+class HorovodInternalError(MpicollError):
+    """A call of Horovod's API (:mod:`mpicoll.torch.horovod`) that failed on every rank taking part: the
+    ranks disagree on it (shape, dtype, root, op), it cannot run with ranks that have joined, or a peer was
+    lost.  Horovod's name, and a RuntimeError as Horovod's, so Horovod programs catch it as they do."""
 
 
 class ClusterError(MpicollError):

@@ -54,7 +54,7 @@ from ..base.errors import CollectiveTimeout, LaunchMismatch, Unsupported
 from ..channel import watchdog
 from ..collectives.communicator import Communicator
 from ..collectives.nonblocking import Request
-from .collectives import as_array
+from .collectives import TensorBuffer, as_array
 
 __all__ = ["BACKEND", "ProcessGroupMpicoll", "mpi_rendezvous", "rendezvous_address"]
 
@@ -236,7 +236,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         opts = dist.AllreduceOptions() if opts is None else opts
         tensor = self._one(tensors, "all_reduce")
         op, factor, average = self._op(opts, "all_reduce", tensor)
-        buffer = _Buffer(tensor)
+        buffer = TensorBuffer(tensor)
 
         def run(worker):
             if factor is not None:
@@ -256,7 +256,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         opts = dist.BroadcastOptions() if opts is None else opts
         tensor = self._one(tensors, "broadcast")
-        buffer = _Buffer(tensor)
+        buffer = TensorBuffer(tensor)
 
         def run(worker):
             worker.Bcast(buffer.array, opts.rootRank)
@@ -267,7 +267,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         tensor = self._one(input_tensors, "all_gather")
         outputs = self._one(output_tensors, "all_gather")       # one list of outputs
         _check_list(outputs, self._size, tensor, "all_gather", "output tensors")
-        source = _Buffer(tensor, read_only=True)
+        source = TensorBuffer(tensor, read_only=True)
 
         def run(worker):
             whole = torch.empty((self._size, *tensor.shape), dtype=source.tensor.dtype, device=tensor.device)
@@ -278,7 +278,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         _check_numel(output, input.numel() * self._size, "all_gather_into_tensor", "output")
-        target, source = _Buffer(output), _Buffer(input, read_only=True)
+        target, source = TensorBuffer(output), TensorBuffer(input, read_only=True)
 
         def run(worker):
             worker.Allgather(source.array, target.array)
@@ -304,7 +304,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
 
     def _reduce_scatter(self, output, whole, opts, name, result):
         op, factor, average = self._op(opts, name, output)
-        target, source = _Buffer(output), _Buffer(whole, read_only=True)
+        target, source = TensorBuffer(output), TensorBuffer(whole, read_only=True)
 
         def run(worker):
             send = source.array if factor is None else as_array(source.tensor * factor)   # the input stays
@@ -318,7 +318,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         opts = dist.ReduceOptions() if opts is None else opts
         tensor = self._one(tensors, "reduce")
         op, factor, average = self._op(opts, "reduce", tensor)
-        buffer, root = _Buffer(tensor), opts.rootRank
+        buffer, root = TensorBuffer(tensor), opts.rootRank
 
         def run(worker):
             if factor is not None:
@@ -338,7 +338,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         outputs = output_tensors[0] if self._rank == root else []
         if self._rank == root:
             _check_list(outputs, self._size, tensor, "gather", "output tensors")
-        source = _Buffer(tensor, read_only=True)
+        source = TensorBuffer(tensor, read_only=True)
 
         def run(worker):
             whole = (torch.empty((self._size, *tensor.shape), dtype=source.tensor.dtype, device=tensor.device)
@@ -354,7 +354,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         inputs = input_tensors[0] if self._rank == root else []
         if self._rank == root:
             _check_list(inputs, self._size, output, "scatter", "input tensors")
-        target = _Buffer(output)
+        target = TensorBuffer(output)
 
         def run(worker):
             whole = torch.stack([t.to(target.tensor.dtype) for t in inputs]) if self._rank == root else None
@@ -367,7 +367,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         row_in = input.numel() // max(input.shape[0], 1) if input.dim() else 1
         sends = _splits(input_split_sizes, input, self._size, "input") * row_in
         receives = _splits(output_split_sizes, output, self._size, "output") * row_out
-        target, source = _Buffer(output), _Buffer(input, read_only=True)
+        target, source = TensorBuffer(output), TensorBuffer(input, read_only=True)
 
         def run(worker):
             MPI.Intracomm.Alltoallv(worker, [source.array, (sends, _offsets(sends))],
@@ -400,7 +400,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
     # -- point to point -----------------------------------------------------------------------------------
 
     def send(self, tensors, dst, tag):
-        tensor = _Buffer(self._one(tensors, "send"), read_only=True).tensor      # kept alive by the work
+        tensor = TensorBuffer(self._one(tensors, "send"), read_only=True).tensor      # kept alive by the work
         request = self._p2p.Isend(as_array(tensor), dst, tag)
         return _PointToPoint(request, "send", self._rank, dst, tensors, tensor)
 
@@ -429,28 +429,6 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.close(abandon=True)
-
-
-class _Buffer:
-    """A tensor as the array the collective writes: its own memory when it is contiguous (and of a dtype
-    numpy has), else a contiguous copy, which ``deliver()`` writes back."""
-
-    def __init__(self, tensor: torch.Tensor, read_only: bool = False):
-        self.original = tensor
-        convert = tensor.dtype == torch.bfloat16           # numpy has no bfloat16: reduce in float32
-        if convert:
-            self.tensor = tensor.detach().float()
-        elif not tensor.is_contiguous():
-            self.tensor = tensor.detach().contiguous()
-        else:
-            self.tensor = tensor.detach()
-        self.copied = self.tensor.data_ptr() != tensor.data_ptr() and not read_only
-        self.array = as_array(self.tensor)
-
-    def deliver(self) -> None:
-        if self.copied:
-            with torch.no_grad():
-                self.original.copy_(self.tensor)
 
 
 def _check_list(tensors, size: int, like: torch.Tensor, name: str, what: str) -> None:

@@ -10,7 +10,7 @@ from ..base import ops
 from ..collectives import api
 from ..collectives.nonblocking import Request
 
-__all__ = ["OPS", "allreduce", "allreduce_async", "allgather", "broadcast"]
+__all__ = ["OPS", "allreduce", "allreduce_async", "allgather", "broadcast", "as_array", "TensorBuffer"]
 
 
 # torch/Horovod names -> the array API's (mpicoll.base.ops, the one op table); "average", a sum divided by the rank
@@ -27,6 +27,28 @@ def as_array(tensor: torch.Tensor):
                         "tensor.float() and convert the result back")
     tensor = tensor.detach()
     return tensor if tensor.is_cuda else tensor.numpy()
+
+
+class TensorBuffer:
+    """A tensor as the array a collective reads or writes: the tensor's own memory when it is contiguous and
+    of a dtype numpy has, else a contiguous copy (bfloat16: in float32, which numpy has), which ``deliver()``
+    writes back into the tensor.  ``read_only``: the call only reads it (nothing to write back)."""
+
+    def __init__(self, tensor: torch.Tensor, read_only: bool = False):
+        self.original = tensor
+        if tensor.dtype == torch.bfloat16:
+            self.tensor = tensor.detach().float()
+        elif not tensor.is_contiguous():
+            self.tensor = tensor.detach().contiguous()
+        else:
+            self.tensor = tensor.detach()
+        self.copied = self.tensor.data_ptr() != tensor.data_ptr() and not read_only
+        self.array = as_array(self.tensor)
+
+    def deliver(self) -> None:
+        if self.copied:
+            with torch.no_grad():
+                self.original.copy_(self.tensor)
 
 
 def _tensor(array, like: torch.Tensor) -> torch.Tensor:
