@@ -39,7 +39,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
@@ -49,9 +48,10 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch._C._distributed_c10d import _create_work_from_future
 
-from ..base import config
-from ..base.errors import CollectiveTimeout, LaunchMismatch, Unsupported
+from ..base import ops
+from ..base.errors import LaunchMismatch, Unsupported
 from ..channel import watchdog
+from ..channel.context import Context
 from ..collectives.communicator import Communicator
 from ..collectives.nonblocking import Request
 from .collectives import TensorBuffer, as_array
@@ -61,10 +61,10 @@ __all__ = ["BACKEND", "ProcessGroupMpicoll", "mpi_rendezvous", "rendezvous_addre
 BACKEND = "mpicoll"
 
 _R = dist.ReduceOp.RedOpType
-# torch's reduce ops -> MPI's (AVG is a SUM divided by the group's size; PREMUL_SUM a SUM of tensors first
+# torch's reduce ops -> MPI's, from the op table (mpicoll.base.ops); (AVG is a SUM divided by the group's size; PREMUL_SUM a SUM of tensors first
 # multiplied by the op's factor)
-_MPI_OPS = {_R.SUM: MPI.SUM, _R.AVG: MPI.SUM, _R.PREMUL_SUM: MPI.SUM, _R.PRODUCT: MPI.PROD, _R.MIN: MPI.MIN,
-            _R.MAX: MPI.MAX, _R.BAND: MPI.BAND, _R.BOR: MPI.BOR, _R.BXOR: MPI.BXOR}
+_MPI_OPS = {**{getattr(_R, op.torch): op.mpi_op for op in ops.OPS if op.torch}, _R.AVG: MPI.SUM,
+            _R.PREMUL_SUM: MPI.SUM}
 
 
 # -- the rendezvous torch insists on, arranged from MPI ----------------------------------------------------
@@ -142,25 +142,22 @@ def _work_of(request: Request, result) -> dist.Work:
 
 
 class _PointToPoint(dist._Work):
-    """A started send or receive: ``wait()`` completes the MPI request, within ``MPICOLL_TIMEOUT``."""
+    """A started send or receive: ``wait()`` completes the MPI request through the group's point-to-point
+    channel, within ``MPICOLL_TIMEOUT`` (past it, a CollectiveTimeout naming the peer)."""
 
-    def __init__(self, request: MPI.Request, what: str, rank: int, peer: int, result, memory: torch.Tensor):
+    def __init__(self, channel: Context, request: MPI.Request, peer: int, result, memory: torch.Tensor):
         super().__init__()
-        self.request, self.what, self.rank, self.peer, self.result = request, what, rank, peer, result
+        self.channel, self.request, self.peer, self.result = channel, request, peer, result
         self.memory = memory             # the tensor MPI reads or writes, alive until the request completes
         self.future = torch.futures.Future()
 
     def wait(self, timeout=None) -> bool:
         if not self.future.done():
-            limit = config.timeout()
-            deadline, nap = time.monotonic() + limit if limit else float("inf"), 1e-5
-            while not self.request.Test():
-                if time.monotonic() > deadline:
-                    error = CollectiveTimeout(self.what, self.rank, [self.peer], limit)
-                    self.future.set_exception(error)
-                    raise error
-                time.sleep(nap)
-                nap = min(nap * 2, 1e-3)
+            try:
+                self.channel.waitall([self.request], self.peer)
+            except BaseException as error:
+                self.future.set_exception(error)
+                raise
             self.future.set_result(self.result)
         self.future.wait()
         return True
@@ -187,7 +184,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._comm = Communicator(comm)
         self._comm.start(Request("set-up", lambda worker: None)).Wait()
-        self._p2p = comm.Dup()              # point-to-point messages, apart from the collectives
+        self._p2p = Context(comm, "point to point")   # apart from the collectives; waits with the deadline
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -401,16 +398,16 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
 
     def send(self, tensors, dst, tag):
         tensor = TensorBuffer(self._one(tensors, "send"), read_only=True).tensor      # kept alive by the work
-        request = self._p2p.Isend(as_array(tensor), dst, tag)
-        return _PointToPoint(request, "send", self._rank, dst, tensors, tensor)
+        request = self._p2p.comm.Isend(as_array(tensor), dst, tag)
+        return _PointToPoint(self._p2p, request, dst, tensors, tensor)
 
     def recv(self, tensors, src, tag):
         tensor = self._one(tensors, "recv")
         if not tensor.is_contiguous():
             raise Unsupported("recv: the mpicoll backend receives into contiguous tensors; pass "
                                "tensor.contiguous() and copy from it")
-        request = self._p2p.Irecv(as_array(tensor), src, tag)
-        return _PointToPoint(request, "recv", self._rank, src, tensors, tensor)
+        request = self._p2p.comm.Irecv(as_array(tensor), src, tag)
+        return _PointToPoint(self._p2p, request, src, tensors, tensor)
 
     def recv_anysource(self, tensors, tag):
         raise Unsupported("recv without src is not supported by the mpicoll backend: name the sending rank")
@@ -422,13 +419,14 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.Free()
-            self._p2p.Free()
+            self._p2p.free()
 
     def abort(self) -> None:
         """Drop the group's communicators without waiting for the other ranks."""
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.close(abandon=True)
+            self._p2p.free(abandon=True)
 
 
 def _check_list(tensors, size: int, like: torch.Tensor, name: str, what: str) -> None:
