@@ -19,14 +19,17 @@ command -v mpicoll >/dev/null || { echo "mpicoll is not installed here: set MPIC
 case ${MPICOLL_LAUNCHER:-srun} in
     srun)
         if [ -z "${MPICOLL_SRUN_ARGS+set}" ]; then
+            # The first line from Python itself: piped into 'head -1', Python now and then met a closed pipe,
+            # and under 'set -o pipefail' that ended the job in silence (exit 1, an empty log; 2 in 200).
             library=$(python -c 'import mpi4py; mpi4py.rc.initialize = False
-from mpi4py import MPI; print(MPI.Get_library_version())' 2>/dev/null | head -1)
+from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>/dev/null) || library=""
             case $library in
                 *"Open MPI"*) plugin=pmix ;;
                 *) plugin=pmi2 ;;         # MPICH and its kin (the MPICH wheel, Intel MPI, MVAPICH, Cray MPICH)
             esac
             MPICOLL_SRUN_ARGS=""
-            if srun --mpi=list 2>&1 | grep -qw "$plugin"; then MPICOLL_SRUN_ARGS="--mpi=$plugin"; fi
+            # grep reads the whole list (no -q): srun must not meet a closed pipe either.
+            if srun --mpi=list 2>&1 | grep -w "$plugin" >/dev/null; then MPICOLL_SRUN_ARGS="--mpi=$plugin"; fi
         fi
         read -r -a srun_args <<< "$MPICOLL_SRUN_ARGS"
         launch=(srun "${srun_args[@]}") ;;

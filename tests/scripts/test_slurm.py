@@ -128,8 +128,20 @@ def submit(slurm: dict, tmp_path: Path, script: str, *options: str, **settings: 
         if state and state.group(1) in ENDED:
             break
         time.sleep(0.2)
-    return (state.group(1) if state else f"unknown ({result.stderr.strip()})", code.group(1) if code else "?",
-            log.read_text() if log.exists() else "")
+    state = state.group(1) if state else f"unknown ({result.stderr.strip()})"
+    text = log.read_text() if log.exists() else f"(no {log.name})\n"
+    if state != "COMPLETED":
+        text += daemons_on(slurm, job)
+    return state, code.group(1) if code else "?", text
+
+
+def daemons_on(slurm: dict, job: str) -> str:
+    """What the test Slurm's daemons logged about JOB: the reason a job failed before its script printed."""
+    where = Path(slurm["SLURM_CONF"]).parent
+    about = re.compile(rf"JobId={job}\b|job {job}\b|StepId={job}\.|\[{job}\.")
+    said = [f"{name}: {line}" for name in ("slurmctld.log", "slurmd.log") if (where / name).exists()
+            for line in (where / name).read_text(errors="replace").splitlines() if about.search(line)]
+    return "\n".join(["--- the daemons on job " + job, *said[-40:]])
 
 
 @pytest.mark.parametrize("tasks", [1, 2])
