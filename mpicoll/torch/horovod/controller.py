@@ -21,8 +21,10 @@ and nothing moves), then the data moves over the process set's communicator
 A cycle waits for the last rank to reach it; between cycles the thread sleeps
 ``HOROVOD_CYCLE_TIME`` milliseconds (default 1), doubling while nothing comes
 up to 5 ms, unless a request comes.  The
-allgathers are nonblocking and polled with naps, so a waiting thread does not
-spin on a core the training needs.
+allgathers run over a channel :class:`~mpicoll.channel.context.Context` set for a
+background thread: nonblocking, polled with naps (a waiting thread does not spin
+on a core the training needs), and past ``MPICOLL_TIMEOUT`` a roll call names
+the rank that never came to the cycle (a dead or hung process).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ...base import config
-from ...base.errors import CollectiveTimeout, HorovodInternalError
+from ...base.errors import HorovodInternalError
+from ...channel.context import Context
 
 __all__ = ["Request", "Controller"]
 
@@ -75,7 +78,8 @@ class Controller:
         self.world = world
         self.joined_part = joined_part            # (kind, meta, process set, asked, joined): a joined rank's part
         self.rank, self.size = world.Get_rank(), world.Get_size()
-        self.control = world.Dup()
+        self.control = Context(world, "Horovod negotiation")     # a private duplicate of the world
+        self.control.run_in_background()
         self.process_sets = process_sets          # id -> ProcessSet, kept by the caller, read here
         self.cycle_s = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1000
         self._idle_s = self.cycle_s
@@ -142,10 +146,7 @@ class Controller:
                 request.finish(error=HorovodInternalError(f"{request.kind} {request.name!r}: {error}"))
         finally:
             self._stopped.set()
-            try:
-                self.control.Free()
-            except MPI.Exception:
-                pass
+            self.control.free(abandon=self.failure is not None)
 
     def _cycle(self) -> bool:
         """One negotiation round; True once every rank has asked to stop."""
@@ -207,25 +208,16 @@ class Controller:
             + _by_rank(waiting)))
 
     def _allgather(self, value) -> list:
-        """Every rank's ``value`` (pickled), through two nonblocking allgathers polled with naps, within
-        ``MPICOLL_TIMEOUT`` (past it, the ranks that never came are named)."""
+        """Every rank's ``value`` (pickled), through two nonblocking allgathers waited for by the control
+        context (within ``MPICOLL_TIMEOUT``; past it, the rank that never came is named)."""
+        control, others = self.control, self.control.others()
         data = np.frombuffer(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         lengths = np.zeros(self.size, np.int64)
-        self._wait(self.control.Iallgather(np.array([data.size], np.int64), lengths), "negotiation")
+        control.waitall([control.comm.Iallgather(np.array([data.size], np.int64), lengths)], others)
         everything = np.empty(int(lengths.sum()), np.uint8)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        self._wait(self.control.Iallgatherv(data, [everything, (lengths, offsets)]), "negotiation")
+        control.waitall([control.comm.Iallgatherv(data, [everything, (lengths, offsets)])], others)
         return [pickle.loads(everything[o: o + n].tobytes()) for o, n in zip(offsets, lengths)]
-
-    def _wait(self, request: MPI.Request, what: str) -> None:
-        limit = config.timeout()
-        deadline, nap = (time.monotonic() + limit) if limit else float("inf"), 2e-5
-        while not request.Test():
-            if time.monotonic() > deadline:
-                raise CollectiveTimeout(f"Horovod {what}", self.rank, [q for q in range(self.size) if q != self.rank],
-                                        limit, some_of=True)
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
 
     def _ready(self) -> list[tuple]:
         """The keys every member has asked for (or, for the global set's allreduces, joined), in the order every
