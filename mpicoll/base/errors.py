@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "ServerFailed", "PartFailed",
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed", "PartFailed",
            "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError", "ConcurrentCall",
            "Unsupported", "HorovodInternalError"]
 
@@ -96,6 +96,24 @@ class PeerFailed(MpicollError, ConnectionError):
         who = f"rank(s) {_ranks(self.peers)}" if self.peers else "a peer"
         super().__init__(f"{collective}: rank {rank} lost {who}: MPI reports {reason}; this communicator is "
                          "no longer usable")
+
+
+class RanksLost(PeerFailed):
+    """Ranks of the communicator died, and MPI's fault tolerance (ULFM) said so.
+
+    Raised on every survivor with the same ``lost`` ranks: the first survivor to
+    hear of the death revoked the communicator, so none waits for the dead, and
+    the survivors agreed on who is gone by shrinking it.  The communicator is
+    unusable from then on; :meth:`mpicoll.Communicator.shrink` returns one of the
+    survivors to go on with (mpicoll's own state set up anew on its first call).
+    """
+
+    def __init__(self, collective: str, rank: int, lost):
+        self.collective, self.rank = collective, rank
+        self.lost = self.peers = sorted(set(lost))
+        MpicollError.__init__(self, f"{collective}: rank(s) {_ranks(self.lost)} died (MPI's fault tolerance told "
+                                    f"rank {rank}); this communicator is revoked on every survivor: go on with "
+                                    "comm.shrink(), a communicator of the survivors, or end the job")
 
 
 class ServerFailed(MpicollError):

