@@ -184,23 +184,28 @@ def revoke_and_shrink(comm: MPI.Intracomm, also=()) -> tuple[MPI.Intracomm, list
 
 # After a death, Open MPI 5.0's MPI_Finalize may wait forever for the dead in its closing fence (open-mpi/ompi#11404;
 # measured here with mpi4py alone, no mpicoll: 2-3 of 10 runs of 4 ranks that lost one and shrank).  A process that
-# outlived a death ends at exit without it, with the status it was exiting with.
-_outlived: list[int] = []         # [the status sys.exit was given], once this process outlived a death
+# outlived a death ends at exit without it, with the status it was exiting with: sys.exit is wrapped (at import,
+# before any caller can have looked it up) to remember that status, which Python's exit hooks are not told.
+_outlived = False
+_exit_status = 0
+_exit_with = sys.exit
+
+
+def _remembering_exit(status=None):
+    global _exit_status
+    _exit_status = status if isinstance(status, int) else 0 if status is None else 1
+    _exit_with(status)
+
+
+sys.exit = _remembering_exit
 
 
 def outlived_a_death() -> None:
     """This process survived a death under ULFM: at exit, end it without ``MPI_Finalize`` (see above), with the
-    status given to ``sys.exit`` (0 if none), after Python's other exit hooks and with its output flushed."""
-    if _outlived:
-        return
-    _outlived.append(0)
-    exit_with = sys.exit
-
-    def remembering_exit(status=None):
-        _outlived[0] = status if isinstance(status, int) else 0 if status is None else 1
-        exit_with(status)
-
-    sys.exit = remembering_exit
+    status given to ``sys.exit`` (0 if none; ``raise SystemExit(n)`` is not seen), after Python's other exit
+    hooks and with its output flushed."""
+    global _outlived
+    _outlived = True
 
 
 def _leave_without_finalize() -> None:
@@ -211,7 +216,7 @@ def _leave_without_finalize() -> None:
             except (OSError, ValueError, AttributeError):
                 pass
         time.sleep(_FORWARD_S)          # the launcher forwards the last lines before it sees the process end
-        os._exit(_outlived[0])
+        os._exit(_exit_status)
 
 
 atexit.register(_leave_without_finalize)       # at import, so it runs after the exit hooks registered later

@@ -195,7 +195,13 @@ def _watch() -> None:
 
 def _hear_failures() -> None:
     status = MPI.Status()
-    if not _guard.Iprobe(MPI.ANY_SOURCE, Tag.JOB_FAILED, status):
+    try:
+        if not _guard.Iprobe(MPI.ANY_SOURCE, Tag.JOB_FAILED, status):
+            return
+    except MPI.Exception as error:      # under ULFM, a rank died: that is no note; listen to the living
+        if not failure.is_process_failure(error):
+            raise
+        _guard.Ack_failed()
         return
     note = np.empty(status.Get_count(MPI.BYTE), np.uint8)
     _guard.Recv([note, MPI.BYTE], status.Get_source(), Tag.JOB_FAILED)

@@ -153,6 +153,13 @@ def add_parser(commands) -> None:
     train_.add_argument("--quiet", action="store_true", help="no progress bar")
     train_.add_argument("--checkpoint", metavar="PREFIX", help="save the state after every epoch under PREFIX")
     train_.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
+    train_.add_argument("--elastic", action="store_true",
+                        help="allreduce methods: go on without ranks that die (MPI's fault tolerance: Open MPI's "
+                        "mpiexec --with-ft ulfm); the survivors agree on the last step all completed, divide the "
+                        "rest of the data among them and go on (docs/elastic.md)")
+    train_.add_argument("--min-ranks", type=int, default=1, metavar="N",
+                        help="with --elastic: stop, naming the last checkpoint, once fewer than N ranks remain "
+                        "(default 1)")
     train_.add_argument("--overwrite", action="store_true",
                         help="let a fresh run replace an earlier run's --checkpoint files and --output log "
                         "(refused otherwise)")

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import time
+import zlib
 from pathlib import Path
 
 from .. import arrays
 from ..base import checkpoint, timeline
+from ..base.straggler import Straggler
 from ..channel.checks import load_checkpoint_set
 from ..collectives.communicator import Communicator
 from ..models.dense import Model
-from . import schedule as schedules
+from . import elastic, schedule as schedules
 from .common import Family, Options, batches, check_whole_replicas, setup, stop_if_diverged
 from .report import Reporter
 
@@ -41,6 +44,13 @@ class Allreduce(Family):
             return checkpoint.path(options.checkpoint, "stage", rank % options.model_parallel)
         return checkpoint.path(options.checkpoint, None, rank)
 
+    def check_elastic(self, options: Options, model: Model, size: int) -> None:
+        if self.one_rank:
+            raise ValueError(f"--elastic: {options.method} runs on one process, which has no rank to lose")
+        if options.model_parallel > 1:
+            raise ValueError("--elastic with --model-parallel is not written yet: a lost stage leaves its "
+                             "replica's pipeline without a part (docs/elastic.md)")
+
     def check_memory(self, options: Options, model: Model, size: int) -> None:
         """Refuse a run whose ranks would hold more training state than ``--max-rank-memory``, saying which
         ``--model-parallel K`` would fit (the stage with the most state decides)."""
@@ -69,6 +79,8 @@ class Allreduce(Family):
         (rank = replica x K + stage): each replica trains on its own shard through its pipeline, and the
         replicas of each stage average that stage's gradient, so every replica takes the step plain
         allreduce training over N/K ranks takes."""
+        if options.elastic:
+            return self._run_elastic(comm, options, model, data, xp, run)
         rank, size, k = comm.Get_rank(), comm.Get_size(), options.model_parallel
         replica, replicas = rank // k, size // k
         _, steps, X, y, slow = setup(comm, options, data, xp, tuple(range(0, size, k)), me=replica)
@@ -117,3 +129,66 @@ class Allreduce(Family):
             pipe_comm.Free()
             replicas_comm.Free()
         return reporter.finish(None, measured=final) if reporter else None
+
+    def _run_elastic(self, comm, options, model, data, xp, run):
+        """Allreduce SGD that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as
+        :meth:`run` while nobody is lost; after a loss the survivors step back to the last step all of them
+        completed (the parameters before the last update are kept for it), take the rest of the epoch's rows
+        between them, and train the later epochs as a run of that many ranks would."""
+        started = time.perf_counter()
+        X, y = xp.asarray(data.X), xp.asarray(data.y)
+        slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
+        members = list(range(comm.Get_size()))                  # the living, by their ranks in the job
+        params, epoch = model.init(options.seed), 0
+        if options.resume:
+            state = load_checkpoint_set(comm, self.checkpoint_file(options, comm.Get_rank()), run, "epochs")
+            params, epoch = xp.asarray(state["params"]), int(state["epoch"])
+        average, before, samples = xp.empty_like(params), xp.empty_like(params), 0
+        channel = Communicator(comm.Dup(), algorithm=self.algorithm)     # revoked, not the job's, after a loss
+        reporter = Reporter(options, model, data, xp, ranks=len(members)) if channel.Get_rank() == 0 else None
+        losses: list[elastic.Loss] = []
+        plan, done = elastic.Plan.epoch(len(y), len(members), options.batch, options.seed, epoch), 0
+        while epoch < options.epochs:
+            me, count = channel.Get_rank(), channel.Get_size()
+            lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, plan.steps)
+            epoch_losses = []
+            try:
+                while done < plan.steps:
+                    batch = plan.batches[me][done]
+                    with slow, timeline.span("gradient", "train"):
+                        loss, grad = model.loss_and_gradient(params, X[batch], y[batch])
+                    epoch_losses.append(loss)
+                    channel.Allreduce(grad, average)
+                    before[...] = params
+                    with timeline.span("update", "train"):
+                        params -= (lr_at(epoch, done) / count) * average
+                    done, samples = done + 1, samples + count * len(batch)
+                stop_if_diverged(channel, params, [(epoch, epoch_losses)], f"after epoch {epoch + 1}")
+            except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised
+                if not elastic.is_loss(error):
+                    raise
+                channel, members, (epoch, agreed), loss = elastic.recover(channel, members, (epoch, done), started)
+                if done > agreed:
+                    params[...] = before                        # one step ahead of the slowest survivor
+                    samples -= count * options.batch
+                plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
+                losses.append(loss)
+                if channel.Get_rank() == 0:
+                    if reporter is None:                         # the reporting rank was lost: take its log over
+                        reporter = Reporter(elastic.appending(options), model, data, xp, ranks=loss.ranks)
+                        reporter.start = started
+                    reporter.ranks_lost(loss)
+                if loss.ranks < options.min_ranks:
+                    raise elastic.below_floor(options, loss, losses) from None
+                continue
+            if options.checkpoint and channel.Get_rank() == 0:
+                checkpoint.save(self.checkpoint_file(options, 0), run, epoch + 1, params=arrays.as_host(params),
+                                epoch=epoch + 1)
+            if reporter:
+                reporter.evaluate(params, epoch + 1, samples)
+            epoch += 1
+            plan, done = elastic.Plan.epoch(len(y), channel.Get_size(), options.batch, options.seed, epoch), 0
+        same = len(set(channel.allgather(zlib.crc32(arrays.as_host(params).tobytes())))) == 1
+        summary = reporter.finish(params, losses=losses, replicas_identical=same) if reporter else None
+        channel.close(abandon=bool(losses))
+        return summary

@@ -55,6 +55,8 @@ class Options:
     checkpoint: str | None = None     # path prefix: state saved after every epoch
     resume: bool = False              # continue from the checkpoint
     overwrite: bool = False           # a fresh run may replace an earlier run's checkpoint
+    elastic: bool = False             # go on without lost ranks (ULFM: mpicoll.train.elastic)
+    min_ranks: int = 1                # --elastic: stop, cleanly, below this many ranks
     progress: bool = True
 
     @classmethod
@@ -179,6 +181,11 @@ class Family:
 
     def check_model_parallel(self, options: Options, model: Model, size: int) -> None:
         raise ValueError(f"--model-parallel works with the allreduce methods and downpour, not {self.name}")
+
+    def check_elastic(self, options: Options, model: Model, size: int) -> None:
+        """Raise unless this family can go on without lost ranks (``--elastic``)."""
+        raise ValueError(f"--elastic works with the allreduce methods, not {self.name} (the parameter servers "
+                         "already go on without a lost worker; sgp's elastic mode is not written yet)")
 
     def check_memory(self, options: Options, model: Model, size: int) -> None:
         raise ValueError("--max-rank-memory is enforced for the allreduce methods on numpy dense models (mlp, "

@@ -103,11 +103,22 @@ class Reporter:
         self.last = record
         return record
 
+    def ranks_lost(self, loss) -> None:
+        """Record a loss an elastic run went on from (:class:`mpicoll.train.elastic.Loss`): a line of the log,
+        and a line on the terminal whatever ``--quiet`` says."""
+        self.ranks = loss.ranks
+        self._write(loss.record())
+        if self.live:
+            self.stream.write("\n")
+        self.stream.write(loss.line() + "\n")
+        self.stream.flush()
+
     def finish(self, params, staleness: dict[int, int] | None = None,
-               measured: tuple[float, float] | None = None) -> dict:
+               measured: tuple[float, float] | None = None, losses=(), replicas_identical: bool | None = None) -> dict:
         """The summary record (logged and returned); ``staleness``: a parameter server's histogram of the
         updates between the weights a gradient was computed on and the update that used it; ``measured``:
-        as for :meth:`evaluate`."""
+        as for :meth:`evaluate`; ``losses``: the ranks an elastic run lost (:class:`mpicoll.train.elastic.Loss`);
+        ``replicas_identical``: whether every rank ended with the same parameters, where it was checked."""
         loss, accuracy = measured or self.model.evaluate(params, self.X_test, self.y_test)
         wall = time.perf_counter() - self.start
         options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "resume")}
@@ -117,6 +128,11 @@ class Reporter:
                    "data": self.data.name, "model_size": self.model.size, "options": options}
         if staleness:
             summary["staleness"] = {str(lag): count for lag, count in sorted(staleness.items())}
+        if replicas_identical is not None:
+            summary["replicas_identical"] = replicas_identical
+        if losses:
+            summary["ranks_at_start"] = self.ranks + sum(len(loss.lost) for loss in losses)
+            summary["ranks_lost"] = [loss.record() for loss in losses]
         self._write(summary)
         if self.options.progress:
             if self.live:
@@ -124,7 +140,7 @@ class Reporter:
             ranks = f"{self.ranks} rank{'s' if self.ranks != 1 else ''}"
             self.stream.write(f"{self.options.method}: test accuracy {accuracy:.1%}, loss {loss:.4f}, "
                               f"{wall:.1f} s, {summary['samples_per_s']:,.0f} samples/s on {ranks}"
-                              f"{_describe(staleness)}\n")
+                              f"{_describe(staleness)}{_lost(losses)}\n")
             self.stream.flush()
         if self.log:
             self.log.close()
@@ -147,6 +163,14 @@ class Reporter:
                 f"{record['samples_per_s']:>9,.0f} samples/s")
         self.stream.write(("\r" + line) if self.live else line + "\n")
         self.stream.flush()
+
+
+def _lost(losses) -> str:
+    """' (lost rank 2 in epoch 3)' for the progress line ('' when nothing was lost)."""
+    if not losses:
+        return ""
+    return " (" + "; ".join(f"lost rank{'s' if len(loss.lost) > 1 else ''} {', '.join(map(str, loss.lost))} in "
+                            f"epoch {loss.epoch}" for loss in losses) + ")"
 
 
 def _describe(staleness: dict[int, int] | None) -> str:

@@ -33,6 +33,7 @@ from . import schedule as schedules
 from .allreduce import Allreduce
 from .common import Family, Options, check_writable
 from .data import Dataset
+from .elastic import check_fault_tolerance
 from .lbfgs import Lbfgs
 from .parameter_servers import ParameterServers
 from .report import check_log
@@ -92,6 +93,7 @@ _RANGES = [
     ("history", lambda v: v >= 1, "at least 1"),
     ("lbfgs_batch", lambda v: v >= 0, "at least 0 (0: the whole training set)"),
     ("portions", lambda v: v >= 0, "at least 0 (0: 4 per worker)"),
+    ("min_ranks", lambda v: v >= 1, "at least 1"),
 ]
 
 
@@ -119,6 +121,13 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: Fami
     if options.max_rank_memory:
         method.check_memory(options, model, size)
     method.check(options, model, size)
+    if options.elastic:
+        method.check_elastic(options, model, size)
+        check_fault_tolerance()
+        if options.min_ranks > size:
+            raise ValueError(f"--min-ranks {options.min_ranks} is more than the {size} ranks the job has")
+    elif options.min_ranks != 1:
+        raise ValueError("--min-ranks is the floor of an --elastic run: add --elastic, or drop it")
     workers = method.workers(options, size)
     if len(data.y) < workers:
         raise ValueError(f"{workers} workers but only {len(data.y)} training samples: every worker needs a shard; "

