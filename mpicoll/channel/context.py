@@ -440,6 +440,10 @@ class Context:
             if shrunk is None:
                 return
             root.survivors, lost = shrunk
+            try:                        # for the communicator's own shrink() (a mpicoll.Communicator's)
+                root.origin.__dict__["_survivors"] = root.survivors
+            except AttributeError:
+                pass
             failure.outlived_a_death()
             root._lost = RanksLost(self.collective, root.names[root.rank], [root.names[q] for q in lost])
             root._dead, root._dead_asked_at = frozenset(lost), time.perf_counter()

@@ -111,7 +111,7 @@ class Communicator(MPI.Intracomm):
         :class:`~mpicoll.Unsupported` error says how to start a job that can shrink.
         """
         context = self.context()
-        survivors = context.survivors if context is not None else None
+        survivors = self.__dict__.pop("_survivors", None)      # agreed in a RanksLost (Context.raise_if_ranks_lost)
         if survivors is None:
             shrunk = failure.revoke_and_shrink(self, also=[context.comm] if context is not None else [])
             if shrunk is None:

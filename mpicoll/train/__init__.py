@@ -154,7 +154,7 @@ def add_parser(commands) -> None:
     train_.add_argument("--checkpoint", metavar="PREFIX", help="save the state after every epoch under PREFIX")
     train_.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
     train_.add_argument("--elastic", action="store_true",
-                        help="allreduce methods: go on without ranks that die (MPI's fault tolerance: Open MPI's "
+                        help="allreduce methods and sgp: go on without ranks that die (MPI's fault tolerance: Open MPI's "
                         "mpiexec --with-ft ulfm); the survivors agree on the last step all completed, divide the "
                         "rest of the data among them and go on (docs/elastic.md)")
     train_.add_argument("--min-ranks", type=int, default=1, metavar="N",

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 import zlib
 from pathlib import Path
 
@@ -135,19 +134,16 @@ class Allreduce(Family):
         :meth:`run` while nobody is lost; after a loss the survivors step back to the last step all of them
         completed (the parameters before the last update are kept for it), take the rest of the epoch's rows
         between them, and train the later epochs as a run of that many ranks would."""
-        started = time.perf_counter()
         X, y = xp.asarray(data.X), xp.asarray(data.y)
         slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
-        members = list(range(comm.Get_size()))                  # the living, by their ranks in the job
         params, epoch = model.init(options.seed), 0
         if options.resume:
             state = load_checkpoint_set(comm, self.checkpoint_file(options, comm.Get_rank()), run, "epochs")
             params, epoch = xp.asarray(state["params"]), int(state["epoch"])
         average, before, samples = xp.empty_like(params), xp.empty_like(params), 0
         channel = Communicator(comm.Dup(), algorithm=self.algorithm)     # revoked, not the job's, after a loss
-        reporter = Reporter(options, model, data, xp, ranks=len(members)) if channel.Get_rank() == 0 else None
-        losses: list[elastic.Loss] = []
-        plan, done = elastic.Plan.epoch(len(y), len(members), options.batch, options.seed, epoch), 0
+        survivors = elastic.Survivors(comm, options, model, data, xp)
+        plan, done = elastic.Plan.epoch(len(y), comm.Get_size(), options.batch, options.seed, epoch), 0
         while epoch < options.epochs:
             me, count = channel.Get_rank(), channel.Get_size()
             lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, plan.steps)
@@ -167,28 +163,20 @@ class Allreduce(Family):
             except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised
                 if not elastic.is_loss(error):
                     raise
-                channel, members, (epoch, agreed), loss = elastic.recover(channel, members, (epoch, done), started)
+                channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done))
                 if done > agreed:
                     params[...] = before                        # one step ahead of the slowest survivor
                     samples -= count * options.batch
                 plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
-                losses.append(loss)
-                if channel.Get_rank() == 0:
-                    if reporter is None:                         # the reporting rank was lost: take its log over
-                        reporter = Reporter(elastic.appending(options), model, data, xp, ranks=loss.ranks)
-                        reporter.start = started
-                    reporter.ranks_lost(loss)
-                if loss.ranks < options.min_ranks:
-                    raise elastic.below_floor(options, loss, losses) from None
                 continue
             if options.checkpoint and channel.Get_rank() == 0:
                 checkpoint.save(self.checkpoint_file(options, 0), run, epoch + 1, params=arrays.as_host(params),
                                 epoch=epoch + 1)
-            if reporter:
-                reporter.evaluate(params, epoch + 1, samples)
+            if survivors.reporter:
+                survivors.reporter.evaluate(params, epoch + 1, samples)
             epoch += 1
             plan, done = elastic.Plan.epoch(len(y), channel.Get_size(), options.batch, options.seed, epoch), 0
         same = len(set(channel.allgather(zlib.crc32(arrays.as_host(params).tobytes())))) == 1
-        summary = reporter.finish(params, losses=losses, replicas_identical=same) if reporter else None
-        channel.close(abandon=bool(losses))
+        summary = survivors.finish(params, replicas_identical=same)
+        channel.close(abandon=bool(survivors.losses))
         return summary

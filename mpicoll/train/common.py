@@ -184,8 +184,8 @@ class Family:
 
     def check_elastic(self, options: Options, model: Model, size: int) -> None:
         """Raise unless this family can go on without lost ranks (``--elastic``)."""
-        raise ValueError(f"--elastic works with the allreduce methods, not {self.name} (the parameter servers "
-                         "already go on without a lost worker; sgp's elastic mode is not written yet)")
+        raise ValueError(f"--elastic works with the allreduce methods and sgp, not {self.name} (the parameter "
+                         "servers already go on without a lost worker)")
 
     def check_memory(self, options: Options, model: Model, size: int) -> None:
         raise ValueError("--max-rank-memory is enforced for the allreduce methods on numpy dense models (mlp, "

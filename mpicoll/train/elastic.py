@@ -23,8 +23,9 @@ from mpi4py import MPI
 from ..base import failure
 from ..base.errors import MpicollError, RanksLost
 from .common import batches
+from .report import Reporter
 
-__all__ = ["Plan", "Loss", "is_loss", "recover", "check_fault_tolerance", "below_floor", "appending"]
+__all__ = ["Plan", "Loss", "Survivors", "is_loss", "check_fault_tolerance"]
 
 
 def check_fault_tolerance() -> None:
@@ -93,41 +94,61 @@ class Loss:
                 f"{self.step + 1}; {self.ranks} ranks go on{redone}")
 
 
+class Survivors:
+    """What an elastic run keeps across losses, the same on every survivor: who lives (by their ranks in the
+    job), what was lost and when, and this rank's reporter (the reporting rank's; taken over, appending to the
+    log, when that rank is the one lost)."""
+
+    def __init__(self, comm, options, model, data, xp):
+        self.options, self.model, self.data, self.xp = options, model, data, xp
+        self.members = list(range(comm.Get_size()))
+        self.losses: list[Loss] = []
+        self.started = time.perf_counter()
+        self.reporter = Reporter(options, model, data, xp, ranks=comm.Get_size()) if comm.Get_rank() == 0 else None
+
+    def recover(self, channel, position: tuple[int, int]):
+        """After a loss, collective over the survivors (a death meanwhile is recovered from too): (their
+        communicator, the position all of them reached, the :class:`Loss`), the loss logged and shown; below
+        ``--min-ranks`` every survivor raises instead."""
+        me = MPI.COMM_WORLD.Get_rank()
+        while True:
+            try:
+                channel = channel.shrink()
+                survivors = channel.allgather(me)
+                positions = channel.allgather(position)
+                break
+            except Exception as error:  # noqa: BLE001 - only a further death is recovered from here
+                if not is_loss(error):
+                    raise
+        agreed = min(positions)
+        loss = Loss(sorted(set(self.members) - set(survivors)), agreed[0] + 1, agreed[1], len(survivors),
+                    int(max(positions) > agreed), round(time.perf_counter() - self.started, 3))
+        self.members = survivors
+        self.losses.append(loss)
+        if channel.Get_rank() == 0:
+            if self.reporter is None:
+                self.reporter = Reporter(replace(self.options, resume=True, overwrite=False), self.model, self.data,
+                                         self.xp, ranks=loss.ranks)
+                self.reporter.start = self.started
+            self.reporter.ranks_lost(loss)
+        if loss.ranks < self.options.min_ranks:
+            raise self._below_floor(loss)
+        return channel, agreed, loss
+
+    def finish(self, params, **summary):
+        """The summary (on the reporting rank; None elsewhere), with the losses."""
+        return self.reporter.finish(params, losses=self.losses, **summary) if self.reporter else None
+
+    def _below_floor(self, loss: Loss) -> MpicollError:
+        options = self.options
+        lost = sorted(rank for each in self.losses for rank in each.lost)
+        saved = (f"--checkpoint {options.checkpoint} holds the state after the last whole epoch (resume on as many "
+                 "ranks as it was saved with)" if options.checkpoint else "nothing was saved (no --checkpoint)")
+        return MpicollError(f"{loss.ranks} rank(s) left after losing rank(s) {', '.join(map(str, lost))}, below "
+                            f"--min-ranks {options.min_ranks}: stopped in epoch {loss.epoch}; {saved}")
+
+
 def is_loss(error: BaseException) -> bool:
     """Whether ``error`` says ranks died: mpicoll's :class:`RanksLost`, or MPI's own process failure from a call
     made without mpicoll (an mpi4py collective on the same communicator)."""
     return isinstance(error, RanksLost) or failure.is_process_failure(error)
-
-
-def recover(channel, members: list[int], position: tuple[int, int], started: float):
-    """After a loss: (the survivors' communicator, the survivors by their ranks in the job, the position all of
-    them reached, the :class:`Loss`).  Collective over the survivors; a death during it is recovered from too."""
-    me = MPI.COMM_WORLD.Get_rank()
-    while True:
-        try:
-            channel = channel.shrink()
-            survivors = channel.allgather(me)
-            positions = channel.allgather(position)
-            break
-        except Exception as error:  # noqa: BLE001 - only a further death is recovered from here
-            if not is_loss(error):
-                raise
-    agreed = min(positions)
-    lost = sorted(set(members) - set(survivors))
-    loss = Loss(lost, agreed[0] + 1, agreed[1], len(survivors), int(max(positions) > agreed),
-                round(time.perf_counter() - started, 3))
-    return channel, survivors, agreed, loss
-
-
-def below_floor(options, loss: Loss, losses: list[Loss]) -> MpicollError:
-    """The error every survivor stops with when fewer than ``--min-ranks`` remain."""
-    lost = sorted(rank for each in losses for rank in each.lost)
-    saved = (f"--checkpoint {options.checkpoint} holds the state after the last whole epoch (resume on as many "
-             "ranks as it was saved with)" if options.checkpoint else "nothing was saved (no --checkpoint)")
-    return MpicollError(f"{loss.ranks} rank(s) left after losing rank(s) {', '.join(map(str, lost))}, below "
-                        f"--min-ranks {options.min_ranks}: stopped in epoch {loss.epoch}; {saved}")
-
-
-def appending(options):
-    """The options a reporter that takes over the run's log uses: append to it, as a resume does."""
-    return replace(options, resume=True, overwrite=False)

@@ -8,9 +8,10 @@ import numpy as np
 
 from .. import gossip
 from ..base import checkpoint, timeline
+from ..base.straggler import Straggler
 from ..channel.checks import load_checkpoint_set
 from ..collectives.communicator import Communicator
-from . import schedule as schedules
+from . import elastic, schedule as schedules
 from .common import Family, Options, batches, setup, stop_if_diverged
 from .report import Reporter
 
@@ -24,7 +25,14 @@ class Sgp(Family):
         """One file per rank: each holds its own numerator and push-sum weight."""
         return checkpoint.path(options.checkpoint, "rank", rank)
 
+    def check_elastic(self, options: Options, model, size: int) -> None:
+        if options.checkpoint:
+            raise ValueError("--elastic sgp keeps no checkpoint yet (each rank's file holds its own share of the "
+                             "push-sum, which a loss redistributes): drop --checkpoint, or --elastic")
+
     def run(self, comm, options, model, data, xp, run):
+        if options.elastic:
+            return self._run_elastic(comm, options, model, data, xp)
         rank, size = comm.Get_rank(), comm.Get_size()
         _, steps, X, y, slow = setup(comm, options, data, xp, tuple(range(size)))
         pushsum = gossip.PushSum(comm, model.init(options.seed), graph=options.graph, tau=options.tau,
@@ -63,3 +71,62 @@ class Sgp(Family):
         # every rank wait for the slowest there (the consensus is the same everywhere)
         stop_if_diverged(comm, consensus, losses, "at the end (the average of the ranks' parameters)")
         return reporter.finish(xp.asarray(consensus)) if reporter else None
+
+    def _run_elastic(self, comm, options, model, data, xp):
+        """SGP that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as :meth:`run`
+        while nobody is lost; after a loss the survivors restart push-sum from their de-biased parameters (the
+        mass in flight to and from the dead is gone, so the old sums mean nothing), take the rest of the
+        epoch's rows between them from the last step all of them completed, and train later epochs as a run
+        of that many ranks would.  No step is taken back: each rank's parameters are its own anyway."""
+        X, y = xp.asarray(data.X), xp.asarray(data.y)
+        slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
+        epoch, samples = 0, 0
+        channel = Communicator(comm.Dup(), algorithm="auto")    # revoked, not the job's, after a loss
+
+        def gossip_from(z) -> tuple:
+            pushsum = gossip.PushSum(channel, z, graph=options.graph, tau=options.tau, mailbox=options.transport)
+            return pushsum, gossip.SGP(pushsum, options.lr)
+
+        pushsum, sgp = gossip_from(model.init(options.seed))
+        z = xp.asarray(sgp.parameters)
+        survivors = elastic.Survivors(comm, options, model, data, xp)
+        plan, done = elastic.Plan.epoch(len(y), comm.Get_size(), options.batch, options.seed, epoch), 0
+        history = []                             # (epoch, its losses): where the parameters went bad, if they do
+        while epoch < options.epochs:
+            me, count = channel.Get_rank(), channel.Get_size()
+            lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, plan.steps)
+            history.append((epoch, []))
+            try:
+                while done < plan.steps:
+                    batch = plan.batches[me][done]
+                    sgp.lr = lr_at(epoch, done)
+                    with slow, timeline.span("gradient", "train"):
+                        loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
+                    history[-1][1].append(loss)
+                    with timeline.span("push-sum step", "train"):
+                        z = xp.asarray(sgp.step(grad))
+                    done, samples = done + 1, samples + count * len(batch)
+            except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised
+                if not elastic.is_loss(error):
+                    raise
+                restart = np.array(pushsum.debiased(), copy=True)
+                pushsum.close()
+                channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done))
+                samples -= (done - agreed) * count * options.batch
+                plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
+                pushsum, sgp = gossip_from(restart)
+                z = xp.asarray(sgp.parameters)
+                continue
+            if survivors.reporter:
+                survivors.reporter.evaluate(z, epoch + 1, samples)
+            epoch += 1
+            plan, done = elastic.Plan.epoch(len(y), channel.Get_size(), options.batch, options.seed, epoch), 0
+        pushsum.drain()
+        consensus = np.empty_like(pushsum.x)                 # the model one would deploy: the survivors' average
+        channel.Allreduce(pushsum.debiased(), consensus)
+        consensus /= channel.Get_size()
+        pushsum.close()
+        stop_if_diverged(channel, consensus, history, "at the end (the average of the ranks' parameters)")
+        summary = survivors.finish(xp.asarray(consensus))
+        channel.close(abandon=bool(survivors.losses))
+        return summary
