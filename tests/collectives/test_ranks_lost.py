@@ -101,3 +101,32 @@ def test_ranks_lost_is_a_peer_failed_naming_the_dead():
     assert isinstance(error, mpicoll.PeerFailed) and error.lost == [1, 3]
     assert "rank(s) 1, 3 died" in str(error) and "shrink" in str(error)
     assert sys.modules["mpicoll"].RanksLost.__module__ == "mpicoll"
+
+
+# A rank that computes without calling MPI for longer than the heartbeat detector's timeout.
+COMPUTE_LONG = """
+import time
+import numpy as np
+from mpi4py import MPI
+import mpicoll
+comm = mpicoll.Communicator(MPI.COMM_WORLD)
+x = np.ones(10)
+comm.Allreduce(MPI.IN_PLACE, x)
+if comm.Get_rank() == 1:
+    time.sleep(4)                               # twice the detector's timeout, no MPI call
+try:
+    comm.Allreduce(MPI.IN_PLACE, x)
+    print(f"rank {comm.Get_rank()}: fine", flush=True)
+except mpicoll.RanksLost as error:
+    print(f"rank {comm.Get_rank()}: {error}", flush=True)
+"""
+
+
+def test_a_rank_that_computes_long_without_mpi_is_not_taken_for_dead(tmp_path):
+    start, env = fault_tolerant(3)
+    (tmp_path / "job.py").write_text(COMPUTE_LONG)
+    job = subprocess.run([*start, str(tmp_path / "job.py")], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                         env={**env, "OMPI_MCA_mpi_ft_detector_timeout": "2", "OMPI_MCA_mpi_ft_detector_period": "0.5"},
+                         start_new_session=True)
+    assert job.returncode == 0 and sorted(job.stdout.split("\n"))[1:] == [f"rank {r}: fine" for r in range(3)], \
+        job.stdout + job.stderr[-2000:]

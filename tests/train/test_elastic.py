@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from mpicoll.train.common import batches
-from mpicoll.train.elastic import Plan
+from mpicoll.train.elastic import Plan, _quorum
 from tests.support.jobs import ROOT, fault_tolerant, launch, rank_of
 
 TRAIN = ["-m", "mpicoll", "train", "--epochs", "8", "--batch", "16", "--lr", "0.1", "--quiet"]   # later options win
@@ -148,3 +148,11 @@ def test_the_rest_of_an_epoch_is_every_row_not_yet_taken_divided_among_the_survi
     assert len(rest.batches) == survivors and not wanted - taken        # every row not yet taken, at least once
     assert sum(taken.values()) - sum(wanted.values()) < survivors * batch   # repeats only to even the steps
     assert all(len(member) == rest.steps and all(len(step) == batch for step in member) for member in rest.batches)
+
+
+@pytest.mark.parametrize("survivors, members, goes_on", [
+    ([0, 1, 3], [0, 1, 2, 3], True), ([1, 2, 3], [0, 1, 2, 3], True),     # a death: the rest are the majority
+    ([0, 1], [0, 1, 2, 3], True), ([2, 3], [0, 1, 2, 3], False),          # a cut in halves: rank 0's half
+    ([3], [0, 1, 2, 3], False), ([1, 3], [1, 3, 4], True), ([4], [1, 3, 4], False), ([0], [0], True)])
+def test_only_one_side_of_a_cut_goes_on(survivors, members, goes_on):
+    assert _quorum(survivors, members) is goes_on
