@@ -218,8 +218,9 @@ exec ip netns exec {network.PREFIX}$host unshare --uts \
 def run(ranks: int, command: list[str], ranks_per_node: int | None = None, keep_going: bool = False) -> int:
     """Run ``command`` on ``ranks`` ranks spread over the nodes; returns the launcher's exit status.
 
-    ``keep_going``: a rank that dies does not end the others (MPICH only; :func:`mpicoll.base.launcher.keep_survivors`),
-    so that they can name it and finish, as on a cluster whose launcher tolerates a lost process.
+    ``keep_going``: a rank that dies does not end the others (:func:`mpicoll.base.launcher.keep_survivors`: under
+    Open MPI with fault tolerance, under MPICH's Hydra told so), so that they can name it and finish or go on, as
+    on a cluster whose launcher tolerates a lost process.
     """
     current = _require()
     nodes = current["nodes"]
@@ -279,8 +280,10 @@ def add_parser(commands) -> None:
     launch = actions.add_parser("run", help="run a command on the nodes under the MPI launcher")
     launch.add_argument("-n", "--ranks", type=int, required=True, help="MPI ranks in all")
     launch.add_argument("--ranks-per-node", type=int, help="default: ranks spread evenly over the nodes")
-    launch.add_argument("--keep-going", action="store_true",
-                        help="a rank that dies does not end the others (MPICH's Hydra only)")
+    launch.add_argument("--keep-going", "--elastic", action="store_true", dest="keep_going",
+                        help="a rank that dies, or a node cut off, does not end the others: under Open MPI, MPI's "
+                        "fault tolerance (for mpicoll train --elastic; docs/elastic.md); under MPICH's Hydra, "
+                        "survivors keep running until they time out")
     launch.add_argument("job", nargs=argparse.REMAINDER, help="-- COMMAND...")
     actions.add_parser("status", help="the nodes, their links, cores and processes")
     for name, text in (("cut", "take a node's link down"), ("heal", "bring a cut link back")):

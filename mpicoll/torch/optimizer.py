@@ -11,6 +11,7 @@ from mpi4py import MPI
 from ..base import timeline
 from ..channel import watchdog
 from ..collectives import api
+from ..collectives.communicator import Communicator
 from ..collectives.nonblocking import Request
 from .collectives import as_array
 
@@ -226,6 +227,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 bucket.start(self.comm, self.algorithm)
                 bucket.finish(ranks)
         self._follow(trainable)
+
+    def shrink(self) -> None:
+        """Go on with the survivors after a :class:`mpicoll.RanksLost` (MPI's fault tolerance, docs/elastic.md):
+        this optimizer's communicator becomes the survivors' (collective over them) and the buckets of the step
+        that failed are forgotten.  That step's gradients are lost: ``zero_grad()`` and take it again (the
+        survivors may hold different parameters if some stepped before the loss: broadcast them first)."""
+        comm = self.comm if isinstance(self.comm, Communicator) else Communicator(self.comm)
+        self.comm = comm.shrink()
+        for bucket in self._buckets:
+            bucket.request, bucket.waiting = None, len(bucket.params)
+        self._next, self._passes = 0, {}
 
     @contextmanager
     def skip_synchronize(self):

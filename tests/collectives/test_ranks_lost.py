@@ -72,7 +72,6 @@ def elastic_job(tmp_path, *args, ranks: int = 4, timeout: float = 90) -> subproc
     ("ring", "blocking", 1 << 18, "float64"),       # mpicoll's own algorithm, over its private channel
     ("mpi", "blocking", 1 << 18, "float32"),        # MPI's own collective, called by the mpi algorithm
     ("auto", "blocking", 3, "int64"),               # fewer elements than ranks: MPI's call on the user's communicator
-    ("recursive_doubling", "blocking", 1001, "float64"),
     ("ring", "nonblocking", 4099, "float64"),       # in the progress thread
     ("auto", "bcast", 1 << 16, "int32"),
 ])

@@ -86,3 +86,21 @@ def test_slurm_train_and_compare_scripts_run_outside_slurm(tmp_path):
                             text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| sgp | 2 |" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_launch_elastic_starts_open_mpi_with_fault_tolerance_and_tells_mpich_users_what_to_install():
+    """Under Open MPI's launcher, --elastic (and --keep-going) add the fault-tolerance flags mpicoll's own
+    launchers use, and the job runs; under MPICH's, one line says what to install."""
+    from tests.support.jobs import fault_tolerant
+    from mpicoll.base.launcher import OPENMPI_FAULT_TOLERANCE
+    start, env = fault_tolerant(2)          # skips where there is no Open MPI environment
+    program = [start[-1], "-c", "from mpi4py import MPI; w = MPI.COMM_WORLD; w.rank or print('size', w.size)"]
+    for flag in ("--elastic", "--keep-going"):
+        result = subprocess.run(["bash", "scripts/launch", flag, "-n", "2", *program], cwd=ROOT, capture_output=True,
+                                text=True, timeout=60, env={**env, "MPIEXEC": start[0]})
+        assert result.returncode == 0 and "size 2" in result.stdout, result.stderr
+        assert " ".join(OPENMPI_FAULT_TOLERANCE) in result.stderr.splitlines()[0], result.stderr
+    mpich = subprocess.run(["bash", "scripts/launch", "--elastic", "-n", "2", "true"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env={**script_env(), "MPIEXEC": mpiexec()})
+    assert mpich.returncode == 2 and mpich.stderr.count("\n") == 1 and "pip install openmpi" in mpich.stderr, \
+        mpich.stderr
