@@ -53,7 +53,6 @@ class Context:
         self.comm = comm
         self.origin = comm          # the communicator duplicated (shrunk after a death under ULFM)
         self._broken: str | None = None
-        self.survivors: MPI.Intracomm | None = None    # the origin's survivors, once ranks died (ranks_lost)
         self._lost: RanksLost | None = None
         # how errors name this communicator's ranks: their ranks in the communicator the user
         # passed, for contexts over a part of it (mpicoll.channel.nodes)
@@ -428,7 +427,8 @@ class Context:
 
         The first time on this rank: revoke the communicator this context duplicated, this context's channel
         and its parts' (every survivor's wait on them ends now), then shrink the duplicated communicator with
-        the other survivors, which agrees on who is gone and gives :attr:`survivors` to go on with."""
+        the other survivors, which agrees on who is gone and gives the communicator of the survivors, left on
+        the duplicated communicator when it is a :class:`mpicoll.Communicator` for its ``shrink()``."""
         if not failure.is_process_failure(error):
             return
         root = self
@@ -439,10 +439,10 @@ class Context:
             shrunk = failure.revoke_and_shrink(root.origin, also=channels)
             if shrunk is None:
                 return
-            root.survivors, lost = shrunk
+            survivors, lost = shrunk
             try:                        # for the communicator's own shrink() (a mpicoll.Communicator's)
-                root.origin.__dict__["_survivors"] = root.survivors
-            except AttributeError:
+                root.origin.__dict__["_survivors"] = survivors
+            except AttributeError:      # a plain MPI communicator: its owner shrinks it again, as ULFM allows
                 pass
             failure.outlived_a_death()
             root._lost = RanksLost(self.collective, root.names[root.rank], [root.names[q] for q in lost])
