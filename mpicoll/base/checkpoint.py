@@ -30,7 +30,7 @@ import numpy as np
 
 from .errors import CheckpointMismatch
 
-__all__ = ["save", "load", "versions", "check", "path", "existing", "CheckpointMismatch", "FORMAT"]
+__all__ = ["save", "load", "versions", "check", "stamp", "without_ranks", "path", "existing", "CheckpointMismatch", "FORMAT"]
 
 FORMAT = 3            # 1: no identity; 2: no point or checksums (mpicoll before checkpoint sets)
 _IDENTITY = "__identity__"
@@ -134,7 +134,7 @@ def versions(path: str | Path, identity: dict) -> dict[int, Path]:
     candidates = [p for p in (path, _partial(path), previous(path)) if p.is_file()]
     if not candidates:
         raise FileNotFoundError(f"no checkpoint at {path}: --resume continues from the files an earlier run wrote "
-                                "with the same --checkpoint prefix, method, rank count and --model-parallel")
+                                "with the same --checkpoint prefix, method and --model-parallel")
     found, problems = {}, []
     for candidate in candidates:
         try:
@@ -154,6 +154,19 @@ def versions(path: str | Path, identity: dict) -> dict[int, Path]:
 def check(path: str | Path, identity: dict) -> None:
     """Raise unless ``path`` holds a whole file of the run ``identity`` describes."""
     versions(path, identity)
+
+
+def without_ranks(identity: dict) -> dict:
+    """An identity less its rank count: what a run resumed on another number of ranks must match (the state
+    of a method that can move: its files record the count that wrote them all the same)."""
+    return {key: value for key, value in identity.items() if key != "ranks"}
+
+
+def stamp(path: str | Path, identity: dict) -> dict:
+    """What the newest whole file of ``path`` records of the run that wrote it (its identity and ``point``),
+    checked against ``identity`` as :func:`versions` does: e.g. the rank count of a run resumed at another."""
+    found = versions(path, identity)
+    return _read(found[max(found)])[0]
 
 
 def load(path: str | Path, identity: dict, point: int | None = None) -> dict[str, np.ndarray]:

@@ -137,7 +137,7 @@ def check_launch() -> bool:
 def check_all() -> None:
     """Read every setting above, raising the first bad one's ValueError."""
     timeout(), segment_bytes(), channel(), end_broken_jobs(), debug(), kernels(), cuda_aware(), ucx_defaults()
-    check_launch()
+    check_launch(), restart()
 
 
 def cores() -> int:
@@ -146,3 +146,12 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def restart() -> int:
+    """Which relaunch of a job this is (``MPICOLL_RESTART``, set by ``scripts/launch --restarts``; 0: the first
+    launch): ``mpicoll train`` resumes a relaunched job from its --checkpoint."""
+    text = os.environ.get("MPICOLL_RESTART", "").strip() or "0"
+    if not text.isdigit():
+        raise ValueError(f"MPICOLL_RESTART must be a count of relaunches (0 or more), got {text!r}")
+    return int(text)

@@ -272,19 +272,25 @@ def agree(comm, check) -> None:
         raise SetupError(failed, comm.Get_size())
 
 
-def load_checkpoint_set(comm, path: str | Path | None, identity: dict, unit: str) -> dict[str, np.ndarray] | None:
+def load_checkpoint_set(comm, path: str | Path | list | None, identity: dict, unit: str):
     """This rank's arrays of the newest point that every rank's files hold (``path`` None: this rank keeps no
     file, and gets None).  A missing, damaged or foreign file, or no point common to all, is one
     :class:`mpicoll.SetupError` on every rank.  ``unit`` names the points ("epochs", "updates").
-    Collective over ``comm``."""
-    found: dict[int, Path] = {}
-    agree(comm, lambda: found.update(checkpoint.versions(path, identity)) if path is not None else None)
+
+    ``path`` a list: this rank's share of the files of an earlier run at another rank count (a run resumed on
+    fewer or more ranks reads them all between its ranks, :meth:`mpicoll.train.common.Family.reshard`); the
+    arrays of each, at the point common to every file of every rank, in a list.  Collective over ``comm``."""
+    paths = [] if path is None else list(path) if isinstance(path, list) else [path]
+    found: list[dict[int, Path]] = []
+    agree(comm, lambda: found.extend(checkpoint.versions(p, identity) for p in paths))
     with bounded(comm, "comparing the checkpoint files"):
-        held = comm.allgather(sorted(found) if path is not None else None)
-    owners = {rank: set(points) for rank, points in enumerate(held) if points is not None}
+        held = comm.allgather([sorted(points) for points in found] if path is not None else None)
+    owners = {(rank, i): set(points) for rank, files in enumerate(held) if files is not None
+              for i, points in enumerate(files)}
     common = set.intersection(*owners.values()) if owners else set()
     if owners and not common:
-        listing = "; ".join(f"rank {rank}: {', '.join(map(str, sorted(points)))}" for rank, points in owners.items())
+        listing = "; ".join(f"rank {rank}{f' file {i + 1}' if len(held[rank]) > 1 else ''}: "
+                            f"{', '.join(map(str, sorted(points)))}" for (rank, i), points in owners.items())
         raise SetupError(dict.fromkeys(range(comm.Get_size()), (
             f"--resume: the checkpoint files hold no {unit[:-1] if unit.endswith('s') else unit} in common "
             f"({listing}): no set of files from one point of training is whole; restore one from a copy, or start "
@@ -295,4 +301,7 @@ def load_checkpoint_set(comm, path: str | Path | None, identity: dict, unit: str
     if comm.Get_rank() == 0 and newest is not None and newest > point:
         print(f"mpicoll: resuming from the checkpoint set after {point} {unit}: not every file of the set after "
               f"{newest} {unit} was written (the earlier run stopped while writing them)", file=sys.stderr, flush=True)
-    return None if path is None else checkpoint.load(path, identity, point)
+    if path is None:
+        return None
+    states = [checkpoint.load(p, identity, point) for p in paths]
+    return states if isinstance(path, list) else states[0]

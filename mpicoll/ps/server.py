@@ -67,13 +67,13 @@ def checkpoint_identity(layout: Layout, rule: Rule, run: dict | None = None) -> 
 
 def save_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None) -> Path:
     """Write the rule's state atomically and durably (a crash mid-write leaves the previous checkpoint)."""
-    return checkpoint.save(checkpoint_file(prefix, layout), checkpoint_identity(layout, rule, run),
+    return checkpoint.save(checkpoint_file(prefix, layout.rank), checkpoint_identity(layout, rule, run),
                            rule.version, **rule.state())
 
 
-def checkpoint_file(prefix: str, layout: Layout) -> Path:
-    """This server's checkpoint file under ``prefix``."""
-    return checkpoint.path(prefix, "server", layout.rank)
+def checkpoint_file(prefix: str, rank: int) -> Path:
+    """The checkpoint file of server rank ``rank`` under ``prefix``."""
+    return checkpoint.path(prefix, "server", rank)
 
 
 def load_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = None, state: dict | None = None) -> int:
@@ -84,7 +84,7 @@ def load_checkpoint(prefix: str, layout: Layout, rule: Rule, run: dict | None = 
     layout or run is refused (``CheckpointMismatch``) before anything changes.
     """
     if state is None:
-        state = checkpoint.load(checkpoint_file(prefix, layout), checkpoint_identity(layout, rule, run))
+        state = checkpoint.load(checkpoint_file(prefix, layout.rank), checkpoint_identity(layout, rule, run))
     rule.load_state(state)
     return rule.version
 

@@ -113,7 +113,8 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
     names = history_names(history)
     identity = {**(identity or {}), "parameters": int(init.size), "servers": servers, "history": history,
                 "batch": batch, "samples": samples}
-    saved = _resume(comm, roles, checkpoint, identity) if resume else None
+    # the workers hold no state: a checkpoint resumes on any number of them (the rank count is not matched)
+    saved = _resume(comm, roles, checkpoint, checkpoints.without_ranks(identity)) if resume else None
     ctx = Context(comm, "Sandblaster L-BFGS")
     rank = ctx.rank
     everyone_else = [r for r in range(roles.ranks) if r != rank]

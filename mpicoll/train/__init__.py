@@ -13,12 +13,15 @@ Pieces: :mod:`.data` (digits, MNIST-1D or an .npz file, sharded per worker), the
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import gossip, ps
+from ..base import checkpoint, config
 from ..base.errors import MpicollError, SetupError
+from ..channel.watchdog import bounded
 from .data import Dataset, load
 from ..models.dense import MLP, Model, SoftmaxRegression
 from .report import interrupted
@@ -71,6 +74,7 @@ def main(args) -> int:
     options = Options.from_args(args)
     if args.resume and not args.checkpoint:
         raise SystemExit("mpicoll train: --resume needs --checkpoint PREFIX (the prefix the earlier run used)")
+    options = _relaunched(comm, options)
     try:
         train(comm, options, model, data, xp)
     except KeyboardInterrupt:            # Ctrl-C reaches every rank: one line, from the rank that reports
@@ -85,6 +89,24 @@ def main(args) -> int:
         print(f"mpicoll train: rank {comm.Get_rank()}: {error}", file=sys.stderr, flush=True)
         return 1                         # a broken communicator ends the job at exit (mpicoll.base.failure)
     return 0
+
+
+def _relaunched(comm, options: Options) -> Options:
+    """The options of a job ``scripts/launch --restarts`` relaunched after it lost a rank (``MPICOLL_RESTART``):
+    resume from --checkpoint's files where the lost launch wrote any, start over where it wrote none (its log
+    is continued, or replaced, alike).  Rank 0 looks and says which, once."""
+    attempt = config.restart()
+    if not attempt:
+        return options
+    found = bool(checkpoint.existing(options.checkpoint)) if options.checkpoint and comm.Get_rank() == 0 else False
+    with bounded(comm, "agreeing how to restart"):
+        found = comm.bcast(found)
+    if comm.Get_rank() == 0:
+        how = ("resuming from --checkpoint " + options.checkpoint if found else
+               "starting over: the launch before wrote no checkpoint" if options.checkpoint else
+               "starting over: without --checkpoint PREFIX nothing was saved to resume from")
+        print(f"mpicoll train: relaunch {attempt} on {comm.Get_size()} ranks, {how}", file=sys.stderr, flush=True)
+    return replace(options, resume=options.resume or found, overwrite=not found)
 
 
 def _hidden_sizes(text: str) -> list[int] | None:

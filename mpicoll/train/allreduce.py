@@ -22,6 +22,9 @@ __all__ = ["Allreduce"]
 class Allreduce(Family):
     """Allreduce SGD with the collective ``algorithm``; ``one_rank``: plain SGD on one process."""
 
+    reshards = ("every replica holds the same parameters, so the data is divided among the new ranks and the "
+                "run goes on as a run of that many ranks would")
+
     def __init__(self, name: str, algorithm: str, one_rank: bool = False):
         super().__init__(name)
         self.algorithm, self.one_rank = algorithm, one_rank
@@ -100,8 +103,7 @@ class Allreduce(Family):
 
         start = 0
         if options.resume:                       # every replica holds the same parameters: one file per stage
-            state = load_checkpoint_set(comm, self.checkpoint_file(options, rank), run, "epochs")
-            params, start = xp.asarray(state["params"]), int(state["epoch"])
+            params, start = self._resume(comm, options, run, xp)
         average = xp.empty_like(params)
         lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
         with Communicator(replicas_comm, algorithm=self.algorithm) as channel:
@@ -129,6 +131,15 @@ class Allreduce(Family):
             replicas_comm.Free()
         return reporter.finish(None, measured=final) if reporter else None
 
+    def _resume(self, comm, options, run, xp) -> tuple:
+        """(the parameters, the epochs done) of the checkpoint, written at this rank count or any other (the
+        files do not depend on it)."""
+        earlier = self.check_rank_count(comm, options, run)
+        state = load_checkpoint_set(comm, self.checkpoint_file(options, comm.Get_rank()),
+                                    checkpoint.without_ranks(run), "epochs")
+        self.say_resharded(comm, options, earlier)
+        return xp.asarray(state["params"]), int(state["epoch"])
+
     def _run_elastic(self, comm, options, model, data, xp, run):
         """Allreduce SGD that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as
         :meth:`run` while nobody is lost; after a loss the survivors step back to the last step all of them
@@ -138,8 +149,7 @@ class Allreduce(Family):
         slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
         params, epoch = model.init(options.seed), 0
         if options.resume:
-            state = load_checkpoint_set(comm, self.checkpoint_file(options, comm.Get_rank()), run, "epochs")
-            params, epoch = xp.asarray(state["params"]), int(state["epoch"])
+            params, epoch = self._resume(comm, options, run, xp)
         average, before, samples = xp.empty_like(params), xp.empty_like(params), 0
         channel = Communicator(comm.Dup(), algorithm=self.algorithm)     # revoked, not the job's, after a loss
         survivors = elastic.Survivors(comm, options, model, data, xp)
@@ -169,9 +179,9 @@ class Allreduce(Family):
                     samples -= count * options.batch
                 plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
                 continue
-            if options.checkpoint and channel.Get_rank() == 0:
-                checkpoint.save(self.checkpoint_file(options, 0), run, epoch + 1, params=arrays.as_host(params),
-                                epoch=epoch + 1)
+            if options.checkpoint and channel.Get_rank() == 0:     # written by the ranks left (a resume reshards)
+                checkpoint.save(self.checkpoint_file(options, 0), {**run, "ranks": channel.Get_size()}, epoch + 1,
+                                params=arrays.as_host(params), epoch=epoch + 1)
             if survivors.reporter:
                 survivors.reporter.evaluate(params, epoch + 1, samples)
             epoch += 1

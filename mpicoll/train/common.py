@@ -5,6 +5,7 @@ before a job starts, the divergence check, and :class:`Family`, the questions ea
 from __future__ import annotations
 
 import math
+import sys
 import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -196,11 +197,38 @@ class Family:
         otherwise need not say."""
         raise NotImplementedError
 
+    # How a checkpoint of this family continues on another number of ranks ("": it cannot, and a resume at
+    # another count is refused, with ``fixed_ranks`` as the reason)
+    reshards = ""
+    fixed_ranks = "its state is tied to the number of ranks that wrote it"
+
+    def earlier_ranks(self, options: Options, run: dict) -> int:
+        """How many ranks the run had whose checkpoint ``--resume`` continues (its first file says)."""
+        return int(checkpoint.stamp(self.checkpoint_file(options, 0), checkpoint.without_ranks(run))["ranks"])
+
     def check_resume(self, comm: MPI.Intracomm, options: Options, model: Model, run: dict) -> None:
-        """Raise unless this rank's checkpoint belongs to the run ``run`` describes."""
+        """Raise unless this rank's checkpoint belongs to the run ``run`` describes, at this rank count or (a
+        family that :attr:`reshards`) at any."""
+        self.check_rank_count(comm, options, run)
         mine = self.checkpoint_file(options, comm.Get_rank())
         if mine is not None:
-            checkpoint.check(mine, run)
+            checkpoint.check(mine, checkpoint.without_ranks(run) if self.reshards else run)
+
+    def check_rank_count(self, comm: MPI.Intracomm, options: Options, run: dict) -> int:
+        """The earlier run's rank count; raises, saying why, where it is not this one's and this family's state
+        cannot move to another count."""
+        earlier, size = self.earlier_ranks(options, run), comm.Get_size()
+        if earlier != size and not self.reshards:
+            raise ValueError(f"--resume: {options.checkpoint} was written by a run of {earlier} ranks, and "
+                             f"{options.method} cannot continue it on {size}: {self.fixed_ranks}. Resume it with "
+                             f"mpiexec -n {earlier}")
+        return earlier
+
+    def say_resharded(self, comm: MPI.Intracomm, options: Options, earlier: int) -> None:
+        """Say, once, that this run continues a checkpoint of ``earlier`` ranks on another count, and how."""
+        if earlier != comm.Get_size() and comm.Get_rank() == 0:
+            print(f"mpicoll train: resuming {options.checkpoint}, written by {earlier} ranks, on {comm.Get_size()}: "
+                  f"{self.reshards}", file=sys.stderr, flush=True)
 
     def run(self, comm: MPI.Intracomm, options: Options, model: Model, data: Dataset, xp, run: dict) -> dict | None:
         """Train; the summary record on the reporting rank, None elsewhere."""

@@ -19,6 +19,8 @@ class Lbfgs(Family):
     """Rank 0 coordinates, ``--servers`` shards hold the vectors, the rest compute gradients."""
 
     min_ranks = 3            # a coordinator, a shard and a worker
+    reshards = ("the coordinator and the server shards hold the L-BFGS state and the workers none: the new "
+                "workers share the gradient's portions")
 
     def reporting_rank(self, options: Options) -> int:
         return options.servers + 1
@@ -61,6 +63,8 @@ class Lbfgs(Family):
                 reported[0] = epoch
                 reporter.evaluate(xp.asarray(w, model.dtype), epoch, evaluations * batch)
 
+        if options.resume:
+            self.say_resharded(comm, options, self.check_rank_count(comm, options, run))
         result = sandblaster.run(
             comm, arrays.as_host(model.init(options.seed)), loss_and_gradient, samples=samples, batch=batch,
             servers=options.servers, history=options.history, iterations=10 ** 9, portions=options.portions or None,

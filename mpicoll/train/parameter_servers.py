@@ -3,6 +3,8 @@ update rule of :mod:`mpicoll.ps` (Downpour also over pipelines of model stages, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from mpi4py import MPI
 
@@ -32,6 +34,9 @@ class ParameterServers(Family):
 
     min_ranks = 2            # a server and a worker
     reports_staleness = True
+    fixed_ranks = ("the servers count their updates in rounds of the workers there were and keep state per "
+                   "worker (soft-sync's open round, DC-ASGD's backups); moving that to another worker count is not "
+                   "written yet (docs/elastic.md)")
 
     def __init__(self, name: str, rule: str):
         super().__init__(name)
@@ -63,13 +68,17 @@ class ParameterServers(Family):
             raise ValueError("downpour --model-parallel does not checkpoint yet: drop --checkpoint (the allreduce "
                              "methods do)")
 
+    def checkpoint_file(self, options: Options, rank: int) -> Path | None:
+        """Each server's file; workers keep none."""
+        return ps.server.checkpoint_file(options.checkpoint, rank) if rank < options.servers else None
+
     def check_resume(self, comm: MPI.Intracomm, options: Options, model: Model, run: dict) -> None:
-        """Each server's file (:func:`mpicoll.ps.server.checkpoint_file`) must be its own; workers keep none."""
+        """Each server's file must be its own, written at this rank count; workers keep none."""
+        self.check_rank_count(comm, options, run)
         if comm.Get_rank() < options.servers:
             layout = ps.Layout.split(comm, model.size, options.servers)
             rule, _ = self.rule(options, len(layout.workers))
-            checkpoint.check(ps.server.checkpoint_file(options.checkpoint, layout),
-                             ps.server.checkpoint_identity(layout, rule, run))
+            checkpoint.check(self.checkpoint_file(options, layout.rank), ps.server.checkpoint_identity(layout, rule, run))
 
     def run(self, comm, options, model, data, xp, run):
         if options.model_parallel > 1:
@@ -82,7 +91,7 @@ class ParameterServers(Family):
         me, steps, X, y, slow = setup(comm, options, data, xp, workers)
         state = None
         if options.resume:                      # the newest point every server's file holds (a stop between writes)
-            mine = ps.server.checkpoint_file(options.checkpoint, server.layout) if server.is_server else None
+            mine = self.checkpoint_file(options, rank)
             state = load_checkpoint_set(comm, mine, ps.server.checkpoint_identity(server.layout, rule, run)
                                         if server.is_server else {}, "updates")
         budget = options.epochs * steps * len(workers)        # gradients, over every worker

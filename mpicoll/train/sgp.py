@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import gossip
 from ..base import checkpoint, timeline
@@ -20,6 +21,9 @@ __all__ = ["Sgp"]
 
 class Sgp(Family):
     """Every rank a worker; each step a local SGD step, then one push-sum gossip round."""
+
+    reshards = ("every rank starts from the average of the earlier ranks' de-biased parameters (push-sum weight "
+                "1), and the data is divided among the new ranks")
 
     def checkpoint_file(self, options: Options, rank: int) -> Path:
         """One file per rank: each holds its own numerator and push-sum weight."""
@@ -39,10 +43,8 @@ class Sgp(Family):
                                  mailbox=options.transport)
         sgp = gossip.SGP(pushsum, options.lr)
         start, mine = 0, self.checkpoint_file(options, rank)
-        if options.resume:                       # each rank its own numerator and push-sum weight
-            state = load_checkpoint_set(comm, mine, run, "epochs")
-            pushsum.load_state(state)
-            start = int(state["epoch"])
+        if options.resume:
+            start = self._resume(comm, options, run, pushsum)
         reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
         z = xp.asarray(sgp.parameters)
         lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
@@ -71,6 +73,39 @@ class Sgp(Family):
         # every rank wait for the slowest there (the consensus is the same everywhere)
         stop_if_diverged(comm, consensus, losses, "at the end (the average of the ranks' parameters)")
         return reporter.finish(xp.asarray(consensus)) if reporter else None
+
+    def check_resume(self, comm, options, model, run) -> None:
+        """This rank's share of the earlier run's files must be whole and this run's."""
+        for file in self._share(comm, options, self.check_rank_count(comm, options, run)):
+            checkpoint.check(file, checkpoint.without_ranks(run))
+
+    def _share(self, comm, options, earlier: int) -> list[Path]:
+        """The files of an ``earlier`` run this rank reads: its own at the same count, else every size-th."""
+        rank, size = comm.Get_rank(), comm.Get_size()
+        return [self.checkpoint_file(options, r) for r in range(rank, earlier, size)]
+
+    def _resume(self, comm, options, run, pushsum) -> int:
+        """Load the checkpoint into ``pushsum``; the epochs done.  At the rank count that wrote it, each rank
+        continues from its own numerator and weight, exactly; at another, every rank starts from the average
+        of the earlier ranks' de-biased parameters with weight 1 (the consensus the run was heading to)."""
+        earlier = self.check_rank_count(comm, options, run)
+        share = self._share(comm, options, earlier)
+        states = load_checkpoint_set(comm, share, checkpoint.without_ranks(run), "epochs")
+        if earlier == comm.Get_size():
+            pushsum.load_state(states[0])
+            return int(states[0]["epoch"])
+        debiased = np.zeros_like(pushsum.x)
+        for state in states:
+            debiased += state["x"] / state["x"].dtype.type(state["weight"])
+        with Communicator(comm, algorithm="auto") as everyone:
+            everyone.Allreduce(MPI.IN_PLACE, debiased)
+            # the files are of one point (one epoch, one gossip round): any rank's first says which
+            epoch, round_ = next(found for found in everyone.allgather(
+                [(int(s["epoch"]), int(s["round"])) for s in states]) if found)[0]
+        pushsum.load_state({"x": debiased / debiased.dtype.type(earlier), "weight": np.array(1.0),
+                            "round": np.array(round_)})
+        self.say_resharded(comm, options, earlier)
+        return epoch
 
     def _run_elastic(self, comm, options, model, data, xp):
         """SGP that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as :meth:`run`

