@@ -12,6 +12,9 @@ with Horovod's signatures and behaviour: ``init``, ``rank``, ``size``, ``local_r
 (:mod:`.controller`), and checked: ranks that disagree get a ``HorovodInternalError`` (a RuntimeError)
 on every rank, whatever the tensor's size.  The collectives are autograd functions.
 
+``elastic`` is Horovod's elastic API (``run``, ``TorchState``, ``ElasticSampler``) on MPI's fault tolerance:
+a program run under ``mpirun`` goes on without the ranks that die (:mod:`.elastic`).
+
 Not supported, each with an error naming it (``mpicoll.Unsupported``): Adasum, Horovod's timeline file
 (``MPICOLL_TIMELINE`` writes mpicoll's), ``SyncBatchNorm``; sparse tensors only through
 ``sparse_allreduce_async`` (Sum and Average) and ``DistributedOptimizer``.
@@ -25,6 +28,7 @@ from .basics import (ProcessSet, add_process_set, ccl_built, cross_rank, cross_s
                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
                      rocm_built, shutdown, size, start_timeline, stop_timeline)
 from .basics import is_initialized
+from . import elastic
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
@@ -46,5 +50,5 @@ __all__ = [
     "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "DistributedOptimizer",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "DistributedOptimizer", "elastic",
 ]

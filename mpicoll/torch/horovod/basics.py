@@ -193,6 +193,11 @@ def shutdown() -> None:
     global_process_set.communicator.close(abandon=job.controller.failure is not None)
 
 
+def world() -> MPI.Intracomm:
+    """The communicator of the job's ranks (a duplicate of ``hvd.init``'s): what an elastic reset shrinks."""
+    return _need().world
+
+
 def controller() -> Controller:
     return _need().controller
 

@@ -59,7 +59,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
         else:
             with skip():
                 optimizer.step()
-    _broadcast_optimizer_state(optimizer, root=root_rank)
+    _broadcast_optimizer_state(optimizer, root=root_rank, comm=process_set.comm)     # Horovod's world, not MPI's
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
