@@ -153,10 +153,10 @@ class Allreduce(Family):
         average, before, samples = xp.empty_like(params), xp.empty_like(params), 0
         channel = Communicator(comm.Dup(), algorithm=self.algorithm)     # revoked, not the job's, after a loss
         survivors = elastic.Survivors(comm, options, model, data, xp)
+        rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
         plan, done = elastic.Plan.epoch(len(y), comm.Get_size(), options.batch, options.seed, epoch), 0
         while epoch < options.epochs:
             me, count = channel.Get_rank(), channel.Get_size()
-            lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, plan.steps)
             epoch_losses = []
             try:
                 while done < plan.steps:
@@ -167,7 +167,7 @@ class Allreduce(Family):
                     channel.Allreduce(grad, average)
                     before[...] = params
                     with timeline.span("update", "train"):
-                        params -= (lr_at(epoch, done) / count) * average
+                        params -= (rate(plan.progress(epoch, done, options.epochs)) / count) * average
                     done, samples = done + 1, samples + count * len(batch)
                 stop_if_diverged(channel, params, [(epoch, epoch_losses)], f"after epoch {epoch + 1}")
             except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised

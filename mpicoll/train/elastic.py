@@ -43,6 +43,7 @@ class Plan:
     training set; every member holds the whole plan."""
 
     batches: list[list[np.ndarray]]
+    start: float = 0.0          # how much of the epoch was done before this plan (a plan of its rest), 0 to 1
 
     @classmethod
     def epoch(cls, rows: int, members: int, batch: int, seed: int, epoch: int) -> "Plan":
@@ -57,6 +58,14 @@ class Plan:
     def steps(self) -> int:
         return len(self.batches[0]) if self.batches else 0
 
+    def progress(self, epoch: int, done: int, epochs: int) -> float:
+        """The fraction of a run of ``epochs`` epochs done before step ``done`` of this plan of epoch ``epoch``:
+        what the learning-rate schedule follows (:func:`mpicoll.train.schedule.parse`).  For a whole epoch the
+        plain run's figure, to the bit; for the rest of an epoch it goes on from where the epoch stood."""
+        if not self.start:
+            return (epoch * self.steps + done) / max(1, epochs * self.steps)
+        return (epoch + self.start + (1 - self.start) * done / max(1, self.steps)) / epochs
+
     def rest(self, done: int, survivors: int, batch: int) -> "Plan":
         """The rows every member (the lost ones too) had yet to take after step ``done``, divided among
         ``survivors`` in batches of ``batch``: survivor j takes every survivors-th row; where that leaves
@@ -64,14 +73,15 @@ class Plan:
         number of steps (at most ``batch`` rows each seen twice)."""
         left = [rows for member in self.batches for rows in member[done:]]
         remaining = np.concatenate(left) if left else np.empty(0, np.int64)
+        start = self.start + (1 - self.start) * done / max(1, self.steps)
         if remaining.size == 0:
-            return Plan([[] for _ in range(survivors)])
+            return Plan([[] for _ in range(survivors)], start)
         steps = math.ceil(remaining.size / (survivors * batch))
         divided = []
         for j in range(survivors):
             mine = np.resize(remaining[j::survivors] if remaining.size > j else remaining, steps * batch)
             divided.append([mine[s * batch:(s + 1) * batch] for s in range(steps)])
-        return Plan(divided)
+        return Plan(divided, start)
 
 
 @dataclass

@@ -125,16 +125,16 @@ class Sgp(Family):
         pushsum, sgp = gossip_from(model.init(options.seed))
         z = xp.asarray(sgp.parameters)
         survivors = elastic.Survivors(comm, options, model, data, xp)
+        rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
         plan, done = elastic.Plan.epoch(len(y), comm.Get_size(), options.batch, options.seed, epoch), 0
         history = []                             # (epoch, its losses): where the parameters went bad, if they do
         while epoch < options.epochs:
             me, count = channel.Get_rank(), channel.Get_size()
-            lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, plan.steps)
             history.append((epoch, []))
             try:
                 while done < plan.steps:
                     batch = plan.batches[me][done]
-                    sgp.lr = lr_at(epoch, done)
+                    sgp.lr = rate(plan.progress(epoch, done, options.epochs))
                     with slow, timeline.span("gradient", "train"):
                         loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
                     history[-1][1].append(loss)

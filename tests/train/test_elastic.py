@@ -151,6 +151,22 @@ def test_the_rest_of_an_epoch_is_every_row_not_yet_taken_divided_among_the_survi
     assert all(len(member) == rest.steps and all(len(step) == batch for step in member) for member in rest.batches)
 
 
+def test_the_learning_rate_schedule_goes_on_from_where_an_epoch_stood_after_a_loss():
+    """A whole epoch's progress is the plain run's figure to the bit (schedule.per_step's); the rest of an epoch
+    cut at step 7 of 23 starts at 7/23 of it and ends where the epoch ends; a second cut goes on from there."""
+    from mpicoll.train import schedule
+    plan, epochs = Plan.epoch(1437, 4, 16, seed=1, epoch=2), 6
+    plain = schedule.per_step("cosine", 0.1, epochs, plan.steps)
+    rate = schedule.parse("cosine", 0.1)
+    assert all(rate(plan.progress(2, step, epochs)) == plain(2, step) for step in range(plan.steps))
+    rest = plan.rest(7, 3, 16)
+    assert math.isclose(rest.progress(2, 0, epochs), (2 + 7 / 23) / epochs)
+    assert math.isclose(rest.progress(2, rest.steps, epochs), 3 / epochs)
+    again = rest.rest(2, 2, 16)
+    assert math.isclose(again.progress(2, 0, epochs), rest.progress(2, 2, epochs))
+    assert math.isclose(again.progress(2, again.steps, epochs), 3 / epochs)
+
+
 @pytest.mark.parametrize("survivors, members, goes_on", [
     ([0, 1, 3], [0, 1, 2, 3], True), ([1, 2, 3], [0, 1, 2, 3], True),     # a death: the rest are the majority
     ([0, 1], [0, 1, 2, 3], True), ([2, 3], [0, 1, 2, 3], False),          # a cut in halves: rank 0's half
