@@ -161,6 +161,10 @@ class Family:
     min_ranks = 1            # the fewest ranks it runs on (with one server)
     one_rank = False         # runs on one process only (the sequential reference)
     reports_staleness = False    # its summary counts how stale the gradients were (parameter servers)
+    # how a checkpoint of it continues on another number of ranks ("": it cannot, and a resume at another count
+    # is refused with ``fixed_ranks`` as the reason)
+    reshards = ""
+    fixed_ranks = "its state is tied to the number of ranks that wrote it"
 
     def __init__(self, name: str):
         self.name = name
@@ -196,11 +200,6 @@ class Family:
         """The file this rank saves to and resumes from (None: it keeps none); a family that checks its resume
         otherwise need not say."""
         raise NotImplementedError
-
-    # How a checkpoint of this family continues on another number of ranks ("": it cannot, and a resume at
-    # another count is refused, with ``fixed_ranks`` as the reason)
-    reshards = ""
-    fixed_ranks = "its state is tied to the number of ranks that wrote it"
 
     def earlier_ranks(self, options: Options, run: dict) -> int:
         """How many ranks the run had whose checkpoint ``--resume`` continues (its first file says)."""
