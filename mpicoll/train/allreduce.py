@@ -150,7 +150,8 @@ class Allreduce(Family):
         params, epoch = model.init(options.seed), 0
         if options.resume:
             params, epoch = self._resume(comm, options, run, xp)
-        average, before, samples = xp.empty_like(params), xp.empty_like(params), 0
+        average, before = xp.empty_like(params), xp.empty_like(params)
+        samples = elastic.samples_before(epoch, len(y), comm.Get_size(), options.batch)     # 0 unless resumed
         channel = Communicator(comm.Dup(), algorithm=self.algorithm)     # revoked, not the job's, after a loss
         survivors = elastic.Survivors(comm, options, model, data, xp)
         rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)

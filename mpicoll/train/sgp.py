@@ -30,13 +30,12 @@ class Sgp(Family):
         return checkpoint.path(options.checkpoint, "rank", rank)
 
     def check_elastic(self, options: Options, model, size: int) -> None:
-        if options.checkpoint:
-            raise ValueError("--elastic sgp keeps no checkpoint yet (each rank's file holds its own share of the "
-                             "push-sum, which a loss redistributes): drop --checkpoint, or --elastic")
+        """SGP goes on without lost ranks; its checkpoint is then the survivors' files (a resume reads as
+        many files as the ranks that wrote the newest set, :meth:`_resume`)."""
 
     def run(self, comm, options, model, data, xp, run):
         if options.elastic:
-            return self._run_elastic(comm, options, model, data, xp)
+            return self._run_elastic(comm, options, model, data, xp, run)
         rank, size = comm.Get_rank(), comm.Get_size()
         _, steps, X, y, slow = setup(comm, options, data, xp, tuple(range(size)))
         pushsum = gossip.PushSum(comm, model.init(options.seed), graph=options.graph, tau=options.tau,
@@ -107,7 +106,7 @@ class Sgp(Family):
         self.say_resharded(comm, options, earlier)
         return epoch
 
-    def _run_elastic(self, comm, options, model, data, xp):
+    def _run_elastic(self, comm, options, model, data, xp, run):
         """SGP that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as :meth:`run`
         while nobody is lost; after a loss the survivors restart push-sum from their de-biased parameters (the
         mass in flight to and from the dead is gone, so the old sums mean nothing), take the rest of the
@@ -123,6 +122,9 @@ class Sgp(Family):
             return pushsum, gossip.SGP(pushsum, options.lr)
 
         pushsum, sgp = gossip_from(model.init(options.seed))
+        if options.resume:
+            epoch = self._resume(comm, options, run, pushsum)
+            samples = elastic.samples_before(epoch, len(y), comm.Get_size(), options.batch)
         z = xp.asarray(sgp.parameters)
         survivors = elastic.Survivors(comm, options, model, data, xp)
         rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
@@ -141,6 +143,10 @@ class Sgp(Family):
                     with timeline.span("push-sum step", "train"):
                         z = xp.asarray(sgp.step(grad))
                     done, samples = done + 1, samples + count * len(batch)
+                if options.checkpoint:           # the ranks left write theirs; a resume reads as many files
+                    pushsum.drain()
+                    checkpoint.save(self.checkpoint_file(options, me), {**run, "ranks": count}, epoch + 1,
+                                    epoch=epoch + 1, **pushsum.state())
             except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised
                 if not elastic.is_loss(error):
                     raise

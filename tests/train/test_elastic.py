@@ -21,6 +21,7 @@ import pytest
 
 from mpicoll.train.common import batches
 from mpicoll.train.elastic import Plan, _quorum
+from mpicoll.base import checkpoint
 from tests.support.jobs import ROOT, fault_tolerant, launch, rank_of
 
 TRAIN = ["-m", "mpicoll", "train", "--epochs", "6", "--batch", "16", "--lr", "0.1", "--quiet"]   # later options win
@@ -76,7 +77,8 @@ def intact(tmp_path_factory, method: str):
 def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_run(tmp_path, tmp_path_factory,
                                                                                  method, victim):
     logged_intact = intact(tmp_path_factory, method)
-    killed, logged = train(tmp_path, "killed", "--method", method, "--elastic", *SLOW, kill=victim)
+    saved = ["--checkpoint", str(tmp_path / "ck")] if method == "sgp" else []      # the survivors' files
+    killed, logged = train(tmp_path, "killed", "--method", method, "--elastic", *SLOW, *saved, kill=victim)
     assert killed.returncode == 0, killed.stderr_text[-3000:]
     events = [r for r in logged if r.get("event") == "ranks_lost"]
     assert len(events) == 1 and events[0]["lost"] == [victim] and events[0]["ranks"] == 3, events
@@ -95,6 +97,13 @@ def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_ru
     rows_at_least = per_epoch(logged_intact)[0] - 63
     assert min(per_epoch(logged)) >= rows_at_least, (per_epoch(logged), per_epoch(logged_intact))
     assert abs(summary["final_accuracy"] - whole["final_accuracy"]) <= 0.01, (summary, whole)
+    if saved:       # the 3 survivors' files, resumed by a plain run of 3 ranks under MPICH for one more epoch
+        assert [checkpoint.stamp(checkpoint.path(tmp_path / "ck", "rank", r), {})["ranks"] for r in range(3)] == \
+            [3, 3, 3]
+        resumed = launch(3, *TRAIN, "--method", method, "--epochs", "7", "--checkpoint", str(tmp_path / "ck"),
+                         "--resume", "--output", str(tmp_path / "resumed.jsonl"))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert [r["epoch"] for r in records(tmp_path / "resumed.jsonl") if "epoch" in r] == [7]
 
 
 def test_an_intact_elastic_run_is_the_plain_run(tmp_path, method="allreduce-ring"):
