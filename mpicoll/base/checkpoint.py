@@ -30,7 +30,8 @@ import numpy as np
 
 from .errors import CheckpointMismatch
 
-__all__ = ["save", "load", "versions", "check", "stamp", "without_ranks", "path", "existing", "CheckpointMismatch", "FORMAT"]
+__all__ = ["save", "load", "versions", "check", "stamp", "without_ranks", "path", "existing", "CheckpointMismatch",
+           "FORMAT"]
 
 FORMAT = 3            # 1: no identity; 2: no point or checksums (mpicoll before checkpoint sets)
 _IDENTITY = "__identity__"

@@ -37,7 +37,7 @@ from mpi4py import MPI
 
 from . import config, timeline
 
-__all__ = ["end_job", "end_at_exit", "failed_ranks", "fault_tolerant", "is_process_failure", "revoke_and_shrink",
+__all__ = ["end_job", "end_at_exit", "failed_ranks", "fault_tolerant", "is_process_failure", "revoke", "revoke_and_shrink",
            "outlived_a_death"]
 
 EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
@@ -150,6 +150,19 @@ def is_process_failure(error: BaseException) -> bool:
     return isinstance(error, MPI.Exception) and error.Get_error_class() in _PROCESS_FAILURES
 
 
+def revoke(comm: MPI.Comm) -> bool:
+    """ULFM: revoke ``comm``, so that every survivor's pending and later calls on it fail at once instead of
+    waiting for the dead.  True once it is revoked (by this call, or by a survivor before); False where MPI has
+    no fault tolerance (its revoke is missing, or refuses: MPICH's stand-ins raise NotImplementedError)."""
+    try:
+        comm.Revoke()
+    except (NotImplementedError, AttributeError):
+        return False
+    except MPI.Exception as error:
+        return is_process_failure(error)         # revoked already is fine; "no fault tolerance" is not
+    return True
+
+
 def revoke_and_shrink(comm: MPI.Intracomm, also=()) -> tuple[MPI.Intracomm, list[int]] | None:
     """ULFM: revoke ``comm`` and the communicators in ``also`` (every survivor's pending and later calls on them
     fail at once instead of waiting for the dead), then shrink ``comm`` with the other survivors: (the
@@ -159,13 +172,8 @@ def revoke_and_shrink(comm: MPI.Intracomm, also=()) -> tuple[MPI.Intracomm, list
     them to this path on its next call).  None where MPI has no fault tolerance (its revoke is missing, or
     refuses: MPICH's stand-ins raise NotImplementedError), and then nothing was revoked.
     """
-    try:
-        comm.Revoke()
-    except (NotImplementedError, AttributeError):
+    if not revoke(comm):
         return None
-    except MPI.Exception as error:
-        if not is_process_failure(error):        # revoked already is fine; "no fault tolerance" is not
-            return None
     for other in also:
         try:
             if other != MPI.COMM_NULL:

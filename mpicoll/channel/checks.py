@@ -278,7 +278,7 @@ def load_checkpoint_set(comm, path: str | Path | list | None, identity: dict, un
     :class:`mpicoll.SetupError` on every rank.  ``unit`` names the points ("epochs", "updates").
 
     ``path`` a list: this rank's share of the files of an earlier run at another rank count (a run resumed on
-    fewer or more ranks reads them all between its ranks, :meth:`mpicoll.train.common.Family.reshard`); the
+    fewer or more ranks reads them all between its ranks, :attr:`mpicoll.train.common.Family.reshards`); the
     arrays of each, at the point common to every file of every rank, in a list.  Collective over ``comm``."""
     paths = [] if path is None else list(path) if isinstance(path, list) else [path]
     found: list[dict[int, Path]] = []

@@ -22,7 +22,7 @@ from ..channel.watchdog import bounded
 from ..models.dense import Model
 from .data import Dataset
 
-__all__ = ["Options", "Family", "batches", "setup", "check_writable", "stop_if_diverged", "check_whole_replicas"]
+__all__ = ["Options", "Family", "batches", "steps_per_epoch", "setup", "check_writable", "stop_if_diverged", "check_whole_replicas"]
 
 
 @dataclass
@@ -67,6 +67,12 @@ class Options:
         return cls(**given, progress=not getattr(args, "quiet", False))
 
 
+def steps_per_epoch(rows: int, workers: int, batch: int) -> int:
+    """The steps each of ``workers`` takes in a pass over ``rows`` rows, ``batch`` rows a step (a shard that runs
+    short goes on into its next permutation, :func:`batches`)."""
+    return math.ceil(rows / (workers * batch))
+
+
 def batches(rows: int, batch: int, steps: int, seed) -> list[np.ndarray]:
     """``steps`` batches of row indices from a fresh permutation per pass (same on every run)."""
     rng, order, out = np.random.default_rng(seed), np.empty(0, np.int64), []
@@ -83,7 +89,7 @@ def setup(comm, options, data, xp, workers: tuple[int, ...], me: int | None = No
     index when it is not this rank's place in ``workers`` (a model-parallel replica's)."""
     rank = comm.Get_rank()
     me = me if me is not None else workers.index(rank) if rank in workers else None
-    steps = math.ceil(len(data.y) / (len(workers) * options.batch))      # per worker per epoch
+    steps = steps_per_epoch(len(data.y), len(workers), options.batch)
     shard = data.shard(me, len(workers)) if me is not None else (data.X[:0], data.y[:0])
     X, y = xp.asarray(shard[0]), xp.asarray(shard[1])
     return me, steps, X, y, Straggler.for_rank(rank, options.straggler, options.delay, options.seed)

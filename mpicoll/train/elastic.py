@@ -13,7 +13,6 @@ would.  Every survivor computes the same plans from the same agreed facts; nothi
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 
@@ -22,7 +21,7 @@ from mpi4py import MPI
 
 from ..base import failure
 from ..base.errors import MpicollError, RanksLost
-from .common import batches
+from .common import batches, steps_per_epoch
 from .report import Reporter
 
 __all__ = ["Plan", "Loss", "Survivors", "is_loss", "check_fault_tolerance", "samples_before"]
@@ -40,7 +39,7 @@ def check_fault_tolerance() -> None:
 def samples_before(epoch: int, rows: int, members: int, batch: int) -> int:
     """The samples a run of ``members`` ranks has counted after ``epoch`` whole epochs (where a resumed run's
     count starts), as the plain run counts them: steps x members x batch an epoch."""
-    return epoch * math.ceil(rows / (members * batch)) * members * batch
+    return epoch * steps_per_epoch(rows, members, batch) * members * batch
 
 
 @dataclass
@@ -56,7 +55,7 @@ class Plan:
         """A whole epoch over ``members``: member i of n takes rows i::n, in the order and number of steps a run
         of n ranks takes them (:func:`mpicoll.train.common.batches`), so an elastic run that loses nobody
         trains exactly as a plain one."""
-        steps = math.ceil(rows / (members * batch))
+        steps = steps_per_epoch(rows, members, batch)
         return cls([[i + members * local for local in batches(len(range(i, rows, members)), batch, steps,
                                                                [seed, i, epoch])] for i in range(members)])
 
@@ -82,7 +81,7 @@ class Plan:
         start = self.start + (1 - self.start) * done / max(1, self.steps)
         if remaining.size == 0:
             return Plan([[] for _ in range(survivors)], start)
-        steps = math.ceil(remaining.size / (survivors * batch))
+        steps = steps_per_epoch(remaining.size, survivors, batch)
         divided = []
         for j in range(survivors):
             mine = np.resize(remaining[j::survivors] if remaining.size > j else remaining, steps * batch)

@@ -78,7 +78,8 @@ class ParameterServers(Family):
         if comm.Get_rank() < options.servers:
             layout = ps.Layout.split(comm, model.size, options.servers)
             rule, _ = self.rule(options, len(layout.workers))
-            checkpoint.check(self.checkpoint_file(options, layout.rank), ps.server.checkpoint_identity(layout, rule, run))
+            checkpoint.check(self.checkpoint_file(options, layout.rank),
+                             ps.server.checkpoint_identity(layout, rule, run))
 
     def run(self, comm, options, model, data, xp, run):
         if options.model_parallel > 1:

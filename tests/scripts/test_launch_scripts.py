@@ -7,13 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 import mpicoll.collectives.algorithms
-from tests.support.jobs import ROOT, mpiexec, rank_of, script_env
+from tests.support.jobs import ROOT, kill_rank_when, mpiexec, script_env
 
 
 def test_launcher_runs_a_command_with_a_hostfile():
@@ -168,14 +166,7 @@ def test_a_training_job_that_lost_a_rank_is_relaunched_on_the_rest_and_resumes(t
                            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while job.poll() is None and time.monotonic() < deadline and '"epoch": 1' not in _text(log):
-            time.sleep(0.02)
-        victims = [pid for pid in subprocess.run(["pgrep", "-f", f"mpicoll train .*{log}"], capture_output=True,
-                                                 text=True).stdout.split()
-                   if rank_of(pid) == 2 and _program(pid) == sys.executable]      # not its shell
-        assert victims and job.poll() is None, "the run ended before the kill"
-        os.kill(int(victims[0]), signal.SIGKILL)
+        kill_rank_when(job, log, 2, '"epoch": 1,')
         out, err = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
@@ -186,14 +177,3 @@ def test_a_training_job_that_lost_a_rank_is_relaunched_on_the_rest_and_resumes(t
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["epoch"] for r in records if "epoch" in r] == [1, 2, 3], records
     assert records[-1]["summary"] and records[-1]["ranks"] == 3
-
-
-def _program(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-    except OSError:
-        return ""
-
-
-def _text(path) -> str:
-    return path.read_text() if path.exists() else ""

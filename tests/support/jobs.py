@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -96,6 +97,19 @@ def left_behind(pattern: str, grace: float = 10) -> list[str]:
             and time.perf_counter() < deadline:
         time.sleep(0.2)
     return left
+
+
+def kill_rank_when(job: subprocess.Popen, log: Path, rank: int, shown: str, within: float = 60) -> None:
+    """SIGKILL MPI rank ``rank`` of ``job`` (its Python process: ``log`` is on its command line) once ``log`` holds
+    ``shown``; the test fails if the job ended, or the rank was gone, before."""
+    deadline = time.monotonic() + within
+    while job.poll() is None and time.monotonic() < deadline and shown not in (log.read_text() if log.exists()
+                                                                               else ""):
+        time.sleep(0.02)
+    victims = [pid for pid in subprocess.run(["pgrep", "-f", str(log)], capture_output=True, text=True).stdout.split()
+               if rank_of(pid) == rank]
+    assert victims and job.poll() is None, "the run ended before the kill: slow it down"
+    os.kill(int(victims[0]), signal.SIGKILL)
 
 
 def rank_of(pid: str) -> int | None:

@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import subprocess
-import time
 from collections import Counter
 
 import numpy as np
@@ -22,7 +21,7 @@ import pytest
 from mpicoll.train.common import batches
 from mpicoll.train.elastic import Plan, _quorum
 from mpicoll.base import checkpoint
-from tests.support.jobs import ROOT, fault_tolerant, launch, rank_of
+from tests.support.jobs import ROOT, fault_tolerant, kill_rank_when, launch
 
 TRAIN = ["-m", "mpicoll", "train", "--epochs", "6", "--batch", "16", "--lr", "0.1", "--quiet"]   # later options win
 SLOW = ["--delay", "fixed:8"]       # ms per step: 23 steps an epoch at 4 ranks, about 0.2 s an epoch
@@ -40,14 +39,7 @@ def train(tmp_path, name: str, *extra: str, kill: int | None = None, after_epoch
     job = subprocess.Popen([*start, *TRAIN, "--output", str(output), *extra], cwd=ROOT, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     if kill is not None:
-        deadline = time.monotonic() + 60
-        while job.poll() is None and time.monotonic() < deadline and not any(
-                r.get("epoch", 0) >= after_epoch for r in records(output)):
-            time.sleep(0.02)
-        victims = [pid for pid in subprocess.run(["pgrep", "-f", str(output)], capture_output=True,
-                                                 text=True).stdout.split() if rank_of(pid) == kill]
-        assert victims and job.poll() is None, "the run ended before the kill: slow it down (SLOW)"
-        os.kill(int(victims[0]), signal.SIGKILL)
+        kill_rank_when(job, output, kill, f'"epoch": {after_epoch},')
     try:
         out, err = job.communicate(timeout=120)
     finally:

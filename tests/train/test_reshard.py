@@ -1,8 +1,9 @@
 """``mpicoll train --resume`` on another number of ranks than the run that wrote the checkpoint: the allreduce
 methods go on as a run of the new count would, SGP starts every rank from the average of the earlier ranks'
-de-biased parameters, Sandblaster L-BFGS hands the gradient's portions to the new workers (the parameter servers
-refuse with the reason: tests/train/test_faults.py).  Real MPI: the run of one count is the whole job, the other a communicator of
-all ranks but the last (``--resume`` only compares files, so one job plays both runs)."""
+de-biased parameters, Sandblaster L-BFGS hands the gradient's portions to the new workers (the parameter
+servers refuse with the reason: tests/train/test_faults.py).  Real MPI: the run of one count is the whole job,
+the other a communicator of all ranks but the last (``--resume`` only compares files, so one job plays both
+runs)."""
 
 from __future__ import annotations
 

