@@ -15,8 +15,8 @@ _apply_ucx_defaults()           # before anything imports mpi4py.MPI, which star
 
 from .base import timeline
 from .base.errors import (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError,
-                          PartFailed, PeerFailed, RanksLost, ReductionError, RootError, ServerFailed, SetupError,
-                          Unsupported)
+                          PartFailed, PeerFailed, RanksLost, ReductionError, RootError, ServerFailed, ServerLost,
+                          SetupError, Unsupported)
 from .base.failure import end_job
 from .base.launcher import LaunchMismatch
 from .channel.watchdog import guard_job
@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 
 # The errors a program catches are mpicoll's own, wherever they are defined: tracebacks name them so.
 for _error in (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError, PartFailed,
-               PeerFailed, RanksLost, ReductionError, RootError, ServerFailed, SetupError, LaunchMismatch, Unsupported):
+               PeerFailed, RanksLost, ReductionError, RootError, ServerFailed, ServerLost, SetupError, LaunchMismatch,
+               Unsupported):
     _error.__module__ = __name__
 del _error
 
@@ -38,7 +39,7 @@ __all__ = [
     "Communicator",
     "allreduce", "reduce_scatter", "allgather", "broadcast",
     "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
-    "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed", "PartFailed",
-    "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall", "LaunchMismatch",
+    "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed", "ServerLost",
+    "PartFailed", "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall", "LaunchMismatch",
     "Unsupported", "end_job", "guard_job", "timeline", "algorithms", "__version__",
 ]

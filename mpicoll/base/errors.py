@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed", "PartFailed",
-           "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError", "ConcurrentCall",
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed", "ServerLost",
+           "PartFailed", "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError", "ConcurrentCall",
            "Unsupported", "HorovodInternalError"]
 
 
@@ -123,6 +123,16 @@ class ServerFailed(MpicollError):
     def __init__(self, rank: int, server: int, reason: str):
         self.rank, self.server, self.reason = rank, server, reason
         super().__init__(f"worker rank {rank}: parameter server rank {server} failed: {reason}")
+
+
+class ServerLost(MpicollError):
+    """A parameter server died, or was cut off: its shard of the weights is gone, and no rule trains on without
+    it.  ``servers``: the lost ones, where known.  Raised on every rank left (``mpicoll train``: naming the
+    servers' last checkpoint)."""
+
+    def __init__(self, message: str, servers=()):
+        self.servers = sorted(set(servers))
+        super().__init__(message)
 
 
 class PartFailed(MpicollError):

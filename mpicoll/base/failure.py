@@ -37,8 +37,8 @@ from mpi4py import MPI
 
 from . import config, timeline
 
-__all__ = ["end_job", "end_at_exit", "failed_ranks", "fault_tolerant", "is_process_failure", "revoke", "revoke_and_shrink",
-           "outlived_a_death"]
+__all__ = ["end_job", "end_at_exit", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge", "meet_survivors", "revoke",
+           "revoke_and_shrink", "outlived_a_death", "end_after_losing"]
 
 EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
 _SETTLE_S = 2.0
@@ -150,6 +150,39 @@ def is_process_failure(error: BaseException) -> bool:
     return isinstance(error, MPI.Exception) and error.Get_error_class() in _PROCESS_FAILURES
 
 
+def acknowledge(comm: MPI.Comm) -> list[int]:
+    """ULFM: acknowledge the deaths MPI has reported on ``comm`` and return every rank of it known dead.
+
+    For a caller that goes on with the living without shrinking (a parameter server drops a dead worker):
+    once acknowledged, receives from any source work again, and only requests that involve the dead fail.
+    Where MPI has no fault tolerance there is nothing to acknowledge; the dead are still those
+    :func:`failed_ranks` knows.
+    """
+    try:
+        comm.Ack_failed()
+    except (NotImplementedError, AttributeError, MPI.Exception):
+        pass
+    return failed_ranks(comm)
+
+
+def meet_survivors(comm: MPI.Comm) -> None:
+    """ULFM: wait until every living rank of ``comm`` has come here too (an agreement among the survivors).
+
+    Collective over the survivors.  A process that outlived a death leaves without ``MPI_Finalize``
+    (:func:`outlived_a_death`), and a message it sent that was not yet taken in is lost with it: a rank still
+    receiving would see its sender die.  Meeting here first means every survivor has taken in what it was
+    waiting for.  Nothing where MPI has no fault tolerance.
+    """
+    acknowledge(comm)
+    try:
+        comm.Agree(1)
+    except (NotImplementedError, AttributeError):
+        pass
+    except MPI.Exception as error:          # a death not yet acknowledged here: the agreement still completed
+        if not is_process_failure(error):
+            raise
+
+
 def revoke(comm: MPI.Comm) -> bool:
     """ULFM: revoke ``comm``, so that every survivor's pending and later calls on it fail at once instead of
     waiting for the dead.  True once it is revoked (by this call, or by a survivor before); False where MPI has
@@ -214,6 +247,16 @@ def outlived_a_death() -> None:
     hooks and with its output flushed."""
     global _outlived
     _outlived = True
+
+
+def end_after_losing(reason: str) -> None:
+    """A process that finished its part of a job that lost ranks: under ULFM, leave at exit without
+    ``MPI_Finalize`` (:func:`outlived_a_death`) with its own status; without fault tolerance ``MPI_Finalize``
+    would wait for the dead forever, so end the whole job at exit, saying ``reason`` (:func:`end_at_exit`)."""
+    if fault_tolerant():
+        outlived_a_death()
+    else:
+        end_at_exit(reason)
 
 
 def _leave_without_finalize() -> None:

@@ -68,6 +68,10 @@ class Context:
         watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.channel.watchdog.watching)
         watchdog.end_job_on_uncaught_errors()
         self._dead, self._dead_asked_at = frozenset(), -math.inf     # the MPI library's last answer (living)
+        # Under ULFM, whether a dead peer is acknowledged and its caller goes on with the living (a parameter
+        # server drops a dead worker): the MPI error is raised as it came, nothing is revoked.  Otherwise
+        # the communicator is revoked and shrunk, and every survivor raises RanksLost.
+        self.outlives_deaths = False
         self.children: list[Context] = []     # contexts over parts of this one (mpicoll.channel.nodes), freed with it
         self.node_layout = None               # mpicoll.channel.nodes.NodeLayout, once an algorithm asked for it
         # Duplicating is a blocking collective: first make sure every rank is here.
@@ -239,7 +243,7 @@ class Context:
             elif not _all_done(requests):
                 self._wait_with_deadline(requests, peers, limit)
         except MPI.Exception as error:
-            self.raise_if_ranks_lost(error)
+            died = self.raise_if_ranks_lost(error)        # True: acknowledged, by a context that outlives deaths
             if error.Get_error_class() == MPI.ERR_TRUNCATE:
                 self.settle_fingerprint()       # names what every rank passed, on every rank
                 raise MismatchError(self.collective, {
@@ -248,8 +252,9 @@ class Context:
             if isinstance(peers, int):
                 peers = [peers] * len(requests)
             failed = [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
+            reason = "the process died (MPI's fault tolerance)" if died else error.Get_error_string()
             raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self.missing(failed)[0],
-                                         error.Get_error_string())) from None
+                                            reason)) from None
 
     def completes(self, requests: list, limit: float) -> bool:
         """Whether ``requests`` complete within ``limit`` seconds (0: wait forever), polled like every wait;
@@ -345,6 +350,8 @@ class Context:
         too, but was not waited for), else every silent rank (the suspect was a
         live neighbour waiting like us), else the suspects.
         """
+        if self.outlives_deaths and (dead := [self.names[peer] for peer in suspects if peer in self._dead]):
+            return dead, True              # acknowledged dead (ULFM): no roll call needed
         suspects = [self.names[peer] for peer in suspects]
         silent = self.silent_seen = self._silent()
         confirmed = [peer for peer in silent if peer in suspects] or silent
@@ -421,24 +428,33 @@ class Context:
             failure.end_at_exit(str(error))
         return error
 
-    def raise_if_ranks_lost(self, error: MPI.Exception) -> None:
+    def raise_if_ranks_lost(self, error: MPI.Exception) -> bool:
         """If ``error`` is MPI's fault tolerance reporting a dead peer (or a survivor's revoke), raise the
         :class:`RanksLost` every survivor raises; otherwise (no fault tolerance, another error) return.
 
         The first time on this rank: revoke the communicator this context duplicated, this context's channel
         and its parts' (every survivor's wait on them ends now), then shrink the duplicated communicator with
         the other survivors, which agrees on who is gone and gives the communicator of the survivors, left on
-        the duplicated communicator when it is a :class:`mpicoll.Communicator` for its ``shrink()``."""
-        if not failure.is_process_failure(error):
-            return
+        the duplicated communicator when it is a :class:`mpicoll.Communicator` for its ``shrink()``.
+
+        A context that :attr:`outlives_deaths` instead acknowledges the death, learns who is dead (:meth:`living`
+        answers without them) and returns True: its caller goes on with the living."""
         root = self
         while root.parent is not None:
             root = root.parent
+        # several requests of which one met the dead fail as ERR_IN_STATUS, the death in that one's status
+        if not (failure.is_process_failure(error) or error.Get_error_class() == MPI.ERR_IN_STATUS
+                and failure.failed_ranks(root.comm)):
+            return False
+        if root.outlives_deaths:
+            root._dead, root._dead_asked_at = frozenset(failure.acknowledge(root.comm)), time.perf_counter()
+            failure.outlived_a_death()
+            return True
         if root._lost is None:
             channels = [root.comm, *(part.comm for part in root.children)]
             shrunk = failure.revoke_and_shrink(root.origin, also=channels)
             if shrunk is None:
-                return
+                return False
             survivors, lost = shrunk
             try:                        # for the communicator's own shrink() (a mpicoll.Communicator's)
                 root.origin.__dict__["_survivors"] = survivors

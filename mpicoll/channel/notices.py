@@ -30,7 +30,13 @@ def listen(ctx, senders, tag: int, error: type) -> None:
     status, senders = MPI.Status(), set(senders)
 
     def alarm() -> None:
-        if ctx.comm.Iprobe(MPI.ANY_SOURCE, tag, status) and status.Get_source() in senders:
+        try:
+            noticed = ctx.comm.Iprobe(MPI.ANY_SOURCE, tag, status)
+        except MPI.Exception as death:     # ULFM: a probe of any source fails until a death is acknowledged
+            if ctx.raise_if_ranks_lost(death):     # acknowledged, by a context that outlives deaths: look again
+                return                             # at the next alarm
+            raise
+        if noticed and status.Get_source() in senders:
             reason = np.empty(status.Get_count(MPI.BYTE), np.uint8)
             ctx.comm.Recv([reason, MPI.BYTE], status.Get_source(), tag)
             raise ctx.broken_by(error(ctx.rank, status.Get_source(), bytes(reason).decode(errors="replace")))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..base import failure
 from ..channel import notices
 from ..channel.context import Context
 from ..base.tags import Tag
@@ -55,6 +56,7 @@ class ParameterServer:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.layout = Layout.split(comm, init.size, servers)
         self.context = Context(comm)
+        self.context.outlives_deaths = True      # under ULFM a dead worker is dropped, as without it
         self.rule = rule
         self.transport = transport
         self.windows = None
@@ -157,4 +159,6 @@ class ParameterServer:
             self.context.rendezvous()
             self.windows.free()
         self.windows = None
+        if self.lost and failure.fault_tolerant():     # each survivor leaves without MPI_Finalize: not before
+            failure.meet_survivors(self.context.comm)  # every other has taken in what it sent
         self.context.free(abandon=self._unclean)

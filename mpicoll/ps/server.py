@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from ..base import checkpoint
+from ..base import checkpoint, failure
 from ..channel.context import Context
 from ..channel.checks import all_finite
-from ..base.errors import Diverged, WorkerLost
+from ..base.errors import Diverged, ServerLost, WorkerLost
 from ..base.tags import Tag
 from .layout import Layout
 from .protocol import Kind
@@ -141,7 +141,12 @@ class Server:
         self.last_heard = {w: start for w in workers}
         while self.active:
             before = time.perf_counter()
-            index = ctx.waitany(self.requests, workers, patience=min(1.0, self.worker_timeout or 1.0))
+            try:
+                index = ctx.waitany(self.requests, workers, patience=min(1.0, self.worker_timeout or 1.0))
+            except MPI.Exception as error:           # under ULFM: a worker died (acknowledged: see who)
+                if not failure.is_process_failure(error):
+                    raise
+                index = None
             stats.idle_s += time.perf_counter() - before
             if index is None:
                 self._drop_lost_workers()
@@ -251,8 +256,13 @@ class Server:
     def _drop_lost_workers(self) -> None:
         """Drop the workers that are gone: dead by the MPI library's account (asked at most every
         ``_DEATHS_EVERY`` s; an answer sent to a dead worker on another node would crash this server
-        inside MPICH's UCX transport), or silent for ``worker_timeout`` s while not waiting for us."""
+        inside MPICH's UCX transport), or silent for ``worker_timeout`` s while not waiting for us.
+        Another server dead ends the run (:class:`ServerLost`): no rule goes on without a shard."""
         now, timeout = time.perf_counter(), self.worker_timeout
+        others = [server for server in self.layout.servers if server != self.layout.rank]
+        if gone := sorted(set(others).difference(self.ctx.living(others, stale_after=_DEATHS_EVERY))):
+            raise ServerLost(f"server rank {self.layout.rank}: server rank(s) {', '.join(map(str, gone))} died (the "
+                             "MPI library reports the process gone): its shard of the weights is gone with it", gone)
         dead = self.active.difference(self.ctx.living(sorted(self.active), stale_after=_DEATHS_EVERY))
         for worker in dead:                       # owed nothing: dropping one must not answer another
             self.waiting.pop(worker, None)
@@ -273,8 +283,13 @@ class Server:
                                          else "every other worker has finished"), file=sys.stderr, flush=True)
         index = self.workers.index(worker)
         if self.requests[index] != MPI.REQUEST_NULL:       # its next header's receive, if posted
-            self.requests[index].Cancel()
-            self.requests[index].Wait()
+            try:
+                self.requests[index].Cancel()
+                self.requests[index].Wait()
+            except MPI.Exception as error:                # a dead worker's (ULFM): nothing will come
+                if not failure.is_process_failure(error):
+                    raise
+                self.requests[index] = MPI.REQUEST_NULL
         self.active.discard(worker)
         self.waiting.pop(worker, None)
         self.stats.lost.append(worker)

@@ -26,7 +26,9 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+from mpi4py import MPI
 
+from ..base import failure
 from ..channel.context import Context
 from ..base.tags import Tag
 from .layout import Layout
@@ -42,11 +44,13 @@ TRANSPORTS = ("p2p", "onesided")
 
 class WorkerUnreachable(Exception):
     """A transfer with one worker did not complete within the timeout (its node cut off, or it hung in the
-    middle of a request): the server drops that worker where its rule allows, instead of ending the job."""
+    middle of a request), or MPI's fault tolerance reported the worker dead during it: the server drops that
+    worker where its rule allows, instead of ending the job."""
 
-    def __init__(self, worker: int, what: str, seconds: float):
+    def __init__(self, worker: int, what: str, seconds: float, died: bool = False):
         self.worker, self.what, self.seconds = worker, what, seconds
-        super().__init__(f"stopped in the middle of {what}: it did not complete in {seconds:g} s (cut off or hung)")
+        super().__init__(f"died in the middle of {what} (MPI's fault tolerance reports its process gone)" if died
+                         else f"stopped in the middle of {what}: it did not complete in {seconds:g} s (cut off or hung)")
 
 
 class _ServerSide:
@@ -61,8 +65,14 @@ class _ServerSide:
         stays usable for the other workers; the requests are abandoned).  Half: the other workers wait for
         this server with the whole timeout, and must not time out while it waits for one of them."""
         limit = self.ctx.timeout / 2
-        if not self.ctx.completes(requests, limit):
-            raise WorkerUnreachable(worker, what, limit)
+        try:
+            if self.ctx.completes(requests, limit):
+                return
+        except MPI.Exception as error:
+            if not failure.is_process_failure(error):
+                raise
+            raise WorkerUnreachable(worker, what, limit, died=True) from None
+        raise WorkerUnreachable(worker, what, limit)
 
     def note(self, worker: int, value: int) -> None:
         """The small answer header (a version, or the final note)."""

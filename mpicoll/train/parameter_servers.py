@@ -3,6 +3,7 @@ update rule of :mod:`mpicoll.ps` (Downpour also over pipelines of model stages, 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ from mpi4py import MPI
 
 from .. import arrays, ps
 from ..base import checkpoint, failure, timeline
+from ..base.errors import CollectiveTimeout, MpicollError, PeerFailed, ServerFailed, ServerLost
 from ..base.tags import Tag
 from ..channel.checks import load_checkpoint_set
 from ..models.dense import Model
@@ -97,44 +99,45 @@ class ParameterServers(Family):
                                         if server.is_server else {}, "updates")
         budget = options.epochs * steps * len(workers)        # gradients, over every worker
         reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
-        if server.is_server:
-            every = max(1, budget // options.epochs // per_update)       # updates per epoch
-            server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
-                         resume=options.resume, identity=run, state=state,
-                         lr_at=schedules.per_update(options.lr_schedule, options.lr, budget // per_update))
-        else:
-            client = server.client
-            schedule = ps.Schedule(client, options.n_fetch, options.n_push) if self.downpour else None
-            w = xp.asarray(client.pull())
-            done = min(client.versions.values()) * per_update            # more than 0 when resumed
-            reported = done * options.epochs // budget
-            epoch, skip = divmod(done // len(workers), steps)            # where this worker's batches were
-            while done < budget:
-                taken = batches(len(y), options.batch, steps, [options.seed, rank, epoch])[skip:]
-                skip = 0
-                for batch in taken:
-                    with slow, timeline.span("gradient", "train"):
-                        loss, grad = model.loss_and_gradient(w, X[batch], y[batch])
-                    with timeline.span("exchange with the servers", "train"):
-                        w = xp.asarray(schedule.step(arrays.as_host(grad)) if schedule else client.exchange(grad))
-                    done = min(client.versions.values()) * per_update     # gradients the servers have taken
-                    if done >= budget:
-                        break
-                    if reporter and done * options.epochs // budget > reported:
-                        reported = done * options.epochs // budget
-                        reporter.evaluate(w, reported, done * options.batch)
-                epoch += 1
-            client.close()
-        final = server.gather_weights()
+        with _a_lost_server_names_the_checkpoint(options):
+            if server.is_server:
+                every = max(1, budget // options.epochs // per_update)       # updates per epoch
+                server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
+                             resume=options.resume, identity=run, state=state,
+                             lr_at=schedules.per_update(options.lr_schedule, options.lr, budget // per_update))
+            else:
+                client = server.client
+                schedule = ps.Schedule(client, options.n_fetch, options.n_push) if self.downpour else None
+                w = xp.asarray(client.pull())
+                done = min(client.versions.values()) * per_update            # more than 0 when resumed
+                reported = done * options.epochs // budget
+                epoch, skip = divmod(done // len(workers), steps)            # where this worker's batches were
+                while done < budget:
+                    taken = batches(len(y), options.batch, steps, [options.seed, rank, epoch])[skip:]
+                    skip = 0
+                    for batch in taken:
+                        with slow, timeline.span("gradient", "train"):
+                            loss, grad = model.loss_and_gradient(w, X[batch], y[batch])
+                        with timeline.span("exchange with the servers", "train"):
+                            w = xp.asarray(schedule.step(arrays.as_host(grad)) if schedule else client.exchange(grad))
+                        done = min(client.versions.values()) * per_update     # gradients the servers have taken
+                        if done >= budget:
+                            break
+                        if reporter and done * options.epochs // budget > reported:
+                            reported = done * options.epochs // budget
+                            reporter.evaluate(w, reported, done * options.batch)
+                    epoch += 1
+                client.close()
+            final = server.gather_weights()
         staleness = _staleness(server, workers[0])
         server.close()
         if server.lost and rank not in server.lost:
-            # MPI_Finalize would wait for the lost ranks forever: once the result is out, every survivor
-            # ends the job (one alone may not reach the others when a node is cut off)
-            failure.end_at_exit(f"worker rank(s) {server.lost} were lost during training; the others finished")
+            # MPI_Finalize would wait for the lost ranks: once the result is out, every survivor leaves without
+            # it under ULFM, or ends the job (one alone may not reach the others when a node is cut off)
+            failure.end_after_losing(f"worker rank(s) {server.lost} were lost during training; the others finished")
         if reporter:
             reporter.evaluate(xp.asarray(final), options.epochs, budget * options.batch)
-            return reporter.finish(xp.asarray(final), staleness=staleness)
+            return reporter.finish(xp.asarray(final), staleness=staleness, workers_lost=server.lost)
         return None
 
     def _pipelines(self, comm, options, model, data, xp):
@@ -182,6 +185,47 @@ class ParameterServers(Family):
             pipe_comm.Free()
         stage_comm.Free()
         return reporter.finish(None, measured=score) if reporter else None
+
+
+@contextlib.contextmanager
+def _a_lost_server_names_the_checkpoint(options: Options):
+    """A server lost (dead, silent, or reported so by another server) ends the run on every rank, as a
+    :class:`ServerLost` that names the servers' last checkpoint; other errors pass as they are."""
+    try:
+        yield
+    except (PeerFailed, CollectiveTimeout, ServerFailed, ServerLost) as error:
+        lost = _servers_lost(error, options.servers)
+        if not lost:
+            raise
+        raise ServerLost(f"rank {MPI.COMM_WORLD.Get_rank()} lost parameter server rank(s) {', '.join(map(str, lost))}, "
+                         f"and no rule trains on without a shard of the weights; {_last_checkpoint(options)} "
+                         f"(what it saw: {error})", lost) from None
+
+
+def _servers_lost(error: Exception, servers: int) -> list:
+    """The servers (of the first ``servers`` ranks) that ``error`` says are gone, dead or silent, as heard by
+    this rank, or by a server that told its workers (["?"] when that server's note is all there is)."""
+    if isinstance(error, ServerLost):
+        return error.servers or ["?"]
+    if isinstance(error, ServerFailed):
+        if not error.reason.startswith(ServerLost.__name__):
+            return []
+        return [rank for rank in failure.failed_ranks(MPI.COMM_WORLD) if rank < servers] or ["?"]
+    return [peer for peer in error.peers if peer < servers]
+
+
+def _last_checkpoint(options: Options) -> str:
+    """What the servers saved, for the message that ends a run that lost one."""
+    if not options.checkpoint:
+        return "nothing was saved (no --checkpoint): the run must start over"
+    try:
+        points = [checkpoint.stamp(ps.server.checkpoint_file(options.checkpoint, server), {})["point"]
+                  for server in range(options.servers)]
+    except (OSError, ValueError, KeyError, MpicollError):
+        return (f"no whole set of the servers' checkpoints under --checkpoint {options.checkpoint} was found from "
+                "this rank (none written yet, or on another node's disk)")
+    return (f"the servers' last checkpoint, --checkpoint {options.checkpoint}, holds update {min(points)}: go on "
+            f"from it with the same command and --resume, on as many ranks")
 
 
 STALENESS_BINS = 64        # lags counted one by one; longer ones share the last bin

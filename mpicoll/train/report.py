@@ -114,11 +114,13 @@ class Reporter:
         self.stream.flush()
 
     def finish(self, params, staleness: dict[int, int] | None = None,
-               measured: tuple[float, float] | None = None, losses=(), replicas_identical: bool | None = None) -> dict:
+               measured: tuple[float, float] | None = None, losses=(), replicas_identical: bool | None = None,
+               workers_lost=()) -> dict:
         """The summary record (logged and returned); ``staleness``: a parameter server's histogram of the
         updates between the weights a gradient was computed on and the update that used it; ``measured``:
         as for :meth:`evaluate`; ``losses``: the ranks an elastic run lost (:class:`mpicoll.train.elastic.Loss`);
-        ``replicas_identical``: whether every rank ended with the same parameters, where it was checked."""
+        ``replicas_identical``: whether every rank ended with the same parameters, where it was checked;
+        ``workers_lost``: the workers the parameter servers dropped."""
         loss, accuracy = measured or self.model.evaluate(params, self.X_test, self.y_test)
         wall = time.perf_counter() - self.start
         options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "resume")}
@@ -130,6 +132,8 @@ class Reporter:
             summary["staleness"] = {str(lag): count for lag, count in sorted(staleness.items())}
         if replicas_identical is not None:
             summary["replicas_identical"] = replicas_identical
+        if workers_lost:
+            summary["workers_lost"] = list(workers_lost)
         if losses:
             summary["ranks_at_start"] = self.ranks + sum(len(loss.lost) for loss in losses)
             summary["ranks_lost"] = [loss.record() for loss in losses]
@@ -140,7 +144,7 @@ class Reporter:
             ranks = f"{self.ranks} rank{'s' if self.ranks != 1 else ''}"
             self.stream.write(f"{self.options.method}: test accuracy {accuracy:.1%}, loss {loss:.4f}, "
                               f"{wall:.1f} s, {summary['samples_per_s']:,.0f} samples/s on {ranks}"
-                              f"{_describe(staleness)}{_lost(losses)}\n")
+                              f"{_describe(staleness)}{_lost(losses)}{_dropped(workers_lost)}\n")
             self.stream.flush()
         if self.log:
             self.log.close()
@@ -171,6 +175,12 @@ def _lost(losses) -> str:
         return ""
     return " (" + "; ".join(f"lost rank{'s' if len(loss.lost) > 1 else ''} {', '.join(map(str, loss.lost))} in "
                             f"epoch {loss.epoch}" for loss in losses) + ")"
+
+
+def _dropped(workers) -> str:
+    """' (worker rank 3 lost, dropped)' for the progress line ('' when none was)."""
+    return f" (worker rank{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))} lost, dropped)" \
+        if workers else ""
 
 
 def _describe(staleness: dict[int, int] | None) -> str:

@@ -120,6 +120,34 @@ def test_below_min_ranks_every_survivor_stops_naming_the_checkpoint(tmp_path):
     assert (tmp_path / "ckpt.npz").exists()
 
 
+@pytest.mark.parametrize("method, transport", [("ps-async", "p2p"), ("dcasgd", "onesided")])
+def test_the_parameter_servers_drop_a_killed_worker_and_finish(tmp_path, method, transport):
+    """Under fault tolerance a dead worker's failed request is acknowledged, not revoked for: the server drops
+    it, as it does without ULFM, and the other workers finish; every survivor leaves cleanly (status 0)."""
+    job, logged = train(tmp_path, "killed", "--method", method, "--transport", transport, *SLOW, kill=2)
+    assert job.returncode == 0, job.stderr_text[-3000:]
+    assert "[server rank 0] worker rank 2 died (the MPI library reports its process gone): dropped" in \
+        job.stderr_text, job.stderr_text[-3000:]
+    summary = summary_of(logged)
+    assert summary["workers_lost"] == [2] and summary["final_accuracy"] > 0.9, summary
+    assert [r["epoch"] for r in logged if "epoch" in r] == list(range(1, 7))
+
+
+def test_a_killed_server_ends_the_run_on_every_rank_naming_the_last_checkpoint(tmp_path):
+    prefix = tmp_path / "ck"
+    job, logged = train(tmp_path, "server", "--method", "ps-async", "--servers", "2", "--checkpoint", str(prefix),
+                        *SLOW, kill=0)
+    assert job.returncode != 0, job.stderr_text[-3000:]
+    said = {int(line.split()[3].rstrip(":")): line for line in job.stderr_text.splitlines()
+            if line.startswith("mpicoll train: rank ")}
+    assert sorted(said) == [1, 2, 3], job.stderr_text[-3000:]
+    updates = checkpoint.stamp(checkpoint.path(prefix, "server", 1), {})["point"]
+    assert all(f"rank {rank} lost parameter server rank(s) 0," in line and
+               f"--checkpoint {prefix}, holds update {updates}: go on from it" in line
+               for rank, line in said.items()), said
+    assert not any(r.get("summary") for r in logged)
+
+
 def test_elastic_without_fault_tolerance_says_what_to_install(tmp_path):
     result = launch(2, "-m", "mpicoll", "train", "--elastic", "--epochs", "1", env={"OMPI_MCA_mpi_ft_enable": ""})
     assert result.returncode == 2, result.stderr[-2000:]
