@@ -165,22 +165,25 @@ def acknowledge(comm: MPI.Comm) -> list[int]:
     return failed_ranks(comm)
 
 
-def meet_survivors(comm: MPI.Comm) -> None:
-    """ULFM: wait until every living rank of ``comm`` has come here too (an agreement among the survivors).
+def meet_survivors(comm: MPI.Comm, saw_a_loss: bool = False) -> bool:
+    """ULFM: wait until every living rank of ``comm`` has come here too (an agreement among the survivors);
+    returns whether any of them ``saw_a_loss``.
 
     Collective over the survivors.  A process that outlived a death leaves without ``MPI_Finalize``
     (:func:`outlived_a_death`), and a message it sent that was not yet taken in is lost with it: a rank still
     receiving would see its sender die.  Meeting here first means every survivor has taken in what it was
-    waiting for.  Nothing where MPI has no fault tolerance.
+    waiting for; and a survivor that never heard of the death learns of it here.  Where MPI has no fault
+    tolerance nothing is waited for, and only this rank's ``saw_a_loss`` is known.
     """
     acknowledge(comm)
     try:
-        comm.Agree(1)
+        return not comm.Agree(int(not saw_a_loss))
     except (NotImplementedError, AttributeError):
-        pass
+        return saw_a_loss
     except MPI.Exception as error:          # a death not yet acknowledged here: the agreement still completed
         if not is_process_failure(error):
             raise
+        return True
 
 
 def revoke(comm: MPI.Comm) -> bool:

@@ -256,6 +256,16 @@ class Context:
             raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self.missing(failed)[0],
                                             reason)) from None
 
+    def done_or_dead(self, request: MPI.Request) -> bool:
+        """Whether ``request`` has completed, or failed because its peer died (in a context that
+        :attr:`outlives_deaths`, under ULFM): a send to a worker that may have died, tested in passing."""
+        try:
+            return request.Test()
+        except MPI.Exception as error:
+            if self.raise_if_ranks_lost(error):
+                return True
+            raise
+
     def completes(self, requests: list, limit: float) -> bool:
         """Whether ``requests`` complete within ``limit`` seconds (0: wait forever), polled like every wait;
         if not, they are left pending and the channel stays usable.  For waits on one peer that its caller

@@ -19,12 +19,15 @@ without backups and nothing with them.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from mpi4py import MPI
 
+from ..base import failure
 from ..base.chunks import balanced_bounds
 from ..channel.context import Context
 from ..base.errors import WorkersLost
@@ -34,6 +37,7 @@ from .protocol import COMMAND_WORDS, HEADER, Op, Roles, Task
 __all__ = ["RemoteVectors", "Stats", "WorkersLost"]
 
 _LOOK_AROUND_S = 0.01       # how often a wait for workers looks for silent ones
+_DEATHS_EVERY = 0.05        # seconds between questions to MPI about dead workers (0.1 ms each)
 
 
 @dataclass
@@ -129,13 +133,18 @@ class RemoteVectors:
         for worker in self.live:
             self._task(worker, [Task.STOP, self.publication, 0, 0, 0, 0])
         waiting, deadline = set(self.live), time.perf_counter() + self.worker_timeout
+        dead: set[int] = set()
         while waiting and (not self.worker_timeout or time.perf_counter() < deadline):
             worker, task = self._next_done(sorted(waiting))
             if worker is not None and task is None:
                 waiting.discard(worker)
             elif worker is not None:
                 self.stats.discarded += 1                      # a backup's twin, finishing late
-        self._lose(sorted(waiting))
+            else:                                              # the dead say no goodbye
+                dead.update(waiting.difference(self.ctx.living(waiting, stale_after=_DEATHS_EVERY)))
+                waiting.difference_update(dead)
+        self._lose(sorted(waiting), f"said no goodbye in {self.worker_timeout:g} s")
+        self._lose(sorted(dead), "died (the MPI library reports its process gone)")
         self._command([Op.FINISH])
         mask = np.zeros(self.roles.ranks, np.int8)
         mask[self.stats.lost] = 1
@@ -154,7 +163,7 @@ class RemoteVectors:
         self.ctx.waitall([self.ctx.isend(command, s, Tag.SANDBLASTER_COMMAND) for s in shards], shards)
 
     def _task(self, worker: int, words) -> None:
-        self._sends = [(r, w) for r, w in self._sends if not r.Test()]
+        self._sends = [(r, w) for r, w in self._sends if not self.ctx.done_or_dead(r)]
         task = np.array(words, HEADER)
         self._sends.append((self.ctx.isend(task, worker, Tag.SANDBLASTER_TASK), worker))
 
@@ -206,7 +215,12 @@ class RemoteVectors:
         or (None, None) after a short wait."""
         if not workers:
             return None, None
-        index = self.ctx.waitany([self._requests[w] for w in workers], workers, patience=_LOOK_AROUND_S)
+        try:
+            index = self.ctx.waitany([self._requests[w] for w in workers], workers, patience=_LOOK_AROUND_S)
+        except MPI.Exception as error:          # under ULFM: a worker died (acknowledged: lost next)
+            if not failure.is_process_failure(error):
+                raise
+            index = None
         if index is None:
             return None, None
         worker = workers[index]
@@ -214,21 +228,27 @@ class RemoteVectors:
         return worker, (self.busy.pop(worker, (-1, -1, time.perf_counter())) if self._done[worker][0] >= 0 else None)
 
     def _take_from_silent(self) -> list[int]:
-        """Count workers silent on one portion for the timeout as lost; the portions (of this publication)
-        they held."""
-        if not self.worker_timeout:
-            return []
+        """Count workers silent on one portion for the timeout, or dead by MPI's account, as lost; the
+        portions (of this publication) they held."""
         now = time.perf_counter()
-        silent = [w for w, (_, _, since) in self.busy.items() if now - since > self.worker_timeout]
+        dead = set(self.live).difference(self.ctx.living(self.live, stale_after=_DEATHS_EVERY))
+        silent = [w for w, (_, _, since) in self.busy.items()
+                  if w in dead or self.worker_timeout and now - since > self.worker_timeout]
         held = [self.busy[w][1] for w in silent if self.busy[w][0] == self.publication]
-        self._lose(silent)
+        self._lose(sorted(dead), "died (the MPI library reports its process gone)")
+        self._lose([w for w in silent if w not in dead], f"was silent on one portion for {self.worker_timeout:g} s")
         if not self.live:
             raise self.ctx.broken_by(WorkersLost(f"Sandblaster coordinator: every worker was lost "
                                                  f"({self.stats.lost}); no gradient can be computed"))
         return held
 
-    def _lose(self, workers) -> None:
+    def _lose(self, workers, why: str) -> None:
+        """Go on without ``workers`` (their portions are handed out again), saying so."""
         for worker in workers:
+            others = len(self.live) - 1
+            print(f"[Sandblaster coordinator] worker rank {worker} {why}: lost; " +
+                  (f"its portions go to the other {others}" if others else "no worker is left"),
+                  file=sys.stderr, flush=True)
             self.live.remove(worker)
             self.busy.pop(worker, None)
             self.stats.lost.append(worker)

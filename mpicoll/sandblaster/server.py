@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..base import checkpoint
+from ..base import checkpoint, failure
 from ..channel.context import Context
 from ..base.tags import Tag
 from .protocol import COMMAND_WORDS, HEADER, Op, Roles, coordinator_patience
@@ -95,12 +95,29 @@ class Shard:
         while True:
             requests = [self._command_request, *self._header_requests.values()]
             peers = [coordinator, *self._header_requests]
-            index = self.ctx.waitany(requests, peers, limit=coordinator_patience(self.ctx))
+            index = self._waitany(requests, peers, limit=coordinator_patience(self.ctx))
+            if index is None:
+                continue
             if index == 0:
                 command = self._command.copy()
                 self._command_request = self.ctx.irecv(self._command, coordinator, Tag.SANDBLASTER_COMMAND)
                 return command
             self._take_gradient(peers[index])
+
+    def _waitany(self, requests: list, peers: list[int], limit: float | None = None) -> int | None:
+        """``ctx.waitany``, going on without workers MPI's fault tolerance reports dead (their headers are no
+        longer awaited; the coordinator counts them lost): None after one such report."""
+        try:
+            return self.ctx.waitany(requests, peers, limit=limit)
+        except MPI.Exception as error:
+            if not failure.is_process_failure(error):
+                raise
+            dead = set(self._header_requests).difference(self.ctx.living(list(self._header_requests)))
+            if not dead:                                   # the coordinator, or another shard: no going on
+                raise
+            for worker in dead:
+                self._header_requests[worker] = MPI.REQUEST_NULL
+            return None
 
     def _take_gradient(self, worker: int) -> None:
         """Receive the slice announced by ``worker``'s header; keep it if it is a new portion of this publication."""
@@ -126,9 +143,9 @@ class Shard:
     def _publish(self, vector: np.ndarray) -> None:
         """Send a snapshot of ``vector``'s slice to every worker (never waited for here: a slow worker
         takes it when it needs it); start a new publication, dropping the old one's portions."""
-        self.sends = [(r, w, buf) for r, w, buf in self.sends if not r.Test()]
+        self.sends = [(r, w, buf) for r, w, buf in self.sends if not self.ctx.done_or_dead(r)]
         snapshot = vector.copy()
-        for worker in self.roles.workers:
+        for worker in self.ctx.living(self.roles.workers):
             self.sends.append((self.ctx.isend(snapshot, worker, Tag.SANDBLASTER_WEIGHTS), worker, snapshot))
         self.publication += 1
         self.portions = {}
@@ -144,7 +161,9 @@ class Shard:
             if not requests:
                 raise RuntimeError(f"server rank {self.ctx.rank}: every worker has stopped with "
                                    f"{portions - len(self.portions)} portion(s) missing")
-            self._take_gradient(waiting[self.ctx.waitany(requests, waiting)])
+            index = self._waitany(requests, waiting)
+            if index is not None:
+                self._take_gradient(waiting[index])
         into[:] = 0.0
         for portion in range(portions):
             into += self.portions[portion]
@@ -157,7 +176,9 @@ class Shard:
             self._header_requests[worker] = MPI.REQUEST_NULL
         while any(r != MPI.REQUEST_NULL for r in self._header_requests.values()):
             waiting = [w for w, r in self._header_requests.items() if r != MPI.REQUEST_NULL]
-            self._take_gradient(waiting[self.ctx.waitany([self._header_requests[w] for w in waiting], waiting)])
+            index = self._waitany([self._header_requests[w] for w in waiting], waiting)
+            if index is not None:
+                self._take_gradient(waiting[index])
         live = [(r, w) for r, w, _ in self.sends if w not in lost]
         self.ctx.waitall([r for r, _ in live], [w for _, w in live])
         final = [(self.ctx.isend(self.vectors["x"], w, Tag.SANDBLASTER_FINAL), w)

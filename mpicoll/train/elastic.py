@@ -14,7 +14,7 @@ would.  Every survivor computes the same plans from the same agreed facts; nothi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -147,9 +147,8 @@ class Survivors:
         self.losses.append(loss)
         if channel.Get_rank() == 0:
             if self.reporter is None:
-                self.reporter = Reporter(replace(self.options, resume=True, overwrite=False), self.model, self.data,
-                                         self.xp, ranks=loss.ranks)
-                self.reporter.start = self.started
+                self.reporter = Reporter.take_over(self.options, self.model, self.data, self.xp, loss.ranks,
+                                                   self.started)
             self.reporter.ranks_lost(loss)
         if loss.ranks < self.options.min_ranks:
             raise self._below_floor(loss)

@@ -4,6 +4,7 @@ update rule of :mod:`mpicoll.ps` (Downpour also over pipelines of model stages, 
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,7 @@ class ParameterServers(Family):
                                         if server.is_server else {}, "updates")
         budget = options.epochs * steps * len(workers)        # gradients, over every worker
         reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
+        started = time.perf_counter()
         with _a_lost_server_names_the_checkpoint(options):
             if server.is_server:
                 every = max(1, budget // options.epochs // per_update)       # updates per epoch
@@ -135,6 +137,8 @@ class ParameterServers(Family):
             # MPI_Finalize would wait for the lost ranks: once the result is out, every survivor leaves without
             # it under ULFM, or ends the job (one alone may not reach the others when a node is cut off)
             failure.end_after_losing(f"worker rank(s) {server.lost} were lost during training; the others finished")
+            if workers[0] in server.lost and rank == min(set(workers) - set(server.lost), default=None):
+                reporter = Reporter.take_over(options, model, data, xp, size, started)     # the log's writer died
         if reporter:
             reporter.evaluate(xp.asarray(final), options.epochs, budget * options.batch)
             return reporter.finish(xp.asarray(final), staleness=staleness, workers_lost=server.lost)

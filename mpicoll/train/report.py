@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -89,6 +89,14 @@ class Reporter:
         self.stream = sys.stderr
         self.live = options.progress and self.stream.isatty()
         self.last: dict = {}
+
+    @classmethod
+    def take_over(cls, options, model, data, xp, ranks: int, start: float) -> "Reporter":
+        """The reporter of a rank that goes on with the log of a reporting rank that was lost: the log appended
+        to, the run timed from ``start`` (a ``time.perf_counter()`` of this rank's)."""
+        reporter = cls(replace(options, resume=True, overwrite=False), model, data, xp, ranks=ranks)
+        reporter.start = start
+        return reporter
 
     def evaluate(self, params, epoch: int, samples: int, measured: tuple[float, float] | None = None) -> dict:
         """Record the test loss and accuracy of ``params`` (or ``measured``: (loss, accuracy) found elsewhere,

@@ -120,17 +120,33 @@ def test_below_min_ranks_every_survivor_stops_naming_the_checkpoint(tmp_path):
     assert (tmp_path / "ckpt.npz").exists()
 
 
-@pytest.mark.parametrize("method, transport", [("ps-async", "p2p"), ("dcasgd", "onesided")])
-def test_the_parameter_servers_drop_a_killed_worker_and_finish(tmp_path, method, transport):
+@pytest.mark.parametrize("method, transport, victim", [("ps-async", "p2p", 2), ("dcasgd", "onesided", 3),
+                                                       ("downpour", "p2p", 1)])      # 1: the log's writer
+def test_the_parameter_servers_drop_a_killed_worker_and_finish(tmp_path, method, transport, victim):
     """Under fault tolerance a dead worker's failed request is acknowledged, not revoked for: the server drops
-    it, as it does without ULFM, and the other workers finish; every survivor leaves cleanly (status 0)."""
-    job, logged = train(tmp_path, "killed", "--method", method, "--transport", transport, *SLOW, kill=2)
+    it, as it does without ULFM, and the other workers finish; every survivor leaves cleanly (status 0).  The
+    log's writer lost, the next worker writes the summary."""
+    job, logged = train(tmp_path, "killed", "--method", method, "--transport", transport, *SLOW, kill=victim)
     assert job.returncode == 0, job.stderr_text[-3000:]
-    assert "[server rank 0] worker rank 2 died (the MPI library reports its process gone): dropped" in \
+    assert f"[server rank 0] worker rank {victim} died (the MPI library reports its process gone): dropped" in \
         job.stderr_text, job.stderr_text[-3000:]
     summary = summary_of(logged)
-    assert summary["workers_lost"] == [2] and summary["final_accuracy"] > 0.9, summary
-    assert [r["epoch"] for r in logged if "epoch" in r] == list(range(1, 7))
+    assert summary["workers_lost"] == [victim] and summary["final_accuracy"] > 0.9, summary
+    epochs = [r["epoch"] for r in logged if "epoch" in r]
+    assert epochs == list(range(1, 7)) if victim != 1 else epochs[:2] == [1, 2] and epochs[-1] == 6, epochs
+
+
+def test_sandblaster_hands_a_killed_workers_portions_to_the_others_and_ends_as_an_intact_run(tmp_path):
+    """L-BFGS on whole batches is deterministic, and the portions of a dead worker are recomputed by the
+    others and summed in the same order: the run ends where an intact one does."""
+    runs = {}
+    for name, kill in (("intact", None), ("killed", 3)):
+        job, logged = train(tmp_path, name, "--method", "sandblaster-lbfgs", "--delay", "fixed:60", kill=kill)
+        assert job.returncode == 0, job.stderr_text[-3000:]
+        runs[name] = summary_of(logged)
+    assert "[Sandblaster coordinator] worker rank 3 died (the MPI library reports its process gone): lost; its " \
+           "portions go to the other 1" in job.stderr_text, job.stderr_text[-3000:]
+    assert runs["killed"]["final_loss"] == runs["intact"]["final_loss"], runs
 
 
 def test_a_killed_server_ends_the_run_on_every_rank_naming_the_last_checkpoint(tmp_path):
