@@ -251,10 +251,14 @@ class Context:
                                "the ranks passed different counts (MPICOLL_DEBUG=1 names them)"}) from None
             if isinstance(peers, int):
                 peers = [peers] * len(requests)
+            if died:            # acknowledged: the dead are known (their failed requests may be freed already)
+                dead = sorted(set(peers).difference(self.living(sorted(set(peers)))))
+                raise self.broken_by(PeerFailed(self.collective, self.names[self.rank],
+                                                [self.names[peer] for peer in dead] or self.missing(peers)[0],
+                                                "the process died (MPI's fault tolerance)")) from None
             failed = [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
-            reason = "the process died (MPI's fault tolerance)" if died else error.Get_error_string()
             raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self.missing(failed)[0],
-                                            reason)) from None
+                                            error.Get_error_string())) from None
 
     def done_or_dead(self, request: MPI.Request) -> bool:
         """Whether ``request`` has completed, or failed because its peer died (in a context that

@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from ..base import checkpoint, failure
 from ..channel.context import Context
+from ..base.errors import PeerFailed
 from ..base.tags import Tag
 from .protocol import COMMAND_WORDS, HEADER, Op, Roles, coordinator_patience
 
@@ -113,8 +114,10 @@ class Shard:
             if not failure.is_process_failure(error):
                 raise
             dead = set(self._header_requests).difference(self.ctx.living(list(self._header_requests)))
-            if not dead:                                   # the coordinator, or another shard: no going on
-                raise
+            if not dead:                                   # the coordinator: no going on
+                raise self.ctx.broken_by(PeerFailed(self.ctx.collective, self.ctx.rank,
+                                                    set(peers).difference(self.ctx.living(peers)),
+                                                    "the process died (MPI's fault tolerance)")) from None
             for worker in dead:
                 self._header_requests[worker] = MPI.REQUEST_NULL
             return None
