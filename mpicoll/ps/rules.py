@@ -246,12 +246,12 @@ class DCASGD(Rule):
         return {**super().state(), **extra}
 
     def load_state(self, state):
+        """Also from a run of other workers: a worker the checkpoint has no backup of starts from the weights
+        (as every worker of a fresh run does); a worker's first pull sets its backup anyway."""
         super().load_state(state)
-        saved = [int(w) for w in state["backup_workers"]]
-        if saved != sorted(self.backup):
-            raise ValueError(f"checkpoint has backups for workers {saved}, this run has {sorted(self.backup)}")
-        for worker, weights in zip(saved, state["backups"]):
-            self.backup[worker][...] = weights
+        saved = dict(zip((int(w) for w in state["backup_workers"]), state["backups"]))
+        for worker, backup in self.backup.items():
+            backup[...] = saved.get(worker, self.w)
         if self.adaptive:
             self.mean_square[...] = state["mean_square"]
 

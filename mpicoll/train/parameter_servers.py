@@ -37,14 +37,23 @@ class ParameterServers(Family):
 
     min_ranks = 2            # a server and a worker
     reports_staleness = True
-    fixed_ranks = ("the servers count their updates in rounds of the workers there were and keep state per "
-                   "worker (soft-sync's open round, DC-ASGD's backups); moving that to another worker count is not "
-                   "written yet (docs/elastic.md)")
+    fixed_ranks = ("its servers count updates in rounds of the workers there were, and a round may be open in the "
+                   "files; ps-async, dcasgd and downpour continue on another number of workers")
 
     def __init__(self, name: str, rule: str):
         super().__init__(name)
         self.rule_name = rule
         self.downpour = rule == "downpour"        # Downpour's fetch/push cadence, and pipelines of stages
+        if not ps.RULES[rule].waits_for_rounds:   # one gradient an update, whoever sends it
+            self.reshards = ("each server continues its shard (the weights, the rule's state, the update count), "
+                             "the same --servers; the data is divided among the new workers, and each starts from "
+                             "the weights it pulls")
+
+    def _server_identity(self, layout, rule, run: dict) -> dict:
+        """What a server's checkpoint must match on resuming: at another worker count (a rule that
+        :attr:`reshards`), all but the rank and worker counts."""
+        identity = ps.server.checkpoint_identity(layout, rule, run)
+        return {k: v for k, v in identity.items() if k not in ("ranks", "workers")} if self.reshards else identity
 
     def rule(self, options: Options, workers: int) -> tuple[ps.Rule, int]:
         """(the server's rule, how many gradients one of its updates takes in: the budget's unit)."""
@@ -81,8 +90,7 @@ class ParameterServers(Family):
         if comm.Get_rank() < options.servers:
             layout = ps.Layout.split(comm, model.size, options.servers)
             rule, _ = self.rule(options, len(layout.workers))
-            checkpoint.check(self.checkpoint_file(options, layout.rank),
-                             ps.server.checkpoint_identity(layout, rule, run))
+            checkpoint.check(self.checkpoint_file(options, layout.rank), self._server_identity(layout, rule, run))
 
     def run(self, comm, options, model, data, xp, run):
         if options.model_parallel > 1:
@@ -95,8 +103,9 @@ class ParameterServers(Family):
         me, steps, X, y, slow = setup(comm, options, data, xp, workers)
         state = None
         if options.resume:                      # the newest point every server's file holds (a stop between writes)
+            self.say_resharded(comm, options, self.earlier_ranks(options, run))
             mine = self.checkpoint_file(options, rank)
-            state = load_checkpoint_set(comm, mine, ps.server.checkpoint_identity(server.layout, rule, run)
+            state = load_checkpoint_set(comm, mine, self._server_identity(server.layout, rule, run)
                                         if server.is_server else {}, "updates")
         budget = options.epochs * steps * len(workers)        # gradients, over every worker
         reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None

@@ -71,7 +71,8 @@ def test_resuming_into_other_data_is_refused_and_the_checkpoint_kept(tmp_path, m
 
 
 @pytest.mark.parametrize("method, first, then, words", [
-    ("ps-async", 3, 4, "written by a run of 3 ranks, and ps-async cannot continue it on 4: the servers count"),
+    ("ps-sync", 3, 4, "written by a run of 3 ranks, and ps-sync cannot continue it on 4: its servers count"),
+    ("ps-softsync", 4, 3, "written by a run of 4 ranks, and ps-softsync cannot continue it on 3: its servers count"),
 ])
 def test_resuming_with_other_rank_counts_is_refused(tmp_path, method, first, then, words):
     """Where a method's state cannot move to another rank count (the others reshard: tests/train/test_reshard.py)."""

@@ -1,7 +1,7 @@
 """``mpicoll train --resume`` on another number of ranks than the run that wrote the checkpoint: the allreduce
 methods go on as a run of the new count would, SGP starts every rank from the average of the earlier ranks'
-de-biased parameters, Sandblaster L-BFGS hands the gradient's portions to the new workers (the parameter
-servers refuse with the reason: tests/train/test_faults.py).  Real MPI: the run of one count is the whole job,
+de-biased parameters, Sandblaster L-BFGS hands the gradient's portions to the new workers, and ps-async and
+dcasgd servers continue their shards (ps-sync and ps-softsync refuse with the reason: tests/train/test_faults.py).  Real MPI: the run of one count is the whole job,
 the other a communicator of all ranks but the last (``--resume`` only compares files, so one job plays both
 runs)."""
 
@@ -92,5 +92,34 @@ def test_sandblaster_resumed_on_more_workers_ends_where_an_uninterrupted_run_doe
     everywhere(resumed["ranks"] == P and abs(resumed["final_loss"] - straight["final_loss"]) < 1e-7,
                f"resumed on {P} ranks: {resumed['final_loss']!r}, uninterrupted on {P - 1}: "
                f"{straight['final_loss']!r}")
+    if fewer is not None:
+        fewer.Free()
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("method", ["ps-async", "dcasgd"])
+def test_a_parameter_server_resumed_on_more_workers_continues_its_shard(tmp_path_factory, capfd, method):
+    """A server and P-2 workers for an epoch, then a server and P-1 workers resume: with nothing left to train
+    the run ends at the server's saved weights (its shard moved, whatever the worker count); one more epoch
+    goes on from its update count, one gradient an update."""
+    data, folder = digits(), _folder(tmp_path_factory)
+    model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
+    options = dict(method=method, batch=8, lr=0.1, seed=4, progress=False, checkpoint=f"{folder}/job")
+    fewer = _fewer()
+    _summary(fewer, Options(epochs=1, **options), model, data)
+    saved = checkpoint.load(checkpoint.path(f"{folder}/job", "server", 0), {})
+    summary = _summary(WORLD, Options(epochs=1, resume=True, **options), model, data)
+    expected = model.evaluate(saved["w"], data.X_test, data.y_test)[0]
+    everywhere(summary["ranks"] == P and abs(summary["final_loss"] - expected) < 1e-12,
+               f"final loss {summary['final_loss']!r}, the saved weights' {expected!r}")
+    said = capfd.readouterr().err
+    if RANK == 0:
+        assert f"written by {P - 1} ranks, on {P}" in said, said
+    summary = _summary(WORLD, Options(epochs=2, resume=True, **options), model, data)
+    after = checkpoint.load(checkpoint.path(f"{folder}/job", "server", 0), {})
+    per_epoch = int(saved["version"])                 # one epoch's gradients, about the same at any worker count
+    everywhere(summary["final_loss"] < expected and abs(int(after["version"]) - 2 * per_epoch) <= P,
+               f"after one more epoch: loss {summary['final_loss']!r} (was {expected!r}), updates "
+               f"{int(after['version'])} (one epoch: {per_epoch})")
     if fewer is not None:
         fewer.Free()
