@@ -68,10 +68,11 @@ class Context:
         watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.channel.watchdog.watching)
         watchdog.end_job_on_uncaught_errors()
         self._dead, self._dead_asked_at = frozenset(), -math.inf     # the MPI library's last answer (living)
-        # Under ULFM, whether a dead peer is acknowledged and its caller goes on with the living (a parameter
-        # server drops a dead worker): the MPI error is raised as it came, nothing is revoked.  Otherwise
-        # the communicator is revoked and shrunk, and every survivor raises RanksLost.
-        self.outlives_deaths = False
+        # What a death does under ULFM (raise_if_ranks_lost): "shrink", the communicator is revoked and shrunk,
+        # and every survivor raises RanksLost; "acknowledge", the caller goes on with the living (a parameter
+        # server drops a dead worker); "revoke", revoked and RanksLost raised, not shrunk: a part of a larger
+        # communicator, whose survivors recover together on that one (mpicoll train --elastic --model-parallel).
+        self.on_death = "shrink"
         self.children: list[Context] = []     # contexts over parts of this one (mpicoll.channel.nodes), freed with it
         self.node_layout = None               # mpicoll.channel.nodes.NodeLayout, once an algorithm asked for it
         # Duplicating is a blocking collective: first make sure every rank is here.
@@ -243,7 +244,7 @@ class Context:
             elif not _all_done(requests):
                 self._wait_with_deadline(requests, peers, limit)
         except MPI.Exception as error:
-            died = self.raise_if_ranks_lost(error)        # True: acknowledged, by a context that outlives deaths
+            died = self.raise_if_ranks_lost(error)        # True: acknowledged (on_death "acknowledge")
             if error.Get_error_class() == MPI.ERR_TRUNCATE:
                 self.settle_fingerprint()       # names what every rank passed, on every rank
                 raise MismatchError(self.collective, {
@@ -262,7 +263,7 @@ class Context:
 
     def done_or_dead(self, request: MPI.Request) -> bool:
         """Whether ``request`` has completed, or failed because its peer died (in a context that
-        :attr:`outlives_deaths`, under ULFM): a send to a worker that may have died, tested in passing."""
+        acknowledges deaths, under ULFM): a send to a worker that may have died, tested in passing."""
         try:
             return request.Test()
         except MPI.Exception as error:
@@ -364,7 +365,7 @@ class Context:
         too, but was not waited for), else every silent rank (the suspect was a
         live neighbour waiting like us), else the suspects.
         """
-        if self.outlives_deaths and (dead := [self.names[peer] for peer in suspects if peer in self._dead]):
+        if self.on_death == "acknowledge" and (dead := [self.names[peer] for peer in suspects if peer in self._dead]):
             return dead, True              # acknowledged dead (ULFM): no roll call needed
         suspects = [self.names[peer] for peer in suspects]
         silent = self.silent_seen = self._silent()
@@ -451,8 +452,10 @@ class Context:
         the other survivors, which agrees on who is gone and gives the communicator of the survivors, left on
         the duplicated communicator when it is a :class:`mpicoll.Communicator` for its ``shrink()``.
 
-        A context that :attr:`outlives_deaths` instead acknowledges the death, learns who is dead (:meth:`living`
-        answers without them) and returns True: its caller goes on with the living."""
+        A context whose :attr:`on_death` is "acknowledge" instead acknowledges the death, learns who is dead
+        (:meth:`living` answers without them) and returns True: its caller goes on with the living.  One whose
+        :attr:`on_death` is "revoke" revokes and raises, and leaves the shrinking to the owner of a larger
+        communicator it is part of."""
         root = self
         while root.parent is not None:
             root = root.parent
@@ -460,12 +463,20 @@ class Context:
         if not (failure.is_process_failure(error) or error.Get_error_class() == MPI.ERR_IN_STATUS
                 and failure.failed_ranks(root.comm)):
             return False
-        if root.outlives_deaths:
+        if root.on_death == "acknowledge":
             root._dead, root._dead_asked_at = frozenset(failure.acknowledge(root.comm)), time.perf_counter()
             failure.outlived_a_death()
             return True
+        channels = [root.comm, *(part.comm for part in root.children)]
+        if root._lost is None and root.on_death == "revoke":
+            if not failure.revoke(root.origin):
+                return False
+            for comm in channels:
+                failure.revoke(comm)
+            failure.outlived_a_death()
+            root._lost = RanksLost(self.collective, root.names[root.rank],
+                                   [root.names[q] for q in failure.failed_ranks(root.comm)])
         if root._lost is None:
-            channels = [root.comm, *(part.comm for part in root.children)]
             shrunk = failure.revoke_and_shrink(root.origin, also=channels)
             if shrunk is None:
                 return False

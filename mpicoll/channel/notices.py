@@ -33,7 +33,7 @@ def listen(ctx, senders, tag: int, error: type) -> None:
         try:
             noticed = ctx.comm.Iprobe(MPI.ANY_SOURCE, tag, status)
         except MPI.Exception as death:     # ULFM: a probe of any source fails until a death is acknowledged
-            if ctx.raise_if_ranks_lost(death):     # acknowledged, by a context that outlives deaths: look again
+            if ctx.raise_if_ranks_lost(death):     # acknowledged (a context whose on_death is "acknowledge"): look again
                 return                             # at the next alarm
             raise
         if noticed and status.Get_source() in senders:

@@ -57,6 +57,7 @@ class Communicator(MPI.Intracomm):
     algorithm = "auto"   # also the value for communicators mpi4py builds from this one
     fingerprint_from = FINGERPRINT_FROM     # elements; a benchmark sets it to inf to time calls without
     background = False     # True for a nonblocking worker's channel: see Context.run_in_background
+    on_death = "shrink"    # what a death does under ULFM: see Context.on_death ("revoke": a part of a larger whole)
     across_nodes = False   # auto's rules for nodes of several consecutive ranks (learnt on the first call)
 
     def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
@@ -160,6 +161,7 @@ class Communicator(MPI.Intracomm):
         first = context is None
         if first:
             context = self.__dict__["_context"] = Context(self)
+            context.on_death = self.on_death
             context.fingerprint = Fingerprint(context)      # every rank is here (Context checked)
             if self.background:
                 context.run_in_background()

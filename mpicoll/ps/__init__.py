@@ -56,7 +56,7 @@ class ParameterServer:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.layout = Layout.split(comm, init.size, servers)
         self.context = Context(comm)
-        self.context.outlives_deaths = True      # under ULFM a dead worker is dropped, as without it
+        self.context.on_death = "acknowledge"      # under ULFM a dead worker is dropped, as without it
         self.rule = rule
         self.transport = transport
         self.windows = None

@@ -116,7 +116,7 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
     # the workers hold no state: a checkpoint resumes on any number of them (the rank count is not matched)
     saved = _resume(comm, roles, checkpoint, checkpoints.without_ranks(identity)) if resume else None
     ctx = Context(comm, "Sandblaster L-BFGS")
-    ctx.outlives_deaths = True          # under ULFM a dead worker is lost, as a silent one is without it
+    ctx.on_death = "acknowledge"          # under ULFM a dead worker is lost, as a silent one is without it
     rank = ctx.rank
     everyone_else = [r for r in range(roles.ranks) if r != rank]
     notices.listen(ctx, everyone_else, Tag.SANDBLASTER_FAILED, PartFailed)

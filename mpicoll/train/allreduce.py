@@ -7,7 +7,7 @@ import zlib
 from pathlib import Path
 
 from .. import arrays
-from ..base import checkpoint, timeline
+from ..base import checkpoint, failure, timeline
 from ..base.straggler import Straggler
 from ..channel.checks import load_checkpoint_set
 from ..collectives.communicator import Communicator
@@ -49,9 +49,6 @@ class Allreduce(Family):
     def check_elastic(self, options: Options, model: Model, size: int) -> None:
         if self.one_rank:
             raise ValueError(f"--elastic: {options.method} runs on one process, which has no rank to lose")
-        if options.model_parallel > 1:
-            raise ValueError("--elastic with --model-parallel is not written yet: a lost stage leaves its "
-                             "replica's pipeline without a part (docs/elastic.md)")
 
     def check_memory(self, options: Options, model: Model, size: int) -> None:
         """Refuse a run whose ranks would hold more training state than ``--max-rank-memory``, saying which
@@ -144,50 +141,110 @@ class Allreduce(Family):
         """Allreduce SGD that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as
         :meth:`run` while nobody is lost; after a loss the survivors step back to the last step all of them
         completed (the parameters before the last update are kept for it), take the rest of the epoch's rows
-        between them, and train the later epochs as a run of that many ranks would."""
+        between them, and train the later epochs as a run of that many ranks would.  With ``--model-parallel
+        K`` the members are replicas of K stages: a replica that lost a stage stops, and the whole ones go on."""
         X, y = xp.asarray(data.X), xp.asarray(data.y)
         slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
-        params, epoch = model.init(options.seed), 0
+        k, epoch, params = options.model_parallel, 0, None
         if options.resume:
             params, epoch = self._resume(comm, options, run, xp)
-        average, before = xp.empty_like(params), xp.empty_like(params)
-        samples = elastic.samples_before(epoch, len(y), comm.Get_size(), options.batch)     # 0 unless resumed
         channel = Communicator(comm.Dup(), algorithm=self.algorithm)     # revoked, not the job's, after a loss
+        replicas = _Replicas(channel, k, model, options, self.algorithm)
+        if params is None:
+            params = xp.asarray(replicas.init(options.seed))
+        average, before = xp.empty_like(params), xp.empty_like(params)
+        samples = elastic.samples_before(epoch, len(y), replicas.count, options.batch)     # 0 unless resumed
         survivors = elastic.Survivors(comm, options, model, data, xp)
         rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
-        plan, done = elastic.Plan.epoch(len(y), comm.Get_size(), options.batch, options.seed, epoch), 0
+        plan, done = elastic.Plan.epoch(len(y), replicas.count, options.batch, options.seed, epoch), 0
         while epoch < options.epochs:
-            me, count = channel.Get_rank(), channel.Get_size()
+            me, count = replicas.index, replicas.count
             epoch_losses = []
             try:
                 while done < plan.steps:
                     batch = plan.batches[me][done]
                     with slow, timeline.span("gradient", "train"):
-                        loss, grad = model.loss_and_gradient(params, X[batch], y[batch])
+                        loss, grad = replicas.loss_and_gradient(params, X[batch], y[batch])
                     epoch_losses.append(loss)
-                    channel.Allreduce(grad, average)
+                    replicas.stage.Allreduce(grad, average)
                     before[...] = params
                     with timeline.span("update", "train"):
                         params -= (rate(plan.progress(epoch, done, options.epochs)) / count) * average
                     done, samples = done + 1, samples + count * len(batch)
                 stop_if_diverged(channel, params, [(epoch, epoch_losses)], f"after epoch {epoch + 1}")
+                score = replicas.test_score(params, data)
             except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised
                 if not elastic.is_loss(error):
                     raise
-                channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done))
+                replicas.revoke()        # no rank of another replica waits on in a pipeline or a stage's allreduce
+                channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done), stages=k)
+                if channel is None:
+                    return None                                 # this rank's replica lost a stage
+                replicas = _Replicas(channel, k, model, options, self.algorithm)
                 if done > agreed:
                     params[...] = before                        # one step ahead of the slowest survivor
                     samples -= count * options.batch
-                plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
+                plan, done = plan.rest(agreed, replicas.count, options.batch), 0
                 continue
-            if options.checkpoint and channel.Get_rank() == 0:     # written by the ranks left (a resume reshards)
-                checkpoint.save(self.checkpoint_file(options, 0), {**run, "ranks": channel.Get_size()}, epoch + 1,
-                                params=arrays.as_host(params), epoch=epoch + 1)
+            if options.checkpoint and replicas.index == 0:     # written by the ranks left (a resume reshards)
+                checkpoint.save(self.checkpoint_file(options, channel.Get_rank()),
+                                {**run, "ranks": channel.Get_size()}, epoch + 1, params=arrays.as_host(params),
+                                epoch=epoch + 1)
             if survivors.reporter:
-                survivors.reporter.evaluate(params, epoch + 1, samples)
+                survivors.reporter.evaluate(params if k == 1 else None, epoch + 1, samples, measured=score)
             epoch += 1
-            plan, done = elastic.Plan.epoch(len(y), channel.Get_size(), options.batch, options.seed, epoch), 0
-        same = len(set(channel.allgather(zlib.crc32(arrays.as_host(params).tobytes())))) == 1
-        summary = survivors.finish(params, replicas_identical=same)
+            plan, done = elastic.Plan.epoch(len(y), replicas.count, options.batch, options.seed, epoch), 0
+        crcs = channel.allgather((channel.Get_rank() % k, zlib.crc32(arrays.as_host(params).tobytes())))
+        same = len(set(crcs)) == k              # one value per stage: every replica holds the same
+        summary = survivors.finish(params if k == 1 else None, replicas_identical=same,
+                                   measured=replicas.test_score(params, data))
+        replicas.close(abandon=bool(survivors.losses))
         channel.close(abandon=bool(survivors.losses))
         return summary
+
+
+class _Replicas:
+    """The replicas of an elastic run over ``channel``'s ranks, made anew after each loss: with ``k`` = 1 every
+    rank is one, and ``stage`` is ``channel``; with ``k`` > 1, rank = replica x k + stage, each replica a pipeline
+    of k stages (``pipe``) and ``stage`` the communicator of one stage's replicas, whose gradients it averages."""
+
+    def __init__(self, channel, k: int, model, options, algorithm: str):
+        rank, size = channel.Get_rank(), channel.Get_size()
+        self.k, self.index, self.count, self.model = k, rank // k, size // k, model
+        self.pipe = None
+        if k == 1:
+            self.stage, self.loss_and_gradient = channel, model.loss_and_gradient
+            return
+        from ..modelparallel import stage
+        self.comms = [channel.Split(self.index, rank), channel.Split(rank % k, rank)]
+        self.pipe = stage(self.comms[0], model, micro_batches=min(k, options.batch))
+        self.stage = Communicator(self.comms[1], algorithm=algorithm)
+        self.pipe.ctx.on_death = self.stage.on_death = "revoke"     # the survivors recover on the channel
+        self.loss_and_gradient = self.pipe.loss_and_gradient
+
+    def init(self, seed: int):
+        """This rank's starting parameters: the whole model's, or its stage's."""
+        return self.model.init(seed) if self.pipe is None else self.pipe.init(seed)
+
+    def test_score(self, params, data):
+        """(loss, accuracy) on the test set through the first replica's pipeline, known on its every stage (the
+        first reports it); None with k = 1, where the reporter evaluates the parameters itself."""
+        if self.pipe is None or self.index != 0:
+            return None
+        return self.pipe.evaluate(params, data.X_test, data.y_test)
+
+    def revoke(self) -> None:
+        """After a loss: revoke the pipeline's and the stage's communicators, so that every rank still waiting on
+        them (in another replica's pipeline, or this stage's allreduce) hears of it and joins the recovery."""
+        if self.pipe is not None:
+            context = self.stage.context()
+            for comm in [*self.comms, self.pipe.ctx.comm, *([context.comm] if context is not None else [])]:
+                failure.revoke(comm)
+
+    def close(self, abandon: bool = False) -> None:
+        if self.pipe is not None:
+            self.stage.close(abandon=abandon)
+            if not abandon:
+                self.pipe.close()
+                for comm in self.comms:
+                    comm.Free()

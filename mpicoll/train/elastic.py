@@ -14,7 +14,7 @@ would.  Every survivor computes the same plans from the same agreed facts; nothi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
@@ -96,17 +96,20 @@ class Loss:
     lost: list[int]            # ranks of the job (MPI.COMM_WORLD) that died
     epoch: int                 # the epoch it happened in (1-based, as the progress line counts)
     step: int                  # the step of that epoch the survivors went on from (steps all had completed)
-    ranks: int                 # the survivors
+    ranks: int                 # the survivors that go on
     redone: int                # steps some survivors had completed and took again (0 or 1)
     time_s: float              # since the run started
+    stopped: list[int] = field(default_factory=list)    # survivors that stop: their replica's pipeline lost a stage
 
     def record(self) -> dict:
         return {"event": "ranks_lost", **self.__dict__}
 
     def line(self) -> str:
         redone = f", {self.redone} step redone" if self.redone else ""
+        stopped = (f"; rank(s) {', '.join(map(str, self.stopped))} stop (their replica lost a stage)"
+                   if self.stopped else "")
         return (f"mpicoll train: lost rank(s) {', '.join(map(str, self.lost))} in epoch {self.epoch}, step "
-                f"{self.step + 1}; {self.ranks} ranks go on{redone}")
+                f"{self.step + 1}{stopped}; {self.ranks} ranks go on{redone}")
 
 
 class Survivors:
@@ -121,10 +124,14 @@ class Survivors:
         self.started = time.perf_counter()
         self.reporter = Reporter(options, model, data, xp, ranks=comm.Get_size()) if comm.Get_rank() == 0 else None
 
-    def recover(self, channel, position: tuple[int, int]):
+    def recover(self, channel, position: tuple[int, int], stages: int = 1):
         """After a loss, collective over the survivors (a death meanwhile is recovered from too): (their
         communicator, the position all of them reached, the :class:`Loss`), the loss logged and shown; below
-        ``--min-ranks`` every survivor raises instead."""
+        ``--min-ranks`` every survivor raises instead.
+
+        ``stages``: the members are replicas of a model cut into that many stages (``--model-parallel``), each
+        ``stages`` consecutive members; only the replicas with every stage left go on, and a survivor of
+        another gets None for the communicator: it stops (a pipeline without a part computes nothing)."""
         me = MPI.COMM_WORLD.Get_rank()
         while True:
             try:
@@ -136,15 +143,29 @@ class Survivors:
                 if not is_loss(error):
                     raise
         agreed = min(positions)
-        loss = Loss(sorted(set(self.members) - set(survivors)), agreed[0] + 1, agreed[1], len(survivors),
-                    int(max(positions) > agreed), round(time.perf_counter() - self.started, 3))
+        replicas = [self.members[i:i + stages] for i in range(0, len(self.members), stages)]
+        going_on = [rank for replica in replicas if set(replica) <= set(survivors) for rank in replica]
+        loss = Loss(sorted(set(self.members) - set(survivors)), agreed[0] + 1, agreed[1], len(going_on),
+                    int(max(positions) > agreed), round(time.perf_counter() - self.started, 3),
+                    [rank for rank in survivors if rank not in going_on])
         if not _quorum(survivors, self.members):
             raise MpicollError(f"cut off from the rest of the job: {len(survivors)} of its {len(self.members)} ranks "
                                f"({', '.join(map(str, survivors))}) hear each other and not rank(s) "
                                f"{', '.join(map(str, loss.lost))}, which may be alive on the other side of a cut "
                                "link and go on there; this side stops, so that two halves never train apart")
-        self.members = survivors
+        self.members = going_on
         self.losses.append(loss)
+        if not going_on:
+            raise self._below_floor(loss)
+        if loss.stopped:
+            if me in loss.stopped and self.reporter is not None:
+                self.reporter.close()           # the log's next writer opens it after the split below
+                self.reporter = None
+            part = channel.Split(0 if me in going_on else MPI.UNDEFINED, channel.Get_rank())
+            channel.close(abandon=True)
+            if part == MPI.COMM_NULL:
+                return None, agreed, loss
+            channel = type(channel)(part, algorithm=channel.algorithm)
         if channel.Get_rank() == 0:
             if self.reporter is None:
                 self.reporter = Reporter.take_over(self.options, self.model, self.data, self.xp, loss.ranks,
@@ -163,6 +184,9 @@ class Survivors:
         lost = sorted(rank for each in self.losses for rank in each.lost)
         saved = (f"--checkpoint {options.checkpoint} holds the state after the last whole epoch (resume on as many "
                  "ranks as it was saved with)" if options.checkpoint else "nothing was saved (no --checkpoint)")
+        if not loss.ranks:
+            return MpicollError(f"every replica lost a stage of its pipeline with rank(s) {', '.join(map(str, lost))}: "
+                                f"none can go on; stopped in epoch {loss.epoch}; {saved}")
         return MpicollError(f"{loss.ranks} rank(s) left after losing rank(s) {', '.join(map(str, lost))}, below "
                             f"--min-ranks {options.min_ranks}: stopped in epoch {loss.epoch}; {saved}")
 

@@ -143,7 +143,7 @@ class Reporter:
         if workers_lost:
             summary["workers_lost"] = list(workers_lost)
         if losses:
-            summary["ranks_at_start"] = self.ranks + sum(len(loss.lost) for loss in losses)
+            summary["ranks_at_start"] = self.ranks + sum(len(loss.lost) + len(loss.stopped) for loss in losses)
             summary["ranks_lost"] = [loss.record() for loss in losses]
         self._write(summary)
         if self.options.progress:
@@ -159,6 +159,12 @@ class Reporter:
         global _running
         _running = None
         return summary
+
+    def close(self) -> None:
+        """Release the log (and its lock) without a summary: another rank goes on writing it."""
+        if self.log:
+            self.log.close()
+            self.log = None
 
     def _write(self, record: dict) -> None:
         if self.log:

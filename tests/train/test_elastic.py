@@ -98,12 +98,13 @@ def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_ru
         assert [r["epoch"] for r in records(tmp_path / "resumed.jsonl") if "epoch" in r] == [7]
 
 
-def test_an_intact_elastic_run_is_the_plain_run(tmp_path, method="allreduce-ring"):
+@pytest.mark.parametrize("ranks, parallel", [(3, []), (4, ["--model-parallel", "2", "--model", "mlp"])])
+def test_an_intact_elastic_run_is_the_plain_run(tmp_path, ranks, parallel, method="allreduce-ring"):
     """(The plans' batches are the plain run's, for sgp too: test_an_epochs_plan_is_the_batches_of_a_plain_run;
-    this runs both whole, at 3 ranks, 3 epochs.)"""
+    this runs both whole, 3 epochs; with --model-parallel 2, two replicas of two stages.)"""
     runs = {}
-    for name, extra in (("plain", []), ("elastic", ["--elastic"])):
-        job, logged = train(tmp_path, name, "--method", method, "--epochs", "3", *extra, ranks=3)
+    for name, extra in (("plain", parallel), ("elastic", ["--elastic", *parallel])):
+        job, logged = train(tmp_path, name, "--method", method, "--epochs", "3", *extra, ranks=ranks)
         assert job.returncode == 0, job.stderr_text[-3000:]
         runs[name] = [(r.get("epoch"), r.get("loss", r.get("final_loss")), r.get("samples")) for r in logged]
     assert runs["plain"] == runs["elastic"]
@@ -118,6 +119,36 @@ def test_below_min_ranks_every_survivor_stops_naming_the_checkpoint(tmp_path):
         job.stderr_text[-3000:]
     assert not any(r.get("summary") for r in logged)
     assert (tmp_path / "ckpt.npz").exists()
+
+
+def test_a_replica_that_loses_a_stage_stops_and_the_whole_ones_go_on(tmp_path, tmp_path_factory):
+    """--model-parallel 2 over 4 ranks: replicas (0, 1) and (2, 3).  Rank 0 killed (a stage, and the log's
+    writer): rank 1 stops, replica (2, 3) finishes the epoch budget and writes the log on."""
+    parallel = ["--model-parallel", "2", "--model", "mlp"]
+    if "mp" not in _intact:
+        job, logged = train(tmp_path_factory.mktemp("mp"), "intact", "--elastic", *parallel, *SLOW)
+        assert job.returncode == 0, job.stderr_text[-3000:]
+        _intact["mp"] = logged
+    killed, logged = train(tmp_path, "killed", "--elastic", *parallel, *SLOW, kill=0)
+    assert killed.returncode == 0, killed.stderr_text[-3000:]
+    events = [r for r in logged if r.get("event") == "ranks_lost"]
+    assert len(events) == 1 and events[0]["lost"] == [0] and events[0]["stopped"] == [1] and \
+        events[0]["ranks"] == 2, events
+    assert "lost rank(s) 0 in epoch" in killed.stderr_text and "rank(s) 1 stop (their replica lost a stage)" in \
+        killed.stderr_text, killed.stderr_text[-3000:]
+    summary, whole = summary_of(logged), summary_of(_intact["mp"])
+    assert summary["ranks"] == 2 and summary["ranks_at_start"] == 4 and summary["replicas_identical"] is True
+    assert [r["epoch"] for r in logged if "epoch" in r and not r.get("event")] == list(range(1, 7))
+    assert summary["samples"] >= whole["samples"] - 63
+    assert abs(summary["final_accuracy"] - whole["final_accuracy"]) <= 0.01, (summary, whole)
+
+
+def test_a_run_whose_every_replica_lost_a_stage_stops_naming_the_checkpoint(tmp_path):
+    job, logged = train(tmp_path, "one", "--elastic", "--model-parallel", "2", "--model", "mlp", "--checkpoint",
+                        str(tmp_path / "ck"), *SLOW, kill=1, ranks=2)
+    assert job.returncode == 1, job.stderr_text[-3000:]
+    assert "mpicoll train: rank 0: every replica lost a stage of its pipeline with rank(s) 1: none can go on; " \
+           f"stopped in epoch 3; --checkpoint {tmp_path / 'ck'} holds" in job.stderr_text, job.stderr_text[-3000:]
 
 
 @pytest.mark.parametrize("method, transport, victim", [("ps-async", "p2p", 2), ("dcasgd", "onesided", 3),
