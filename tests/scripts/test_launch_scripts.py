@@ -143,6 +143,22 @@ def test_restarts_relaunch_without_the_host_that_lost_a_rank(tmp_path):
     assert not list(tmp_path.glob(".mpicoll-restart*"))
 
 
+def test_restarts_relaunch_without_a_host_that_does_not_answer(tmp_path):
+    """No rank reports a death when a whole host vanishes (its shells go with it): the loop asks every host of
+    the hostfile to run a one-rank job, and relaunches without those that do not answer.  (A host that cannot
+    be reached at all stands in for one that vanished mid-run: the same question finds both.)"""
+    if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("an MPICH hostfile")
+    (tmp_path / "hosts").write_text("localhost:2\nnohost.invalid:2\n")
+    result = _launch(tmp_path, "-n", "4", "--hostfile", "hosts", "--restarts", "1", sys.executable, "-c",
+                     "import os; from mpi4py import MPI; w = MPI.COMM_WORLD\n"
+                     "w.rank or print('launch', os.environ['MPICOLL_RESTART'], 'size', w.size)")
+    assert result.returncode == 0, result.stderr
+    assert "launch: lost host nohost.invalid (it does not answer); restart 1 of 1 on 2 ranks" in result.stderr, \
+        result.stderr
+    assert result.stdout.splitlines() == ["launch 1 size 2"], result.stdout
+
+
 def test_restarts_stop_when_none_is_left_and_a_job_that_lost_no_rank_is_not_relaunched(tmp_path):
     mpiexec()
     always = _launch(tmp_path, "-n", "3", "--restarts", "1", sys.executable, "-c", _DIES_ONCE, "last")
