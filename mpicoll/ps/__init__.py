@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base import failure
+from ..base.errors import PartFailed
 from ..channel import notices
 from ..channel.context import Context
 from ..base.tags import Tag
@@ -67,6 +68,8 @@ class ParameterServer:
         self.weights = init[self.layout.shard(self.layout.rank)].copy() if self.is_server else None
         self.client = None if self.is_server else Client(self.context, self.layout, init.dtype, self.windows,
                                                          reads_live=rule.reads_live, asks_first=rule.refuses_late)
+        if self.is_server:          # a worker that lost another server says so (tell_servers): stop
+            notices.listen(self.context, self.layout.workers, Tag.PS_FAILED, PartFailed)
         self.stats: ServerStats | None = None
         self.lost: list[int] = []        # workers lost during training (known after gather_weights)
         self._unclean = False
@@ -103,6 +106,12 @@ class ParameterServer:
             raise
         self._unclean = bool(self.stats.lost)
         return self.stats
+
+    def tell_servers(self, error: BaseException) -> None:
+        """A worker that cannot go on (it lost a server) tells the living servers why, so that they stop now
+        too (a :class:`mpicoll.PartFailed` in their loop), not when the job ends around them."""
+        if not self.is_server:
+            notices.tell(self.context, self.layout.servers, error, Tag.PS_FAILED)
 
     def gather_weights(self) -> np.ndarray:
         """The servers' final full parameter vector, on every rank still in the job.

@@ -4,6 +4,7 @@ update rule of :mod:`mpicoll.ps` (Downpour also over pipelines of model stages, 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from mpi4py import MPI
 
 from .. import arrays, ps
 from ..base import checkpoint, failure, timeline
-from ..base.errors import CollectiveTimeout, MpicollError, PeerFailed, ServerFailed, ServerLost
+from ..base.errors import CollectiveTimeout, MpicollError, PartFailed, PeerFailed, ServerFailed, ServerLost
 from ..base.tags import Tag
 from ..channel.checks import load_checkpoint_set
 from ..models.dense import Model
@@ -110,7 +111,7 @@ class ParameterServers(Family):
         budget = options.epochs * steps * len(workers)        # gradients, over every worker
         reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
         started = time.perf_counter()
-        with _a_lost_server_names_the_checkpoint(options):
+        with _a_lost_server_names_the_checkpoint(options, server):
             if server.is_server:
                 every = max(1, budget // options.epochs // per_update)       # updates per epoch
                 server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
@@ -201,29 +202,33 @@ class ParameterServers(Family):
 
 
 @contextlib.contextmanager
-def _a_lost_server_names_the_checkpoint(options: Options):
-    """A server lost (dead, silent, or reported so by another server) ends the run on every rank, as a
-    :class:`ServerLost` that names the servers' last checkpoint; other errors pass as they are."""
+def _a_lost_server_names_the_checkpoint(options: Options, server: ps.ParameterServer):
+    """A server lost (dead, silent, or reported so by another rank) ends the run on every rank, as a
+    :class:`ServerLost` that names the servers' last checkpoint (a worker tells the other servers); other
+    errors pass as they are."""
     try:
         yield
-    except (PeerFailed, CollectiveTimeout, ServerFailed, ServerLost) as error:
+    except (PeerFailed, CollectiveTimeout, ServerFailed, PartFailed, ServerLost) as error:
         lost = _servers_lost(error, options.servers)
         if not lost:
             raise
-        raise ServerLost(f"rank {MPI.COMM_WORLD.Get_rank()} lost parameter server rank(s) {', '.join(map(str, lost))}, "
-                         f"and no rule trains on without a shard of the weights; {_last_checkpoint(options)} "
-                         f"(what it saw: {error})", lost) from None
+        ended = ServerLost(f"rank {MPI.COMM_WORLD.Get_rank()} lost parameter server rank(s) "
+                           f"{', '.join(map(str, lost))}, and no rule trains on without a shard of the weights; "
+                           f"{_last_checkpoint(options)} (what it saw: {error})", lost)
+        server.tell_servers(ended)
+        raise ended from None
 
 
 def _servers_lost(error: Exception, servers: int) -> list:
     """The servers (of the first ``servers`` ranks) that ``error`` says are gone, dead or silent, as heard by
-    this rank, or by a server that told its workers (["?"] when that server's note is all there is)."""
+    this rank, or by another that told it (its note names them; ["?"] where it does not)."""
     if isinstance(error, ServerLost):
         return error.servers or ["?"]
-    if isinstance(error, ServerFailed):
+    if isinstance(error, (ServerFailed, PartFailed)):
         if not error.reason.startswith(ServerLost.__name__):
             return []
-        return [rank for rank in failure.failed_ranks(MPI.COMM_WORLD) if rank < servers] or ["?"]
+        named = re.search(r"server rank\(s\) ([\d, ]+)", error.reason)
+        return [int(rank) for rank in named.group(1).replace(",", " ").split()] if named else ["?"]
     return [peer for peer in error.peers if peer < servers]
 
 
