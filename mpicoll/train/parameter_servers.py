@@ -18,7 +18,7 @@ from ..base.tags import Tag
 from ..channel.checks import load_checkpoint_set
 from ..models.dense import Model
 from . import schedule as schedules
-from .common import Family, Options, batches, check_whole_replicas, setup
+from .common import Family, Options, batches, check_whole_replicas, setup, steps_per_epoch
 from .report import Reporter
 
 __all__ = ["ParameterServers"]
@@ -103,8 +103,9 @@ class ParameterServers(Family):
                                     servers=options.servers, transport=options.transport)
         me, steps, X, y, slow = setup(comm, options, data, xp, workers)
         state = None
+        earlier = self.earlier_ranks(options, run) if options.resume else size
         if options.resume:                      # the newest point every server's file holds (a stop between writes)
-            self.say_resharded(comm, options, self.earlier_ranks(options, run))
+            self.say_resharded(comm, options, earlier)
             mine = self.checkpoint_file(options, rank)
             state = load_checkpoint_set(comm, mine, self._server_identity(server.layout, rule, run)
                                         if server.is_server else {}, "updates")
@@ -122,6 +123,10 @@ class ParameterServers(Family):
                 schedule = ps.Schedule(client, options.n_fetch, options.n_push) if self.downpour else None
                 w = xp.asarray(client.pull())
                 done = min(client.versions.values()) * per_update            # more than 0 when resumed
+                before = earlier - options.servers          # the workers of the run resumed, whose epochs were
+                shift = round(done * steps * len(workers) / (steps_per_epoch(len(data.y), before, options.batch) *
+                                                             before)) - done      # of other lengths by rounding
+                done += shift
                 reported = done * options.epochs // budget
                 epoch, skip = divmod(done // len(workers), steps)            # where this worker's batches were
                 while done < budget:
@@ -132,7 +137,7 @@ class ParameterServers(Family):
                             loss, grad = model.loss_and_gradient(w, X[batch], y[batch])
                         with timeline.span("exchange with the servers", "train"):
                             w = xp.asarray(schedule.step(arrays.as_host(grad)) if schedule else client.exchange(grad))
-                        done = min(client.versions.values()) * per_update     # gradients the servers have taken
+                        done = min(client.versions.values()) * per_update + shift    # gradients the servers took
                         if done >= budget:
                             break
                         if reporter and done * options.epochs // budget > reported:

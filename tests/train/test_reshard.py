@@ -31,6 +31,13 @@ def _summary(comm, options, model, data):
     return found[0] if found else None
 
 
+def _runs(direction: str):
+    """(the communicator of the run that writes the checkpoint, that of the run that resumes it; None on ranks
+    outside one): P-1 then P ranks ("more"), or P then P-1 ("fewer")."""
+    fewer = _fewer()
+    return (fewer, WORLD) if direction == "more" else (WORLD, fewer)
+
+
 def _folder(tmp_path_factory) -> str:
     return WORLD.bcast(str(tmp_path_factory.mktemp("reshard")) if RANK == 0 else None)
 
@@ -57,69 +64,78 @@ def test_allreduce_resumed_on_fewer_ranks_trains_as_a_run_of_that_many(tmp_path_
         fewer.Free()
 
 
-@pytest.mark.mpi(min_size=2)
-def test_sgp_resumed_on_more_ranks_starts_every_rank_from_the_average(tmp_path_factory):
-    """P-1 ranks checkpoint after an epoch; P resume with nothing left to train: every rank starts from the
-    average of the P-1 files' de-biased parameters (x / weight), so the final consensus is that average;
-    the last rank, which had no file, took part."""
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("direction", ["more", "fewer"])
+def test_sgp_resumed_on_another_count_starts_every_rank_from_the_average(tmp_path_factory, direction):
+    """N ranks checkpoint after an epoch; M resume with nothing left to train: every rank starts from the
+    average of the N files' de-biased parameters (x / weight), so the final consensus is that average
+    (more: the last rank, which had no file, took part; fewer: a rank read two files)."""
     data, folder = digits(), _folder(tmp_path_factory)
     model = MLP(data.features, data.classes, [12], dtype=np.float64)
     options = dict(method="sgp", batch=8, lr=0.1, seed=3, progress=False, checkpoint=f"{folder}/job", epochs=1)
-    fewer = _fewer()
-    _summary(fewer, Options(**options), model, data)
-    states = [checkpoint.load(checkpoint.path(f"{folder}/job", "rank", r), {}) for r in range(P - 1)]
+    first, then = _runs(direction)
+    written = P - 1 if direction == "more" else P
+    _summary(first, Options(**options), model, data)
+    states = [checkpoint.load(checkpoint.path(f"{folder}/job", "rank", r), {}) for r in range(written)]
     average = np.mean([s["x"] / s["weight"] for s in states], axis=0)
-    summary = _summary(WORLD, Options(resume=True, **options), model, data)
+    summary = _summary(then, Options(resume=True, **options), model, data)
     expected = model.evaluate(average, data.X_test, data.y_test)[0]
-    everywhere(summary["ranks"] == P and abs(summary["final_loss"] - expected) < 1e-9,
+    everywhere(summary["ranks"] == 2 * P - 1 - written and abs(summary["final_loss"] - expected) < 1e-9,
                f"final loss {summary['final_loss']!r}, the average's {expected!r}")
-    if fewer is not None:
-        fewer.Free()
+    for comm in (first, then):
+        if comm is not None and comm is not WORLD:
+            comm.Free()
 
 
 @pytest.mark.mpi(min_size=4)
-def test_sandblaster_resumed_on_more_workers_ends_where_an_uninterrupted_run_does(tmp_path_factory):
-    """A coordinator, a shard and P-3 workers for one epoch's evaluations, then P-2 workers resume: the L-BFGS
-    state is the coordinator's and the shard's, so the run ends where an uninterrupted one on P-1 ranks does
+@pytest.mark.parametrize("direction", ["more", "fewer"])
+def test_sandblaster_resumed_on_another_count_of_workers_ends_where_an_uninterrupted_run_does(tmp_path_factory,
+                                                                                            direction):
+    """A coordinator, a shard and N-2 workers for two epochs' evaluations, then M-2 workers resume: the L-BFGS
+    state is the coordinator's and the shard's, so the run ends where an uninterrupted one of N ranks does
     (up to the order the portions' gradients are summed in)."""
     data, folder = digits(), _folder(tmp_path_factory)
     model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
     options = dict(method="sandblaster-lbfgs", seed=2, progress=False, epochs=4)
-    fewer = _fewer()
-    straight = _summary(fewer, Options(**options), model, data)
-    _summary(fewer, Options(**{**options, "epochs": 2}, checkpoint=f"{folder}/job"), model, data)
-    resumed = _summary(WORLD, Options(**options, checkpoint=f"{folder}/job", resume=True), model, data)
-    everywhere(resumed["ranks"] == P and abs(resumed["final_loss"] - straight["final_loss"]) < 1e-7,
-               f"resumed on {P} ranks: {resumed['final_loss']!r}, uninterrupted on {P - 1}: "
-               f"{straight['final_loss']!r}")
-    if fewer is not None:
-        fewer.Free()
+    first, then = _runs(direction)
+    straight = _summary(first, Options(**options), model, data)
+    _summary(first, Options(**{**options, "epochs": 2}, checkpoint=f"{folder}/job"), model, data)
+    resumed = _summary(then, Options(**options, checkpoint=f"{folder}/job", resume=True), model, data)
+    everywhere(abs(resumed["final_loss"] - straight["final_loss"]) < 1e-7,
+               f"resumed on {resumed['ranks']} ranks: {resumed['final_loss']!r}, uninterrupted on "
+               f"{straight['ranks']}: {straight['final_loss']!r}")
+    for comm in (first, then):
+        if comm is not None and comm is not WORLD:
+            comm.Free()
 
 
 @pytest.mark.mpi(min_size=3)
-@pytest.mark.parametrize("method", ["ps-async", "dcasgd"])
-def test_a_parameter_server_resumed_on_more_workers_continues_its_shard(tmp_path_factory, capfd, method):
-    """A server and P-2 workers for an epoch, then a server and P-1 workers resume: with nothing left to train
+@pytest.mark.parametrize("method, direction", [("ps-async", "more"), ("dcasgd", "more"), ("ps-async", "fewer")])
+def test_a_parameter_server_resumed_on_another_count_of_workers_continues_its_shard(tmp_path_factory, capfd, method,
+                                                                                    direction):
+    """A server and N-1 workers for an epoch, then a server and M-1 workers resume: with nothing left to train
     the run ends at the server's saved weights (its shard moved, whatever the worker count); one more epoch
     goes on from its update count, one gradient an update."""
     data, folder = digits(), _folder(tmp_path_factory)
     model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
     options = dict(method=method, batch=8, lr=0.1, seed=4, progress=False, checkpoint=f"{folder}/job")
-    fewer = _fewer()
-    _summary(fewer, Options(epochs=1, **options), model, data)
+    first, then = _runs(direction)
+    written, resumed = (P - 1, P) if direction == "more" else (P, P - 1)
+    _summary(first, Options(epochs=1, **options), model, data)
     saved = checkpoint.load(checkpoint.path(f"{folder}/job", "server", 0), {})
-    summary = _summary(WORLD, Options(epochs=1, resume=True, **options), model, data)
+    summary = _summary(then, Options(epochs=1, resume=True, **options), model, data)
     expected = model.evaluate(saved["w"], data.X_test, data.y_test)[0]
-    everywhere(summary["ranks"] == P and abs(summary["final_loss"] - expected) < 1e-12,
+    everywhere(summary["ranks"] == resumed and abs(summary["final_loss"] - expected) < 1e-12,
                f"final loss {summary['final_loss']!r}, the saved weights' {expected!r}")
     said = capfd.readouterr().err
     if RANK == 0:
-        assert f"written by {P - 1} ranks, on {P}" in said, said
-    summary = _summary(WORLD, Options(epochs=2, resume=True, **options), model, data)
+        assert f"written by {written} ranks, on {resumed}" in said, said
+    summary = _summary(then, Options(epochs=2, resume=True, **options), model, data)
     after = checkpoint.load(checkpoint.path(f"{folder}/job", "server", 0), {})
     per_epoch = int(saved["version"])                 # one epoch's gradients, about the same at any worker count
     everywhere(summary["final_loss"] < expected and abs(int(after["version"]) - 2 * per_epoch) <= P,
                f"after one more epoch: loss {summary['final_loss']!r} (was {expected!r}), updates "
                f"{int(after['version'])} (one epoch: {per_epoch})")
-    if fewer is not None:
-        fewer.Free()
+    for comm in (first, then):
+        if comm is not None and comm is not WORLD:
+            comm.Free()
