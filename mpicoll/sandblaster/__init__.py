@@ -75,6 +75,7 @@ class Result:
     stats: Stats | None = None                     # coordinator: evaluations, backups, lost workers, ...
     stopped: str = ""                              # coordinator: why L-BFGS stopped early, if it did
     portions: int = 0                              # worker: portions it computed
+    lost: list = field(default_factory=list)       # coordinator and workers: the workers lost
 
 
 def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, samples: int,
@@ -141,13 +142,14 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
             steps = optimizer.minimize(iterations, (lambda k: 0) if batch >= samples else (lambda k: k), accepted,
                                        evaluations, start=int(saved["iteration"]) if saved else 0)
             lost = vectors.finish()
-            result = Result(role, None, steps, vectors.stats, optimizer.stopped)
+            result = Result(role, None, steps, vectors.stats, optimizer.stopped, lost=lost)
         elif role == "server":
             saving = (checkpoint_file(checkpoint, rank, servers), identity) if checkpoint else None
             result = Result(role, Shard(ctx, roles, names, init, saving, saved).run())
         else:
             worker = Worker(ctx, roles, loss_and_gradient, samples, batch, seed, slow, on_report)
-            result = Result(role, worker.run(), portions=worker.portions)
+            result = Result(role, worker.run(), portions=worker.portions, lost=worker.lost)
+            lost = worker.lost
     except Exception as error:
         if not isinstance(error, PartFailed):         # the others stop now, not at their timeout
             notices.tell(ctx, everyone_else, error, Tag.SANDBLASTER_FAILED)

@@ -184,6 +184,9 @@ class Shard:
                 self._take_gradient(waiting[index])
         live = [(r, w) for r, w, _ in self.sends if w not in lost]
         self.ctx.waitall([r for r, _ in live], [w for _, w in live])
-        final = [(self.ctx.isend(self.vectors["x"], w, Tag.SANDBLASTER_FINAL), w)
-                 for w in self.roles.workers if w not in lost]
+        mask = np.zeros(self.roles.ranks, np.int8)                 # the first shard tells the workers who was lost
+        mask[sorted(lost)] = 1
+        news = [mask] if self.ctx.rank == self.roles.shards[0] else []
+        final = [(self.ctx.isend(array, w, Tag.SANDBLASTER_FINAL), w)
+                 for w in self.roles.workers if w not in lost for array in [*news, self.vectors["x"]]]
         self.ctx.waitall([r for r, _ in final], [w for _, w in final])

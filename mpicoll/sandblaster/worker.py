@@ -41,6 +41,7 @@ class Worker:
         self.publication = 0                 # the publication ``weights`` holds
         self.portions = 0                    # portions computed, backups and late ones included
         self._rows: tuple[int, np.ndarray] | None = None
+        self.lost: list[int] = []            # workers the coordinator lost (known after run)
 
     def run(self) -> np.ndarray:
         """Work until told to stop; returns the final parameters (from the shards)."""
@@ -85,12 +86,15 @@ class Worker:
         self.portions += 1
 
     def _stop(self) -> np.ndarray:
-        """Tell every shard and the coordinator this worker is done; receive the final parameters."""
-        ctx, bye = self.ctx, np.full(2, -1, HEADER)
-        requests = [ctx.isend(bye, s, Tag.SANDBLASTER_GRADIENT) for s in self.roles.shards]
+        """Tell every shard and the coordinator this worker is done; receive the final parameters, and which
+        workers were lost (:attr:`lost`)."""
+        ctx, bye, shards = self.ctx, np.full(2, -1, HEADER), list(self.roles.shards)
+        requests = [ctx.isend(bye, s, Tag.SANDBLASTER_GRADIENT) for s in shards]
         requests.append(ctx.isend(np.array([-1.0, -1, 0, 0]), self.roles.coordinator, Tag.SANDBLASTER_DONE))
-        final = np.empty(self.roles.size)
-        requests += [ctx.irecv(final[self.roles.slice(s)], s, Tag.SANDBLASTER_FINAL) for s in self.roles.shards]
-        ctx.waitall(requests, [*self.roles.shards, self.roles.coordinator, *self.roles.shards],
+        final, mask = np.empty(self.roles.size), np.empty(self.roles.ranks, np.int8)
+        requests += [ctx.irecv(mask, shards[0], Tag.SANDBLASTER_FINAL)]        # sent before its slice
+        requests += [ctx.irecv(final[self.roles.slice(s)], s, Tag.SANDBLASTER_FINAL) for s in shards]
+        ctx.waitall(requests, [*shards, self.roles.coordinator, shards[0], *shards],
                     limit=coordinator_patience(ctx))      # the shards send once the coordinator says FINISH
+        self.lost = [int(rank) for rank in np.flatnonzero(mask)]
         return final

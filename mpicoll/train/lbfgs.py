@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 
 from .. import arrays
@@ -55,7 +56,7 @@ class Lbfgs(Family):
 
         reports = rank == self.reporting_rank(options)
         reporter = Reporter(options, model, data, xp, ranks=comm.Get_size()) if reports else None
-        reported = [0]
+        reported, started = [0], time.perf_counter()
 
         def report(w, iteration, evaluations):               # on the first worker, after an accepted step
             epoch = min(evaluations * batch // samples, options.epochs)      # a last line search may run over
@@ -73,7 +74,12 @@ class Lbfgs(Family):
             on_report=report if reporter else None, checkpoint=options.checkpoint, resume=options.resume, identity=run)
         if result.role == "coordinator" and result.stopped and options.progress:
             print(f"sandblaster-lbfgs: stopped early: {result.stopped}", file=sys.stderr, flush=True)
+        first = self.reporting_rank(options)
+        if result.role == "worker" and first in result.lost and rank == min(set(range(first, comm.Get_size())) -
+                                                                            set(result.lost)):
+            reporter = Reporter.take_over(options, model, data, xp, comm.Get_size(), started)  # its writer died
+            reporter.samples = math.ceil(options.epochs * samples / batch) * batch     # the budget, all taken
         if reporter:
             final = xp.asarray(result.weights, model.dtype)
-            return reporter.finish(final)
+            return reporter.finish(final, workers_lost=result.lost)
         return None
