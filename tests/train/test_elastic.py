@@ -21,7 +21,7 @@ import pytest
 from mpicoll.train.common import batches
 from mpicoll.train.elastic import Plan, _quorum
 from mpicoll.base import checkpoint
-from tests.support.jobs import ROOT, fault_tolerant, kill_rank_when, launch
+from tests.support.jobs import ROOT, fault_tolerant, kill_rank_when, launch, left_behind
 
 TRAIN = ["-m", "mpicoll", "train", "--epochs", "6", "--batch", "16", "--lr", "0.1", "--quiet"]   # later options win
 SLOW = ["--delay", "fixed:8"]       # ms per step: 23 steps an epoch at 4 ranks, about 0.2 s an epoch
@@ -46,6 +46,10 @@ def train(tmp_path, name: str, *extra: str, kill: int | None = None, after_epoch
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     job.stdout_text, job.stderr_text = out, err
+    left = left_behind(str(output))          # a rank that outlived its job (seen: one waiting in MPI_Finalize)
+    for pid in left:
+        os.kill(int(pid), signal.SIGKILL)
+    assert not left, f"ranks left running after the job ended: {left}\n{err[-3000:]}"
     return job, records(output)
 
 
