@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from .. import arrays
 from ..base import checkpoint
-from ..base.errors import Diverged
+from ..base.errors import Diverged, MpicollError
 from ..base.straggler import Straggler
 from ..channel.checks import all_finite
 from ..channel.watchdog import bounded
@@ -206,6 +206,19 @@ class Family:
         """The file this rank saves to and resumes from (None: it keeps none); a family that checks its resume
         otherwise need not say."""
         raise NotImplementedError
+
+    def last_checkpoint(self, options: Options, ranks, unit: str) -> str:
+        """For the line that ends a run which lost a rank it cannot go on without: the newest point the files
+        of ``ranks`` all hold (what ``--resume`` takes), or why there is none to name."""
+        if not options.checkpoint:
+            return "nothing was saved (no --checkpoint): the run must start over"
+        try:
+            points = [checkpoint.stamp(self.checkpoint_file(options, rank), {})["point"] for rank in ranks]
+        except (OSError, ValueError, KeyError, MpicollError):
+            return (f"no whole set of checkpoint files under --checkpoint {options.checkpoint} was found from this "
+                    "rank (none written yet, or on another node's disk)")
+        return (f"the last checkpoint, --checkpoint {options.checkpoint}, holds {unit} {min(points)}: go on from it "
+                "with the same command and --resume")
 
     def earlier_ranks(self, options: Options, run: dict) -> int:
         """How many ranks the run had whose checkpoint ``--resume`` continues (its first file says)."""

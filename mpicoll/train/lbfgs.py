@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from .. import arrays
+from ..base.errors import CollectiveTimeout, MpicollError, PartFailed, PeerFailed
 from ..base.straggler import Straggler
 from ..models.dense import Model
 from .common import Family, Options
@@ -66,12 +67,20 @@ class Lbfgs(Family):
 
         if options.resume:
             self.say_resharded(comm, options, self.check_rank_count(comm, options, run))
-        result = sandblaster.run(
-            comm, arrays.as_host(model.init(options.seed)), loss_and_gradient, samples=samples, batch=batch,
-            servers=options.servers, history=options.history, iterations=10 ** 9, portions=options.portions or None,
-            backup=options.backup, seed=options.seed, evaluations=math.ceil(options.epochs * samples / batch),
-            slow=Straggler.for_rank(rank, options.straggler, options.delay, options.seed),
-            on_report=report if reporter else None, checkpoint=options.checkpoint, resume=options.resume, identity=run)
+        try:
+            result = sandblaster.run(
+                comm, arrays.as_host(model.init(options.seed)), loss_and_gradient, samples=samples, batch=batch,
+                servers=options.servers, history=options.history, iterations=10 ** 9,
+                portions=options.portions or None, backup=options.backup, seed=options.seed,
+                evaluations=math.ceil(options.epochs * samples / batch),
+                slow=Straggler.for_rank(rank, options.straggler, options.delay, options.seed),
+                on_report=report if reporter else None, checkpoint=options.checkpoint, resume=options.resume,
+                identity=run)
+        except (PeerFailed, CollectiveTimeout, PartFailed) as error:
+            if not _a_part_lost(error, options.servers):
+                raise
+            raise MpicollError(f"{error}; {self.last_checkpoint(options, range(options.servers + 1), 'iteration')}"
+                               ) from None
         if result.role == "coordinator" and result.stopped and options.progress:
             print(f"sandblaster-lbfgs: stopped early: {result.stopped}", file=sys.stderr, flush=True)
         first = self.reporting_rank(options)
@@ -83,3 +92,11 @@ class Lbfgs(Family):
             final = xp.asarray(result.weights, model.dtype)
             return reporter.finish(final, workers_lost=result.lost)
         return None
+
+
+def _a_part_lost(error: Exception, servers: int) -> bool:
+    """Whether ``error`` says the coordinator or a shard (the first ``servers`` + 1 ranks) is gone, as this rank
+    heard it or another told it (a worker lost is not an error: its portions go to the others)."""
+    if isinstance(error, PartFailed):
+        return error.reason.startswith((PeerFailed.__name__, CollectiveTimeout.__name__))
+    return any(peer <= servers for peer in error.peers)

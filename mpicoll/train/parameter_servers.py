@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from .. import arrays, ps
 from ..base import checkpoint, failure, timeline
-from ..base.errors import CollectiveTimeout, MpicollError, PartFailed, PeerFailed, ServerFailed, ServerLost
+from ..base.errors import CollectiveTimeout, PartFailed, PeerFailed, ServerFailed, ServerLost
 from ..base.tags import Tag
 from ..channel.checks import load_checkpoint_set
 from ..models.dense import Model
@@ -112,7 +112,8 @@ class ParameterServers(Family):
         budget = options.epochs * steps * len(workers)        # gradients, over every worker
         reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
         started = time.perf_counter()
-        with _a_lost_server_names_the_checkpoint(options, server):
+        saved = lambda: self.last_checkpoint(options, range(options.servers), "update")   # noqa: E731
+        with _a_lost_server_names_the_checkpoint(options, server, saved):
             if server.is_server:
                 every = max(1, budget // options.epochs // per_update)       # updates per epoch
                 server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
@@ -207,10 +208,10 @@ class ParameterServers(Family):
 
 
 @contextlib.contextmanager
-def _a_lost_server_names_the_checkpoint(options: Options, server: ps.ParameterServer):
+def _a_lost_server_names_the_checkpoint(options: Options, server: ps.ParameterServer, saved):
     """A server lost (dead, silent, or reported so by another rank) ends the run on every rank, as a
-    :class:`ServerLost` that names the servers' last checkpoint (a worker tells the other servers); other
-    errors pass as they are."""
+    :class:`ServerLost` that names the servers' last checkpoint (``saved()``; a worker tells the other
+    servers); other errors pass as they are."""
     try:
         yield
     except (PeerFailed, CollectiveTimeout, ServerFailed, PartFailed, ServerLost) as error:
@@ -219,7 +220,7 @@ def _a_lost_server_names_the_checkpoint(options: Options, server: ps.ParameterSe
             raise
         ended = ServerLost(f"rank {MPI.COMM_WORLD.Get_rank()} lost parameter server rank(s) "
                            f"{', '.join(map(str, lost))}, and no rule trains on without a shard of the weights; "
-                           f"{_last_checkpoint(options)} (what it saw: {error})", lost)
+                           f"{saved()} (what it saw: {error})", lost)
         server.tell_servers(ended)
         raise ended from None
 
@@ -235,20 +236,6 @@ def _servers_lost(error: Exception, servers: int) -> list:
         named = re.search(r"server rank\(s\) ([\d, ]+)", error.reason)
         return [int(rank) for rank in named.group(1).replace(",", " ").split()] if named else ["?"]
     return [peer for peer in error.peers if peer < servers]
-
-
-def _last_checkpoint(options: Options) -> str:
-    """What the servers saved, for the message that ends a run that lost one."""
-    if not options.checkpoint:
-        return "nothing was saved (no --checkpoint): the run must start over"
-    try:
-        points = [checkpoint.stamp(ps.server.checkpoint_file(options.checkpoint, server), {})["point"]
-                  for server in range(options.servers)]
-    except (OSError, ValueError, KeyError, MpicollError):
-        return (f"no whole set of the servers' checkpoints under --checkpoint {options.checkpoint} was found from "
-                "this rank (none written yet, or on another node's disk)")
-    return (f"the servers' last checkpoint, --checkpoint {options.checkpoint}, holds update {min(points)}: go on "
-            f"from it with the same command and --resume, on as many ranks")
 
 
 STALENESS_BINS = 64        # lags counted one by one; longer ones share the last bin

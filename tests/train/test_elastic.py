@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 from collections import Counter
@@ -195,19 +196,26 @@ def test_a_killed_server_ends_the_run_on_every_rank_naming_the_last_checkpoint(t
             if line.startswith("mpicoll train: rank ")}
     # the workers hear of it in their exchange, and tell the other server (MPI told it up to 2 s later here)
     assert sorted(said) == [1, 2, 3], job.stderr_text[-3000:]
-    updates = checkpoint.stamp(checkpoint.path(prefix, "server", 0), {})["point"]     # the whole set's: the dead one's
-    assert all(f"rank {rank} lost parameter server rank(s) 0," in line and
-               f"--checkpoint {prefix}, holds update {updates}: go on from it" in line
-               for rank, line in said.items()), said
+    # the newest point both servers' files held when the line was written: one the dead server's files hold
+    # (the other server may have written a newer one, or not yet the dead one's newest)
+    held = checkpoint.versions(checkpoint.path(prefix, "server", 0), {})
+    named = {rank: re.search(rf"--checkpoint {re.escape(str(prefix))}, holds update (\d+): go on from it", line)
+             for rank, line in said.items()}
+    assert all(f"rank {rank} lost parameter server rank(s) 0," in said[rank] and found and int(found.group(1)) in held
+               for rank, found in named.items()), (said, sorted(held))
     assert not any(r.get("summary") for r in logged)
 
 
-def test_a_killed_sandblaster_shard_ends_the_run_on_every_rank_naming_it(tmp_path):
-    job, logged = train(tmp_path, "shard", "--method", "sandblaster-lbfgs", "--delay", "fixed:60", kill=1)
+def test_a_killed_sandblaster_shard_ends_the_run_on_every_rank_naming_it_and_the_last_checkpoint(tmp_path):
+    prefix = tmp_path / "ck"
+    job, logged = train(tmp_path, "shard", "--method", "sandblaster-lbfgs", "--delay", "fixed:60", "--checkpoint",
+                        str(prefix), kill=1)
     assert job.returncode != 0, job.stderr_text[-3000:]
     said = [line for line in job.stderr_text.splitlines() if line.startswith("mpicoll train: rank ")]
     assert sorted(line.split()[3] for line in said) == ["0:", "2:", "3:"], job.stderr_text[-3000:]
-    assert all("lost rank(s) 1: MPI reports the process died" in line for line in said), said
+    iteration = checkpoint.stamp(checkpoint.path(prefix), {})["point"]      # the coordinator's: written last
+    assert all("lost rank(s) 1: MPI reports the process died" in line and f"the last checkpoint, --checkpoint "
+               f"{prefix}, holds iteration {iteration}: go on from it" in line for line in said), said
 
 
 def test_elastic_without_fault_tolerance_says_what_to_install(tmp_path):
