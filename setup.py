@@ -19,7 +19,7 @@ setup(
     packages=[*find_packages(include=["mpicoll", "mpicoll.*"]), "mpicoll.kernels"],
     package_dir={"mpicoll.kernels": "kernels"},
     package_data={"mpicoll.kernels": ["*.cu", "*.cuh"]},
-    install_requires=["mpi4py>=4.0", "numpy>=1.23", "threadpoolctl"],
+    install_requires=["mpi4py>=4.0", "numpy>=1.23", "threadpoolctl", "ml_dtypes"],     # ml_dtypes: bfloat16
     extras_require={
         # The MPICH wheel: an MPI for machines that have none.  On a cluster,
         # leave it out and mpi4py uses the system's MPI.

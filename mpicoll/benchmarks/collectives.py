@@ -32,6 +32,8 @@ from mpi4py import MPI
 
 from ..base.collectives import ALLGATHER, ALLREDUCE, COLLECTIVES, REDUCE_SCATTER_BLOCK, Collective, find
 from ..collectives import algorithms
+from ..collectives.api import allreduce
+from ..collectives.compression import KINDS, Compression
 from ..channel.checks import Signature
 from ..collectives.communicator import FINGERPRINT_FROM, Communicator
 from ..channel.nodes import node_count
@@ -47,11 +49,21 @@ def default_sizes() -> list[int]:
     return [8] + [16 << (2 * i) for i in range(12)]
 
 
+def compressed(name: str) -> tuple[str, str | None]:
+    """(the algorithm, the compression) a bench name stands for: "auto+fp16" is auto's allreduce moving fp16."""
+    algorithm, _, kind = name.partition("+")
+    return algorithm, kind or None
+
+
 def _calls(comm: MPI.Intracomm, names: list[str], collective: Collective):
     """One function per algorithm: (send, recv) -> None (Bcast uses recv alone, from rank 0)."""
     calls = {}
     for name in names:
-        if name == PEER:
+        algorithm, kind = compressed(name)
+        if kind:
+            wrapped = Communicator(comm, algorithm=algorithm)
+            calls[name] = lambda s, r, c=wrapped, k=kind: allreduce(s, comm=c, out=r, compression=k)
+        elif name == PEER:
             target, raw = comm, getattr(MPI.Intracomm, collective.method)
             calls[name] = ((lambda s, r, c=target, f=raw: f(c, r, 0)) if collective.rooted
                            else (lambda s, r, c=target, f=raw: f(c, s, r)))
@@ -106,7 +118,13 @@ def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None, co
             reference[...] = send
         calls[PEER](send, reference)
         for name in names:
-            if not np.allclose(outputs[name], reference, rtol=1e-3, atol=1e-3 * p):
+            kind = compressed(name)[1]
+            if kind:                                   # within the documented bound of 16-bit compression
+                bound = Compression(kind).bound(p, comm.allreduce(np.abs(send.astype(np.float64))))
+                right = np.all(np.abs(outputs[name] - reference) <= bound + 1e-6)
+            else:
+                right = np.allclose(outputs[name], reference, rtol=1e-3, atol=1e-3 * p)
+            if not right:
                 raise AssertionError(f"bench: {name} gave a wrong {collective} at {nbytes} bytes")
         n = _iterations(count * dtype.itemsize, iters, min_iters)
         times = interleaved_times(comm, [lambda name=name: calls[name](send, outputs[name]) for name in names], n)
@@ -116,7 +134,8 @@ def measure(comm, names, sizes, dtype, iters, min_iters, warmup, report=None, co
             algbw = count * dtype.itemsize / seconds / 1e9
             row.append({"algorithm": name, "collective": collective.option, "bytes": count * dtype.itemsize, "ranks": p,
                         "dtype": dtype.name, "time_s": seconds, "algbw_gbps": algbw,
-                        "busbw_gbps": algbw * bus_factor, "iters": n})
+                        "busbw_gbps": algbw * bus_factor, "iters": n,
+                        "wire_bytes": count * (2 if compressed(name)[1] else dtype.itemsize)})
         peer = next((r for r in row if r["algorithm"] == PEER), None)
         for record in row:
             record["ratio_to_mpi"] = peer["time_s"] / record["time_s"] if peer else None
@@ -204,11 +223,14 @@ def link_bound_report(records: list[dict], nodes: int, gbps: float) -> list[str]
         row = [r for r in records if r["bytes"] == size]
         # the least each node must send over its link: the bus-bandwidth factor with nodes for ranks (the
         # ranks of a node share its link)
-        bound = row[0]["bytes"] * find(row[0]["collective"]).bus_factor(nodes) * 8 / (gbps * 1e9)
-        for r in row:
+        factor = find(row[0]["collective"]).bus_factor(nodes) * 8 / (gbps * 1e9)
+        for r in row:         # the bound of the bytes each moves (a compressed one's 16-bit words)
+            bound = r.get("wire_bytes", r["bytes"]) * factor
             r["link_bound_s"], r["of_link_bound"] = bound, bound / r["time_s"]
-        lines.append(f"#   {format_bytes(size):>8}: {bound * 1e3:9.2f} ms; "
-                     + ", ".join(f"{r['algorithm']} {r['of_link_bound']:.2f}" for r in row))
+        lines.append(f"#   {format_bytes(size):>8}: {row[0]['link_bound_s'] * 1e3:9.2f} ms; "
+                     + ", ".join(f"{r['algorithm']} {r['of_link_bound']:.2f}"
+                                 + (f" (of {r['link_bound_s'] * 1e3:.2f} ms)" if r["link_bound_s"] !=
+                                    row[0]["link_bound_s"] else "") for r in row))
     return lines
 
 
@@ -226,7 +248,7 @@ def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], d
     of the rounds' differences with - without (slowest rank's), as a share of
     the median call without it; the control is the same for again - without.
     """
-    own = [name for name in names if name not in (PEER, "auto")]
+    own = [name for name in names if name not in (PEER, "auto") and not compressed(name)[1]]
     dtype = np.dtype(dtype)
     collective = find(collective)
 
@@ -292,6 +314,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--sizes", help="'8,1K,64M', or a range LOW:HIGH[:FACTOR] (default factor 4); default 8 B to 64 MiB")
     bench.add_argument("--algorithms", help="comma-separated; default: all, and auto (mpi always runs)")
     bench.add_argument("--dtype", default="float32", help="numpy dtype of the elements (default float32)")
+    bench.add_argument("--compression", help="allreduce: also time each algorithm moving 16-bit floats, e.g. "
+                       "fp16,bf16 (shown as auto+fp16, ...; docs/compression.md)")
     bench.add_argument("--iters", type=int, default=50, help="timed calls per size up to 1 MiB (default 50)")
     bench.add_argument("--min-iters", type=int, default=15, help="timed calls at least, at any size (default 15)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm after the "
@@ -308,6 +332,15 @@ def run(args) -> int:
     for name in names[1:]:
         if name != "auto":
             algorithms.get(name)
+    if args.compression:
+        kinds = args.compression.split(",")
+        if args.collective != "allreduce" or np.dtype(args.dtype) not in (np.float32, np.float64) or \
+                any(kind not in KINDS for kind in kinds):
+            if comm.Get_rank() == 0:
+                print(f"mpicoll bench: --compression takes {', '.join(KINDS)} for allreduce of float32 or float64",
+                      file=sys.stderr, flush=True)
+            return 2
+        names += [f"{name}+{kind}" for kind in kinds for name in names[1:] if name != PEER]
     try:
         sizes = parse_sizes(args.sizes) if args.sizes else default_sizes()
         check_counts(args, sizes, np.dtype(args.dtype))

@@ -49,6 +49,15 @@ def test_bench_times_every_collective(tmp_path, collective):
         assert record["busbw_gbps"] == pytest.approx(record["algbw_gbps"] * factor)
 
 
+def test_bench_times_compressed_allreduces_beside_the_rest_against_the_bound_of_their_bytes(tmp_path):
+    result, records = bench(tmp_path, 2, "bench", "--sizes", "4,256K", "--iters", "3", "--min-iters", "2",
+                            "--warmup", "1", "--algorithms", "ring", "--compression", "fp16,bf16", "--link-gbps", "1")
+    assert {r["algorithm"] for r in records} == {"mpi", "ring", "ring+fp16", "ring+bf16"}
+    assert all(r["wire_bytes"] == r["bytes"] // (2 if "+" in r["algorithm"] else 1) for r in records), records
+    refused = launch(2, "-m", "mpicoll", "bench", "--collective", "bcast", "--compression", "fp16")
+    assert refused.returncode == 2 and refused.stderr.count("--compression takes fp16, bf16") == 1, refused.stderr
+
+
 def test_bench_kernels_reports_bandwidth_against_copy(tmp_path):
     out = tmp_path / "kernels.json"
     result = subprocess.run([sys.executable, "-m", "mpicoll", "bench-kernels", "--elements", "100003", "--iters", "2",

@@ -1,0 +1,80 @@
+"""Compressed allreduce (``compression="fp16"`` or ``"bf16"``, :mod:`mpicoll.collectives.compression`): within the
+documented error of the exact sum (float64, from MPI's own allreduce) on every rank, the same bits on every rank,
+for awkward sizes and every algorithm; error feedback's residual carried exactly; refusals in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpicoll
+from mpicoll.collectives.compression import Compression
+from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("count", [0, 1, max(P - 1, 1), 1003, 100_003])
+@pytest.mark.parametrize("algorithm", ["ring", "auto", "mpi", "hierarchical"])
+def test_a_compressed_sum_is_within_the_documented_bound_and_the_same_on_every_rank(kind, count, algorithm):
+    rng = np.random.default_rng([shared_seed(), RANK, count])
+    x = (rng.standard_normal(count) * rng.choice([1e-3, 1.0, 300.0], count)).astype(np.float32)
+    exact = WORLD.allreduce(x.astype(np.float64), MPI.SUM)
+    magnitude = WORLD.allreduce(np.abs(x.astype(np.float64)), MPI.SUM)
+    result = mpicoll.allreduce(x, compression=kind, algorithm=algorithm)
+    bound = Compression(kind).bound(P, magnitude)
+    worst = float(np.max(np.abs(result - exact) / np.maximum(bound, 1e-300))) if count else 0.0
+    everywhere(result.dtype == np.float32 and result.shape == x.shape and worst <= 1.0,
+               f"{kind} {algorithm} {count}: error {worst:.3g} of the bound")
+    everywhere(len(set(WORLD.allgather(result.tobytes()))) == 1, "ranks got different bits")
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_an_average_in_float64_into_out(kind):
+    x = np.random.default_rng([shared_seed(), RANK]).standard_normal((7, 13))
+    out = np.empty_like(x)
+    result = mpicoll.allreduce(x, op="average", compression=kind, out=out)
+    exact = WORLD.allreduce(x, MPI.SUM) / P
+    magnitude = WORLD.allreduce(np.abs(x), MPI.SUM) / P
+    everywhere(result is out and out.dtype == np.float64 and
+               bool(np.all(np.abs(out - exact) <= Compression(kind).bound(P, magnitude))),
+               f"{kind} average off the bound")
+
+
+def test_error_feedback_carries_each_buffers_residual_exactly():
+    """Per key: the residual after a call is the contribution plus the residual before, less what was sent;
+    over steps, what was sent plus the last residual is what was contributed (float64 contributions)."""
+    compression = Compression("fp16", error_feedback=True)
+    rng = np.random.default_rng([shared_seed(), RANK])
+    contributed, sent = {"a": 0.0, "b": 0.0}, {"a": 0.0, "b": 0.0}
+    for step in range(5):
+        for key, size in (("a", 1000), ("b", 10)):
+            x = rng.standard_normal(size)
+            before = compression.residuals.get(key, np.zeros(size))
+            q = compression.compress(x, key)
+            everywhere(np.array_equal(compression.residuals[key], (x + before) - q.astype(np.float64)),
+                       f"step {step} {key}: residual not carried exactly")
+            contributed[key] = contributed[key] + x
+            sent[key] = sent[key] + q.astype(np.float64)
+    for key in ("a", "b"):
+        everywhere(np.allclose(sent[key] + compression.residuals[key], contributed[key], rtol=0, atol=1e-12),
+                   f"{key}: sent + residual != contributed")
+        mpicoll.allreduce(np.ones(3), compression=compression, key="c")      # a new key starts from nothing
+    with pytest.raises(ValueError, match="give each buffer its own key"):
+        compression.compress(np.ones(4), "a")
+
+
+def test_what_cannot_compress_is_refused_in_one_line():
+    with pytest.raises(TypeError, match="float32 or float64"):
+        mpicoll.allreduce(np.ones(4, np.int32), compression="fp16")
+    with pytest.raises(ValueError, match="only sums and averages"):
+        mpicoll.allreduce(np.ones(4), op="max", compression="bf16")
+    with pytest.raises(ValueError, match="compression must be one of fp16, bf16"):
+        mpicoll.allreduce(np.ones(4), compression="fp8")
+    with pytest.raises(OverflowError, match="use bf16"):
+        mpicoll.allreduce(np.full(4, 40000.0), compression="fp16") if P > 1 else \
+            mpicoll.allreduce(np.full(4, 70000.0), compression="fp16")
+    summed = mpicoll.allreduce(np.full(4, 40000.0), compression="bf16")
+    everywhere(bool(np.all(np.abs(summed - 40000.0 * P) <= 40000.0 * P * 2 * 2.0 ** -8)), "bf16 lost the range")
