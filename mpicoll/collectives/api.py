@@ -198,10 +198,10 @@ def _compressed_allreduce(x, op, comm, algorithm, out, compression, key):
     op, divide_by = _average(op, x, communicator)
     if op != MPI.SUM:
         raise ValueError("compression: only sums and averages compress (op 'sum' or 'average')")
-    wire, wire_op = compression.wire(compression.compress(np.ascontiguousarray(x), key))
-    communicator.Allreduce(MPI.IN_PLACE, wire, wire_op)
+    words = compression.compress(np.ascontiguousarray(x), key)
+    communicator.Allreduce(MPI.IN_PLACE, words, compression.op)
     result, copy_into = _output(x if out is x else out, x.shape, x, kind)
-    np.divide(wire.view(compression.dtype), divide_by, out=result, dtype=np.float32)
+    compression.decompress(words, result, 1 / divide_by)
     if not np.all(np.isfinite(result)) and np.all(np.isfinite(x)):
         raise OverflowError(f"compression {compression.kind}: the sum overflowed the 16-bit type (float16 ends at "
                             "65504); use bf16, which has float32's range, or scale the values down")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .. import compute
+
 __all__ = ["Compression", "KINDS", "resolve"]
 
 KINDS = ("fp16", "bf16")
@@ -41,6 +43,11 @@ def _bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def _fp16_sum(incoming, inout, datatype) -> None:
+    """MPI's user op for float16 moved as 16-bit words: ``inout += incoming``, added in float32."""
+    compute.add_float16(np.frombuffer(incoming, np.uint16), np.frombuffer(inout, np.uint16))
+
+
 def _bf16_sum(incoming, inout, datatype) -> None:
     """MPI's user op for bfloat16 moved as 16-bit words: ``inout += incoming``, added in float32."""
     bf16 = _bfloat16()
@@ -48,14 +55,7 @@ def _bf16_sum(incoming, inout, datatype) -> None:
     total[...] = np.frombuffer(incoming, bf16) + total
 
 
-_BF16_SUM = None
-
-
-def _bf16_op() -> MPI.Op:
-    global _BF16_SUM
-    if _BF16_SUM is None:
-        _BF16_SUM = MPI.Op.Create(_bf16_sum, commute=True)
-    return _BF16_SUM
+_OPS: dict = {}
 
 
 class Compression:
@@ -79,27 +79,40 @@ class Compression:
         sum of the contributions' absolute values."""
         return (ranks + 1) * (self.unit_roundoff * magnitude + self.least)
 
-    def compress(self, x: np.ndarray, key=None) -> np.ndarray:
-        """This rank's contribution as the 16-bit type, its residual (with error feedback) added first and
-        the new one kept."""
-        if not self.error_feedback:
-            return x.astype(self.dtype)
-        residual = self.residuals.get(key)
-        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-            raise ValueError(f"error feedback: buffer {key!r} was {residual.shape} {residual.dtype} and is now "
-                             f"{x.shape} {x.dtype}; give each buffer its own key")
-        carried = x + residual if residual is not None else x.copy()
-        sent = carried.astype(self.dtype)
-        np.subtract(carried, sent, out=carried)         # exact: what the 16-bit value misses
-        self.residuals[key] = carried
-        return sent
+    @property
+    def op(self) -> MPI.Op:
+        """The user op that adds the 16-bit words as floats of this kind (MPI has no bfloat16 type, and
+        numpy's float16 arithmetic is emulated element by element: mpicoll.compute adds float16 by its bits)."""
+        if self.kind not in _OPS:
+            _OPS[self.kind] = MPI.Op.Create(_fp16_sum if self.kind == "fp16" else _bf16_sum, commute=True)
+        return _OPS[self.kind]
 
-    def wire(self, compressed: np.ndarray) -> tuple[np.ndarray, MPI.Op]:
-        """(the array to reduce, the op): float16 as itself with MPI.SUM; bfloat16, which MPI has no type for,
-        as 16-bit words with a user op that adds them as bfloat16."""
+    def compress(self, x: np.ndarray, key=None) -> np.ndarray:
+        """This rank's contribution as 16-bit words (uint16, x's shape), its residual (with error feedback)
+        added first and the new one kept."""
+        residual = None
+        if self.error_feedback:
+            residual = self.residuals.get(key)
+            if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+                raise ValueError(f"error feedback: buffer {key!r} was {residual.shape} {residual.dtype} and is "
+                                 f"now {x.shape} {x.dtype}; give each buffer its own key")
+            if residual is None:
+                residual = self.residuals[key] = np.zeros_like(x)
+        words = np.empty(x.shape, np.uint16)
         if self.kind == "fp16":
-            return compressed, MPI.SUM
-        return compressed.view(np.uint16), _bf16_op()
+            return compute.to_float16(x, words, residual)
+        carried = x if residual is None else x + residual
+        words.view(self.dtype)[...] = carried
+        if residual is not None:
+            np.subtract(carried, words.view(self.dtype), out=residual)       # exact: what the words miss
+        return words
+
+    def decompress(self, words: np.ndarray, out: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        """``out`` <- the values of the 16-bit ``words`` times ``scale``."""
+        if self.kind == "fp16":
+            return compute.from_float16(words, out, scale)
+        np.multiply(words.view(self.dtype), scale, out=out, dtype=out.dtype)
+        return out
 
 
 def resolve(compression) -> Compression | None:

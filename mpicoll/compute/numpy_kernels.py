@@ -53,3 +53,23 @@ def sgd(w, g, lr, tau):
 def adagrad(w, g, h, lr, eps):
     h += g * g
     w -= lr * g / (np.sqrt(h) + eps)
+
+
+def to_half(x, out):
+    out.view(np.float16)[...] = x
+
+
+def to_half_carrying(x, residual, out):
+    carried = x + residual
+    half = out.view(np.float16)
+    half[...] = carried
+    np.subtract(carried, half, out=residual)
+
+
+def from_half(h, out, scale):
+    np.multiply(h.view(np.float16), scale, out=out, dtype=out.dtype)
+
+
+def add_halves(incoming, inout):
+    total = inout.view(np.float16)
+    np.add(incoming.view(np.float16), total, out=total)

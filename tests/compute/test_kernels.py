@@ -249,3 +249,41 @@ def test_warm_up_loads_the_backend_the_updates_will_use(monkeypatch):
     monkeypatch.setattr(compute, "_loaded", {})
     compute.warm_up(np.float64)
     assert "numba" in compute._loaded
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_float16_by_its_bits_is_numpys_float16_bit_for_bit(backend, monkeypatch):
+    """Every float16 widened, float32 values of every magnitude (subnormal, ties, 65504 to inf, NaN) rounded,
+    sums of float16 and error feedback's residual: the same bits as numpy's float16, on either backend."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("MPICOLL_KERNELS", backend)
+    every = np.arange(1 << 16, dtype=np.uint16)
+    widened = compute.from_float16(every, np.empty(every.size, np.float32))
+    expected = every.view(np.float16).astype(np.float32)
+    assert np.array_equal(widened.view(np.uint32)[~np.isnan(expected)], expected.view(np.uint32)[~np.isnan(expected)])
+    assert np.isnan(widened[np.isnan(expected)]).all()
+    rng = np.random.default_rng(5)
+    finite = expected[np.isfinite(expected)]
+    x = np.concatenate([rng.standard_normal(1 << 18) * 10.0 ** rng.uniform(-9, 5, 1 << 18), finite,
+                        (finite.astype(np.float64) + 2.0 ** -40), (finite[:-1] + np.diff(finite) / 2),   # ties
+                        [0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, 1e6, 2.0 ** -25, 3 * 2.0 ** -26]]
+                       ).astype(np.float32)
+    with np.errstate(over="ignore"):
+        rounded = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(compute.to_float16(x, np.empty(x.size, np.uint16)), rounded)
+    nan = compute.to_float16(np.array([np.nan], np.float32), np.empty(1, np.uint16))[0]
+    assert nan & 0x7C00 == 0x7C00 and nan & 0x3FF
+    a, b = rounded[: 1 << 17].copy(), rounded[1 << 17: 1 << 18].copy()
+    with np.errstate(over="ignore"):
+        added = (a.view(np.float16) + b.view(np.float16)).view(np.uint16)
+    assert np.array_equal(compute.add_float16(a, b), added)
+    residual = rng.standard_normal(x.size).astype(np.float32) * 1e-3
+    before, words = residual.copy(), np.empty(x.size, np.uint16)
+    compute.to_float16(x, words, residual)
+    with np.errstate(over="ignore", invalid="ignore"):
+        carried = x + before
+        sent = carried.astype(np.float16)
+        assert np.array_equal(words, sent.view(np.uint16))
+        finite_ones = np.isfinite(sent)
+        assert np.array_equal(residual[finite_ones], (carried - sent.astype(np.float32))[finite_ones])
