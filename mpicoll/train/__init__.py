@@ -164,6 +164,11 @@ def add_parser(commands) -> None:
                         help="allreduce methods: refuse to start if a rank would hold more training state than "
                         "this (parameters, gradient, allreduce result, a batch's activations), e.g. 16M; with "
                         "--model-parallel K a rank holds only its stage's (default: no limit)")
+    train_.add_argument("--compression", choices=("fp16", "bf16"),
+                        help="allreduce methods: move the gradients as 16-bit floats, half the bytes of float32 "
+                        "(docs/compression.md)")
+    train_.add_argument("--error-feedback", action="store_true",
+                        help="with --compression: carry each step's rounding into the next step's gradient")
     train_.add_argument("--seed", type=int, default=0,
                         help="seeds the initial weights, the data order and the data split (default 0): the "
                         "same seed gives every method the same start")

@@ -6,11 +6,15 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+import numpy as np
+
 from .. import arrays
 from ..base import checkpoint, failure, timeline
 from ..base.straggler import Straggler
 from ..channel.checks import load_checkpoint_set
+from ..collectives.api import allreduce
 from ..collectives.communicator import Communicator
+from ..collectives.compression import Compression
 from ..models.dense import Model
 from . import elastic, schedule as schedules
 from .common import Family, Options, batches, check_whole_replicas, setup, stop_if_diverged
@@ -49,6 +53,12 @@ class Allreduce(Family):
     def check_elastic(self, options: Options, model: Model, size: int) -> None:
         if self.one_rank:
             raise ValueError(f"--elastic: {options.method} runs on one process, which has no rank to lose")
+
+    def check_compression(self, options: Options, model: Model) -> None:
+        if self.one_rank:
+            raise ValueError(f"--compression: {options.method} runs on one process and moves no gradient")
+        if getattr(model, "xp", np) is not np:
+            raise ValueError("--compression moves host (numpy) gradients so far: drop --device cuda, or --compression")
 
     def check_memory(self, options: Options, model: Model, size: int) -> None:
         """Refuse a run whose ranks would hold more training state than ``--max-rank-memory``, saying which
@@ -102,6 +112,7 @@ class Allreduce(Family):
         if options.resume:                       # every replica holds the same parameters: one file per stage
             params, start = self._resume(comm, options, run, xp)
         average = xp.empty_like(params)
+        summed = _summer(options, self.algorithm)
         lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
         with Communicator(replicas_comm, algorithm=self.algorithm) as channel:
             reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
@@ -111,7 +122,7 @@ class Allreduce(Family):
                     with slow, timeline.span("gradient", "train"):
                         loss, grad = gradient_of(params, X[batch], y[batch])
                     losses.append(loss)
-                    channel.Allreduce(grad, average)
+                    summed(channel, grad, average)
                     with timeline.span("update", "train"):
                         params -= (lr_at(epoch, step) / replicas) * average
                 stop_if_diverged(comm, params, [(epoch, losses)], f"after epoch {epoch + 1}")   # before saving it
@@ -153,6 +164,7 @@ class Allreduce(Family):
         if params is None:
             params = xp.asarray(replicas.init(options.seed))
         average, before = xp.empty_like(params), xp.empty_like(params)
+        summed = _summer(options, self.algorithm)
         samples = elastic.samples_before(epoch, len(y), replicas.count, options.batch)     # 0 unless resumed
         survivors = elastic.Survivors(comm, options, model, data, xp)
         rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
@@ -166,7 +178,7 @@ class Allreduce(Family):
                     with slow, timeline.span("gradient", "train"):
                         loss, grad = replicas.loss_and_gradient(params, X[batch], y[batch])
                     epoch_losses.append(loss)
-                    replicas.stage.Allreduce(grad, average)
+                    summed(replicas.stage, grad, average)
                     before[...] = params
                     with timeline.span("update", "train"):
                         params -= (rate(plan.progress(epoch, done, options.epochs)) / count) * average
@@ -201,6 +213,16 @@ class Allreduce(Family):
         replicas.close(abandon=bool(survivors.losses))
         channel.close(abandon=bool(survivors.losses))
         return summary
+
+
+def _summer(options: Options, algorithm: str):
+    """``summed(channel, gradient, out)``: out <- the sum of the ranks' gradients over ``channel``, by its
+    allreduce, or with ``--compression`` as 16-bit floats (the error feedback's residual kept across steps)."""
+    if not options.compression:
+        return lambda channel, gradient, out: channel.Allreduce(gradient, out)
+    compression = Compression(options.compression, error_feedback=options.error_feedback)
+    return lambda channel, gradient, out: allreduce(gradient, comm=channel, algorithm=algorithm, out=out,
+                                                    compression=compression, key="gradient")
 
 
 class _Replicas:

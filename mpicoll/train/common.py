@@ -48,6 +48,8 @@ class Options:
     tau: int = 0                      # sgp overlap
     model_parallel: int = 1           # allreduce methods: stages per replica (mpicoll.modelparallel)
     max_rank_memory: int = 0          # allreduce methods: bytes of training state one rank may hold (0: no limit)
+    compression: str | None = None    # allreduce methods: gradients moved as fp16 or bf16 (collectives.compression)
+    error_feedback: bool = False      # with compression: each step's rounding carried into the next
     history: int = 10                 # sandblaster-lbfgs: L-BFGS pairs kept
     lbfgs_batch: int = 0              # sandblaster-lbfgs: rows per iteration (0: all, full-batch L-BFGS)
     portions: int = 0                 # sandblaster-lbfgs: pieces per gradient evaluation (0: 4 per worker)
@@ -197,6 +199,10 @@ class Family:
         """Raise unless this family can go on without lost ranks (``--elastic``)."""
         raise ValueError(f"--elastic works with the allreduce methods and sgp, not {self.name} (the parameter "
                          "servers already go on without a lost worker)")
+
+    def check_compression(self, options: Options, model: Model) -> None:
+        """Raise unless this family can move its gradients compressed (``--compression``)."""
+        raise ValueError(f"--compression works with the allreduce methods, not {self.name}")
 
     def check_memory(self, options: Options, model: Model, size: int) -> None:
         raise ValueError("--max-rank-memory is enforced for the allreduce methods on numpy dense models (mlp, "

@@ -120,6 +120,10 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: Fami
         method.check_model_parallel(options, model, size)
     if options.max_rank_memory:
         method.check_memory(options, model, size)
+    if options.compression:
+        method.check_compression(options, model)
+    elif options.error_feedback:
+        raise ValueError("--error-feedback carries the rounding of --compression: add --compression fp16 or bf16")
     method.check(options, model, size)
     if options.elastic:
         method.check_elastic(options, model, size)

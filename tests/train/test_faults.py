@@ -139,6 +139,8 @@ def test_a_fresh_run_does_not_replace_a_checkpoint_unless_told(tmp_path):
     (["--hidden", "abc", "--model", "mlp"], "--hidden abc: give positive layer widths"),
     (["--hidden", "64,", "--model", "mlp"], "--hidden 64,: give positive layer widths"),
     (["--hidden", "-3", "--model", "mlp"], "--hidden -3: give positive layer widths"),
+    (["--compression", "fp16", "--method", "sgp"], "--compression works with the allreduce methods, not sgp"),
+    (["--error-feedback"], "--error-feedback carries the rounding of --compression: add --compression"),
     (["--output", "."], "that is a folder"),
     (["--checkpoint", "/proc/no-such-process/ck"], "cannot write a file in /proc/no-such-process"),
 ])

@@ -66,6 +66,21 @@ def test_allreduce_training_equals_single_process_sgd_on_the_combined_batch():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("compression, feedback", [("fp16", False), ("bf16", True)])
+def test_compressed_training_stays_near_exact_allreduce_training_and_its_replicas_identical(compression, feedback):
+    """--compression: the gradients' sum moves as 16-bit floats, the same bits on every rank, so the replicas
+    stay identical; one epoch lands near the exact run (float64 model, the reference of the test above)."""
+    data = digits()
+    model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
+    options = dict(method="allreduce-ring", epochs=1, batch=8, lr=0.2, seed=5, progress=False)
+    exact = allreduce_sgd(model, data, Options(**options), P)
+    summary = train(WORLD, Options(**options, compression=compression, error_feedback=feedback), model, data)
+    loss = [s["final_loss"] for s in WORLD.allgather(summary) if s][0]
+    everywhere(abs(loss - exact) < 0.01 * exact and loss != exact, f"final loss {loss!r}, exact {exact!r}")
+    everywhere(summary is None or summary["options"]["compression"] == compression, "the log names it")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_model_parallel_training_is_allreduce_training_of_its_replicas():
     """--model-parallel K at P ranks: P/K replicas, each a pipeline of K stages; the result must be plain
     allreduce SGD over P/K ranks (computed here in one process, float64)."""
