@@ -40,6 +40,6 @@ __all__ = [
     "allreduce", "reduce_scatter", "allgather", "broadcast",
     "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
     "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed", "ServerLost",
-    "PartFailed", "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall", "LaunchMismatch",
-    "Unsupported", "end_job", "guard_job", "timeline", "algorithms", "__version__",
+    "PartFailed", "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall",
+    "LaunchMismatch", "Unsupported", "end_job", "guard_job", "timeline", "algorithms", "__version__",
 ]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed", "ServerLost",
-           "PartFailed", "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError", "SetupError", "ConcurrentCall",
-           "Unsupported", "HorovodInternalError"]
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed",
+           "ServerLost", "PartFailed", "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError",
+           "SetupError", "ConcurrentCall", "Unsupported", "HorovodInternalError"]
 
 
 class MPIRefusal(MPI.Exception):

@@ -37,8 +37,8 @@ from mpi4py import MPI
 
 from . import config, timeline
 
-__all__ = ["end_job", "end_at_exit", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge", "meet_survivors", "revoke",
-           "revoke_and_shrink", "outlived_a_death", "end_after_losing"]
+__all__ = ["end_job", "end_at_exit", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge",
+           "meet_survivors", "revoke", "revoke_and_shrink", "outlived_a_death", "end_after_losing"]
 
 EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
 _SETTLE_S = 2.0

@@ -252,14 +252,12 @@ class Context:
                                "the ranks passed different counts (MPICOLL_DEBUG=1 names them)"}) from None
             if isinstance(peers, int):
                 peers = [peers] * len(requests)
-            if died:            # acknowledged: the dead are known (their failed requests may be freed already)
-                dead = sorted(set(peers).difference(self.living(sorted(set(peers)))))
-                raise self.broken_by(PeerFailed(self.collective, self.names[self.rank],
-                                                [self.names[peer] for peer in dead] or self.missing(peers)[0],
-                                                "the process died (MPI's fault tolerance)")) from None
-            failed = [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
+            # acknowledged, the dead are known among all of this wait's peers (their failed requests may be freed
+            # already); otherwise the peers of the requests still pending are the suspects
+            failed = peers if died else [peer for request, peer in zip(requests, peers) if request != MPI.REQUEST_NULL]
+            reason = "the process died (MPI's fault tolerance)" if died else error.Get_error_string()
             raise self.broken_by(PeerFailed(self.collective, self.names[self.rank], self.missing(failed)[0],
-                                            error.Get_error_string())) from None
+                                            reason)) from None
 
     def done_or_dead(self, request: MPI.Request) -> bool:
         """Whether ``request`` has completed, or failed because its peer died (in a context that
@@ -280,13 +278,22 @@ class Context:
         return self._poll(lambda: True if _all_done(requests) else None, lambda: None, limit=limit, default=False)
 
     def waitany(self, requests: list, peers: list[int], patience: float | None = None,
-                limit: float | None = None) -> int | None:
+                limit: float | None = None, or_death: bool = False) -> int | None:
         """Index of a completed request (REQUEST_NULL entries are skipped).
 
         With ``patience`` (seconds), None once that much time has passed with
         nothing completed, so the caller can look around; without it, a timeout
         is raised past ``limit`` seconds (default: the communicator's timeout).
+        With ``or_death`` (a context whose :attr:`on_death` is "acknowledge"), None too when MPI reports a
+        peer dead: the caller asks who (:meth:`living`) and goes on without it.
         """
+        if or_death:
+            try:
+                return self.waitany(requests, peers, patience, limit)
+            except MPI.Exception as error:
+                if not failure.is_process_failure(error):
+                    raise
+                return None
         def any_done():
             index, done = MPI.Request.Testany(requests)
             return index if done and index != MPI.UNDEFINED else None
@@ -365,8 +372,8 @@ class Context:
         too, but was not waited for), else every silent rank (the suspect was a
         live neighbour waiting like us), else the suspects.
         """
-        if self.on_death == "acknowledge" and (dead := [self.names[peer] for peer in suspects if peer in self._dead]):
-            return dead, True              # acknowledged dead (ULFM): no roll call needed
+        if self.on_death == "acknowledge" and (dead := sorted(set(suspects).difference(self.living(set(suspects))))):
+            return [self.names[peer] for peer in dead], True       # acknowledged dead (ULFM): no roll call needed
         suspects = [self.names[peer] for peer in suspects]
         silent = self.silent_seen = self._silent()
         confirmed = [peer for peer in silent if peer in suspects] or silent

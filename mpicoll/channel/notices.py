@@ -33,8 +33,8 @@ def listen(ctx, senders, tag: int, error: type) -> None:
         try:
             noticed = ctx.comm.Iprobe(MPI.ANY_SOURCE, tag, status)
         except MPI.Exception as death:     # ULFM: a probe of any source fails until a death is acknowledged
-            if ctx.raise_if_ranks_lost(death):     # acknowledged (a context whose on_death is "acknowledge"): look again
-                return                             # at the next alarm
+            if ctx.raise_if_ranks_lost(death):     # acknowledged (on_death "acknowledge"): look again at the
+                return                             # next alarm
             raise
         if noticed and status.Get_source() in senders:
             reason = np.empty(status.Get_count(MPI.BYTE), np.uint8)

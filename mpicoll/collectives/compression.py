@@ -43,18 +43,6 @@ def _bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def _fp16_sum(incoming, inout, datatype) -> None:
-    """MPI's user op for float16 moved as 16-bit words: ``inout += incoming``, added in float32."""
-    compute.add_float16(np.frombuffer(incoming, np.uint16), np.frombuffer(inout, np.uint16))
-
-
-def _bf16_sum(incoming, inout, datatype) -> None:
-    """MPI's user op for bfloat16 moved as 16-bit words: ``inout += incoming``, added in float32."""
-    bf16 = _bfloat16()
-    total = np.frombuffer(inout, bf16)
-    total[...] = np.frombuffer(incoming, bf16) + total
-
-
 _OPS: dict = {}
 
 
@@ -84,7 +72,9 @@ class Compression:
         """The user op that adds the 16-bit words as floats of this kind (MPI has no bfloat16 type, and
         numpy's float16 arithmetic is emulated element by element: mpicoll.compute adds float16 by its bits)."""
         if self.kind not in _OPS:
-            _OPS[self.kind] = MPI.Op.Create(_fp16_sum if self.kind == "fp16" else _bf16_sum, commute=True)
+            dtype = self.dtype
+            _OPS[self.kind] = MPI.Op.Create(lambda incoming, inout, datatype: compute.add_narrow(
+                np.frombuffer(incoming, np.uint16), np.frombuffer(inout, np.uint16), dtype), commute=True)
         return _OPS[self.kind]
 
     def compress(self, x: np.ndarray, key=None) -> np.ndarray:
@@ -98,21 +88,11 @@ class Compression:
                                  f"now {x.shape} {x.dtype}; give each buffer its own key")
             if residual is None:
                 residual = self.residuals[key] = np.zeros_like(x)
-        words = np.empty(x.shape, np.uint16)
-        if self.kind == "fp16":
-            return compute.to_float16(x, words, residual)
-        carried = x if residual is None else x + residual
-        words.view(self.dtype)[...] = carried
-        if residual is not None:
-            np.subtract(carried, words.view(self.dtype), out=residual)       # exact: what the words miss
-        return words
+        return compute.narrow(x, np.empty(x.shape, np.uint16), self.dtype, residual)
 
     def decompress(self, words: np.ndarray, out: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """``out`` <- the values of the 16-bit ``words`` times ``scale``."""
-        if self.kind == "fp16":
-            return compute.from_float16(words, out, scale)
-        np.multiply(words.view(self.dtype), scale, out=out, dtype=out.dtype)
-        return out
+        return compute.widen(words, out, self.dtype, scale)
 
 
 def resolve(compression) -> Compression | None:

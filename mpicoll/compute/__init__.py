@@ -44,8 +44,8 @@ import numpy as np
 from ..base import config, launcher, ops
 from ..arrays import kinds     # which memory, and views: the only part of the array layer the kernels need
 
-__all__ = ["reduce", "to_float16", "from_float16", "add_float16", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd", "adagrad", "warm_up",
-           "backend_for", "backends", "set_threads", "streaming_reducer", "REDUCIBLE",
+__all__ = ["reduce", "narrow", "widen", "add_narrow", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd",
+           "adagrad", "warm_up", "backend_for", "backends", "set_threads", "streaming_reducer", "REDUCIBLE",
            "REDUCE_OPS", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
@@ -220,39 +220,42 @@ def reduce(a, b, out=None, op: str = "sum"):
     return out
 
 
-def _half_backend(*operands):
-    """Numba's bit-level float16 loops for float32 host arrays (numpy's float16 is emulated element by
-    element: measured 4M elements, numpy 6.2 ms to round and 15.3 ms to add, Numba 1.9 and 11.3), numpy
-    otherwise; ``MPICOLL_KERNELS`` is obeyed."""
+def _narrow_backend(dtype, *operands):
+    """For 16-bit floats of ``dtype`` (float16, or bfloat16 from ml_dtypes) held as their bits (uint16): Numba's
+    bit-level float16 loops for contiguous float32 host arrays (numpy's float16 is emulated element by element;
+    the figures are in ``numba_kernels``), numpy otherwise; ``MPICOLL_KERNELS`` is obeyed."""
     choice = _forced_kernels()
-    if choice == "numpy" or any(a.dtype not in (np.float32, np.uint16) or not a.flags.c_contiguous for a in operands) \
+    if np.dtype(dtype) != np.float16 or choice == "numpy" \
+            or any(a.dtype not in (np.float32, np.uint16) or not a.flags.c_contiguous for a in operands) \
             or (choice != "numba" and max(a.size for a in operands) < NUMBA_FROM) or _backend("numba") is None:
         return _backend("numpy")
     return _backend("numba")
 
 
-def to_float16(x, out, residual=None):
-    """``out`` (uint16, x's size) <- the float16 bits of float ``x``, rounded to nearest even; with ``residual``
-    (error feedback): of ``x + residual``, and ``residual`` <- what the rounding took off (in x's precision)."""
-    x, out = np.ravel(x), np.ravel(out)
+def narrow(x, words, dtype=np.float16, residual=None):
+    """``words`` (uint16, x's size) <- the bits of float ``x`` as the 16-bit float ``dtype``, rounded to nearest
+    even; with ``residual`` (error feedback): of ``x + residual``, and ``residual`` <- what the rounding took off
+    (in x's precision)."""
+    x, flat = np.ravel(x), np.ravel(words)
     if residual is None:
-        _half_backend(x, out).to_half(x, out)
+        _narrow_backend(dtype, x, flat).narrow(x, flat, dtype)
     else:
         residual = np.ravel(residual)
-        _half_backend(x, residual, out).to_half_carrying(x, residual, out)
+        _narrow_backend(dtype, x, residual, flat).narrow_carrying(x, residual, flat, dtype)
+    return words
+
+
+def widen(words, out, dtype=np.float16, scale: float = 1.0):
+    """``out`` (float32 or float64) <- the values of the 16-bit floats ``dtype`` whose bits are ``words``, times
+    ``scale``."""
+    flat, out_flat = np.ravel(words), np.ravel(out)
+    _narrow_backend(dtype, flat, out_flat).widen(flat, out_flat, dtype, _scalar(out_flat.dtype, scale))
     return out
 
 
-def from_float16(bits, out, scale: float = 1.0):
-    """``out`` (float32 or float64) <- the values of float16 ``bits`` (uint16) times ``scale``."""
-    out_flat = np.ravel(out)
-    _half_backend(np.ravel(bits), out_flat).from_half(np.ravel(bits), out_flat, _scalar(out_flat.dtype, scale))
-    return out
-
-
-def add_float16(incoming, inout):
-    """``inout += incoming``, both float16 as bits (uint16): added in float32, rounded to float16."""
-    _half_backend(incoming, inout).add_halves(incoming, inout)
+def add_narrow(incoming, inout, dtype=np.float16):
+    """``inout += incoming``, both 16-bit floats ``dtype`` as their bits (uint16): added in float32, rounded back."""
+    _narrow_backend(dtype, incoming, inout).add_narrow(incoming, inout, dtype)
     return inout
 
 

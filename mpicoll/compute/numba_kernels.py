@@ -94,8 +94,7 @@ def _single_bits_as_half_bits(bits, value):
 
 
 @njit(cache=True, nogil=True)
-def to_half(x, out):
-    """out (uint16) <- the float16 bits of float32 ``x``."""
+def _narrow(x, out):
     bits = x.view(np.uint32)
     for i in range(x.size):
         out[i] = _single_bits_as_half_bits(bits[i], x[i])
@@ -112,7 +111,12 @@ def _to_half_carrying(x, residual, out, table):
         residual[i] = scratch[0] - table[h]
 
 
-def to_half_carrying(x, residual, out):
+def narrow(x, out, dtype):
+    """out (uint16) <- the float16 bits of float32 ``x`` (``dtype``: float16, the only one these loops take)."""
+    _narrow(x, out)
+
+
+def narrow_carrying(x, residual, out, dtype):
     """Error feedback, fused: carried = x + residual; out <- its float16 bits; residual <- carried - that value
     (float32 throughout)."""
     _to_half_carrying(x, residual, out, _HALVES)
@@ -124,7 +128,7 @@ def _from_half(h, out, scale, table):
         out[i] = table[h[i]] * scale
 
 
-def from_half(h, out, scale):
+def widen(h, out, dtype, scale):
     """out (float32) <- the value of float16 bits ``h``, times ``scale``."""
     _from_half(h, out, scale, _HALVES)
 
@@ -138,6 +142,6 @@ def _add_halves(incoming, inout, table):
         inout[i] = _single_bits_as_half_bits(bits[0], scratch[0])
 
 
-def add_halves(incoming, inout):
+def add_narrow(incoming, inout, dtype):
     """inout <- incoming + inout, float16 bits both: added in float32 and rounded to float16 (numpy's float16 add)."""
     _add_halves(incoming, inout, _HALVES)

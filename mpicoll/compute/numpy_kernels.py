@@ -55,21 +55,21 @@ def adagrad(w, g, h, lr, eps):
     w -= lr * g / (np.sqrt(h) + eps)
 
 
-def to_half(x, out):
-    out.view(np.float16)[...] = x
+def narrow(x, words, dtype):
+    words.view(dtype)[...] = x
 
 
-def to_half_carrying(x, residual, out):
+def narrow_carrying(x, residual, words, dtype):
     carried = x + residual
-    half = out.view(np.float16)
-    half[...] = carried
-    np.subtract(carried, half, out=residual)
+    narrowed = words.view(dtype)
+    narrowed[...] = carried
+    np.subtract(carried, narrowed, out=residual)
 
 
-def from_half(h, out, scale):
-    np.multiply(h.view(np.float16), scale, out=out, dtype=out.dtype)
+def widen(words, out, dtype, scale):
+    np.multiply(words.view(dtype), scale, out=out, dtype=out.dtype)
 
 
-def add_halves(incoming, inout):
-    total = inout.view(np.float16)
-    np.add(incoming.view(np.float16), total, out=total)
+def add_narrow(incoming, inout, dtype):
+    total = inout.view(dtype)
+    np.add(incoming.view(dtype), total, out=total)

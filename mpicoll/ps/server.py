@@ -141,12 +141,7 @@ class Server:
         self.last_heard = {w: start for w in workers}
         while self.active:
             before = time.perf_counter()
-            try:
-                index = ctx.waitany(self.requests, workers, patience=min(1.0, self.worker_timeout or 1.0))
-            except MPI.Exception as error:           # under ULFM: a worker died (acknowledged: see who)
-                if not failure.is_process_failure(error):
-                    raise
-                index = None
+            index = ctx.waitany(self.requests, workers, patience=min(1.0, self.worker_timeout or 1.0), or_death=True)
             stats.idle_s += time.perf_counter() - before
             if index is None:
                 self._drop_lost_workers()

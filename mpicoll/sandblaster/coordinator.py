@@ -25,9 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpi4py import MPI
 
-from ..base import failure
 from ..base.chunks import balanced_bounds
 from ..channel.context import Context
 from ..base.errors import WorkersLost
@@ -215,12 +213,8 @@ class RemoteVectors:
         or (None, None) after a short wait."""
         if not workers:
             return None, None
-        try:
-            index = self.ctx.waitany([self._requests[w] for w in workers], workers, patience=_LOOK_AROUND_S)
-        except MPI.Exception as error:          # under ULFM: a worker died (acknowledged: lost next)
-            if not failure.is_process_failure(error):
-                raise
-            index = None
+        index = self.ctx.waitany([self._requests[w] for w in workers], workers, patience=_LOOK_AROUND_S,
+                                 or_death=True)          # a death: the dead are lost next (_take_from_silent)
         if index is None:
             return None, None
         worker = workers[index]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..base import checkpoint, failure
+from ..base import checkpoint
 from ..channel.context import Context
 from ..base.errors import PeerFailed
 from ..base.tags import Tag
@@ -108,19 +108,17 @@ class Shard:
     def _waitany(self, requests: list, peers: list[int], limit: float | None = None) -> int | None:
         """``ctx.waitany``, going on without workers MPI's fault tolerance reports dead (their headers are no
         longer awaited; the coordinator counts them lost): None after one such report."""
-        try:
-            return self.ctx.waitany(requests, peers, limit=limit)
-        except MPI.Exception as error:
-            if not failure.is_process_failure(error):
-                raise
-            dead = set(self._header_requests).difference(self.ctx.living(list(self._header_requests)))
-            if not dead:                                   # the coordinator: no going on
-                raise self.ctx.broken_by(PeerFailed(self.ctx.collective, self.ctx.rank,
-                                                    set(peers).difference(self.ctx.living(peers)),
-                                                    "the process died (MPI's fault tolerance)")) from None
-            for worker in dead:
-                self._header_requests[worker] = MPI.REQUEST_NULL
-            return None
+        index = self.ctx.waitany(requests, peers, limit=limit, or_death=True)
+        if index is not None:
+            return index
+        dead = set(self._header_requests).difference(self.ctx.living(list(self._header_requests)))
+        if not dead:                                   # the coordinator: no going on
+            raise self.ctx.broken_by(PeerFailed(self.ctx.collective, self.ctx.rank,
+                                                set(peers).difference(self.ctx.living(peers)),
+                                                "the process died (MPI's fault tolerance)"))
+        for worker in dead:
+            self._header_requests[worker] = MPI.REQUEST_NULL
+        return None
 
     def _take_gradient(self, worker: int) -> None:
         """Receive the slice announced by ``worker``'s header; keep it if it is a new portion of this publication."""

@@ -22,7 +22,8 @@ from ..channel.watchdog import bounded
 from ..models.dense import Model
 from .data import Dataset
 
-__all__ = ["Options", "Family", "batches", "steps_per_epoch", "setup", "check_writable", "stop_if_diverged", "check_whole_replicas"]
+__all__ = ["Options", "Family", "batches", "steps_per_epoch", "setup", "check_writable", "stop_if_diverged",
+           "check_whole_replicas"]
 
 
 @dataclass

@@ -58,6 +58,7 @@ class Lbfgs(Family):
         reports = rank == self.reporting_rank(options)
         reporter = Reporter(options, model, data, xp, ranks=comm.Get_size()) if reports else None
         reported, started = [0], time.perf_counter()
+        evaluations = math.ceil(options.epochs * samples / batch)         # the budget: epochs of gradients
 
         def report(w, iteration, evaluations):               # on the first worker, after an accepted step
             epoch = min(evaluations * batch // samples, options.epochs)      # a last line search may run over
@@ -72,7 +73,7 @@ class Lbfgs(Family):
                 comm, arrays.as_host(model.init(options.seed)), loss_and_gradient, samples=samples, batch=batch,
                 servers=options.servers, history=options.history, iterations=10 ** 9,
                 portions=options.portions or None, backup=options.backup, seed=options.seed,
-                evaluations=math.ceil(options.epochs * samples / batch),
+                evaluations=evaluations,
                 slow=Straggler.for_rank(rank, options.straggler, options.delay, options.seed),
                 on_report=report if reporter else None, checkpoint=options.checkpoint, resume=options.resume,
                 identity=run)
@@ -87,7 +88,7 @@ class Lbfgs(Family):
         if result.role == "worker" and first in result.lost and rank == min(set(range(first, comm.Get_size())) -
                                                                             set(result.lost)):
             reporter = Reporter.take_over(options, model, data, xp, comm.Get_size(), started)  # its writer died
-            reporter.samples = math.ceil(options.epochs * samples / batch) * batch     # the budget, all taken
+            reporter.samples = evaluations * batch                                      # the budget, all taken
         if reporter:
             final = xp.asarray(result.weights, model.dtype)
             return reporter.finish(final, workers_lost=result.lost)

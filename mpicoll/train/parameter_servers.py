@@ -112,8 +112,7 @@ class ParameterServers(Family):
         budget = options.epochs * steps * len(workers)        # gradients, over every worker
         reporter = Reporter(options, model, data, xp, ranks=size) if me == 0 else None
         started = time.perf_counter()
-        saved = lambda: self.last_checkpoint(options, range(options.servers), "update")   # noqa: E731
-        with _a_lost_server_names_the_checkpoint(options, server, saved):
+        with self._a_lost_server_names_the_checkpoint(options, server):
             if server.is_server:
                 every = max(1, budget // options.epochs // per_update)       # updates per epoch
                 server.serve(warm_start=options.warm_start, checkpoint=options.checkpoint, every=every,
@@ -160,6 +159,24 @@ class ParameterServers(Family):
             return reporter.finish(xp.asarray(final), staleness=staleness, workers_lost=server.lost)
         return None
 
+    @contextlib.contextmanager
+    def _a_lost_server_names_the_checkpoint(self, options: Options, server: ps.ParameterServer):
+        """A server lost (dead, silent, or reported so by another rank) ends the run on every rank, as a
+        :class:`ServerLost` that names the servers' last checkpoint (a worker tells the other servers); other
+        errors pass as they are."""
+        try:
+            yield
+        except (PeerFailed, CollectiveTimeout, ServerFailed, PartFailed, ServerLost) as error:
+            lost = _servers_lost(error, options.servers)
+            if not lost:
+                raise
+            saved = self.last_checkpoint(options, range(options.servers), "update")
+            ended = ServerLost(f"rank {MPI.COMM_WORLD.Get_rank()} lost parameter server rank(s) "
+                               f"{', '.join(map(str, lost))}, and no rule trains on without a shard of the weights; "
+                               f"{saved} (what it saw: {error})", lost)
+            server.tell_servers(ended)
+            raise ended from None
+
     def _pipelines(self, comm, options, model, data, xp):
         """Downpour over R replicas of a model cut into K pipelined stages (DistBelief): the first K x S ranks
         serve, S shards per stage, each stage's shards holding only that stage's layers; rank K x S +
@@ -205,24 +222,6 @@ class ParameterServers(Family):
             pipe_comm.Free()
         stage_comm.Free()
         return reporter.finish(None, measured=score) if reporter else None
-
-
-@contextlib.contextmanager
-def _a_lost_server_names_the_checkpoint(options: Options, server: ps.ParameterServer, saved):
-    """A server lost (dead, silent, or reported so by another rank) ends the run on every rank, as a
-    :class:`ServerLost` that names the servers' last checkpoint (``saved()``; a worker tells the other
-    servers); other errors pass as they are."""
-    try:
-        yield
-    except (PeerFailed, CollectiveTimeout, ServerFailed, PartFailed, ServerLost) as error:
-        lost = _servers_lost(error, options.servers)
-        if not lost:
-            raise
-        ended = ServerLost(f"rank {MPI.COMM_WORLD.Get_rank()} lost parameter server rank(s) "
-                           f"{', '.join(map(str, lost))}, and no rule trains on without a shard of the weights; "
-                           f"{saved()} (what it saw: {error})", lost)
-        server.tell_servers(ended)
-        raise ended from None
 
 
 def _servers_lost(error: Exception, servers: int) -> list:

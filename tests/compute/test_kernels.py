@@ -259,7 +259,7 @@ def test_float16_by_its_bits_is_numpys_float16_bit_for_bit(backend, monkeypatch)
         pytest.importorskip("numba")
     monkeypatch.setenv("MPICOLL_KERNELS", backend)
     every = np.arange(1 << 16, dtype=np.uint16)
-    widened = compute.from_float16(every, np.empty(every.size, np.float32))
+    widened = compute.widen(every, np.empty(every.size, np.float32))
     expected = every.view(np.float16).astype(np.float32)
     assert np.array_equal(widened.view(np.uint32)[~np.isnan(expected)], expected.view(np.uint32)[~np.isnan(expected)])
     assert np.isnan(widened[np.isnan(expected)]).all()
@@ -271,16 +271,16 @@ def test_float16_by_its_bits_is_numpys_float16_bit_for_bit(backend, monkeypatch)
                        ).astype(np.float32)
     with np.errstate(over="ignore"):
         rounded = x.astype(np.float16).view(np.uint16)
-    assert np.array_equal(compute.to_float16(x, np.empty(x.size, np.uint16)), rounded)
-    nan = compute.to_float16(np.array([np.nan], np.float32), np.empty(1, np.uint16))[0]
+    assert np.array_equal(compute.narrow(x, np.empty(x.size, np.uint16)), rounded)
+    nan = compute.narrow(np.array([np.nan], np.float32), np.empty(1, np.uint16))[0]
     assert nan & 0x7C00 == 0x7C00 and nan & 0x3FF
     a, b = rounded[: 1 << 17].copy(), rounded[1 << 17: 1 << 18].copy()
     with np.errstate(over="ignore"):
         added = (a.view(np.float16) + b.view(np.float16)).view(np.uint16)
-    assert np.array_equal(compute.add_float16(a, b), added)
+    assert np.array_equal(compute.add_narrow(a, b), added)
     residual = rng.standard_normal(x.size).astype(np.float32) * 1e-3
     before, words = residual.copy(), np.empty(x.size, np.uint16)
-    compute.to_float16(x, words, residual)
+    compute.narrow(x, words, np.float16, residual)
     with np.errstate(over="ignore", invalid="ignore"):
         carried = x + before
         sent = carried.astype(np.float16)
