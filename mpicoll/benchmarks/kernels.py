@@ -20,7 +20,10 @@ __all__ = ["run", "ARRAYS_MOVED"]
 
 # arrays each kernel must read or write once (its bytes = arrays * elements * itemsize)
 ARRAYS_MOVED = {"copy": 2, "reduce_sum": 3, "scaled_accumulate": 3, "sgd": 3, "adagrad": 5,
-                "dcasgd": 4, "dcasgd_refresh": 5, "dcasgd_adaptive": 6}
+                "dcasgd": 4, "dcasgd_refresh": 5, "dcasgd_adaptive": 6,
+                # float16 by its bits (compressed allreduces), float32 arrays only: a float32 array and a 16-bit
+                # one (round, widen), or three 16-bit ones (add), each 1.5 float32 arrays' bytes
+                "float16_round": 1.5, "float16_widen": 1.5, "float16_add": 1.5}
 
 
 _LIBRARIES = {"numpy": None, "numba": None, "cupy": "cupy", "numba-cuda": "numba-cuda"}   # backend -> its arrays
@@ -54,6 +57,13 @@ def _kernels(library: str | None, n: int, dtype, rng) -> dict:
         return _fresh(library, values.astype(dtype))
 
     w, g, b, m, h, y = array(), array(), array(), array(True), array(True), array()
+    halves = {}
+    if library is None and np.dtype(dtype) == np.float32:      # host float32 only, as compressions use them
+        words, more, widened = np.empty(n, np.uint16), compute.narrow(y, np.empty(n, np.uint16)), np.empty_like(w)
+        compute.narrow(w, words)
+        halves = {"float16_round": lambda: compute.narrow(g, words),
+                  "float16_widen": lambda: compute.widen(words, widened),
+                  "float16_add": lambda: compute.add_narrow(more, words)}
     return {
         "reduce_sum": lambda: compute.reduce(w, y),
         "scaled_accumulate": lambda: compute.scaled_accumulate(w, y, 0.5, 0.5),
@@ -62,6 +72,7 @@ def _kernels(library: str | None, n: int, dtype, rng) -> dict:
         "dcasgd": lambda: compute.dcasgd(w, g, b, 1e-3, 0.04),
         "dcasgd_refresh": lambda: compute.dcasgd(w, g, b, 1e-3, 0.04, refresh_backup=True),
         "dcasgd_adaptive": lambda: compute.dcasgd_adaptive(w, g, b, m, 1e-3, 2.0),
+        **halves,
     }
 
 

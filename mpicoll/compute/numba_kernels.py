@@ -68,9 +68,8 @@ def adagrad(w, g, h, lr, eps):
 # -- float16 by its bits (Numba has no float16 on the CPU; numpy's is emulated element by element) ---------------
 # A float16 is handled as its 16 bits (uint16): widened by a table of all 65536 values (256 KiB, in cache),
 # rounded back to nearest even by integer arithmetic on float32's bits (F. Giesen's float_to_half_fast3_rtne):
-# bit for bit what numpy's float16 gives (tests/compute/test_kernels.py), at 4M elements 4.7 ms to add
-# against numpy's 15.3, 1.9 ms to round against 6.2, 1.5 ms to widen against 5.1 (one core).  Compressed
-# allreduces (mpicoll.collectives.compression) use them.
+# bit for bit what numpy's float16 gives (tests/compute/test_kernels.py), about 3x numpy's speed (mpicoll
+# bench-kernels; docs/compression.md).  Compressed allreduces (mpicoll.collectives.compression) use them.
 
 _HALVES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)     # bits -> value
 
