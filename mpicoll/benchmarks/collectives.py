@@ -74,11 +74,11 @@ def _calls(comm: MPI.Intracomm, names: list[str], collective: Collective):
 
 def _own_call(wrapped: Communicator, collective: Collective):
     """(send, recv) -> None on one of mpicoll's communicators.  The method is looked up per call, as user
-    code does (auto installs a faster method after its first call)."""
-    method = collective.method
-    if collective.rooted:
-        return lambda s, r: getattr(wrapped, method)(r, 0)
-    return lambda s, r: getattr(wrapped, method)(s, r)
+    code does (``comm.Allreduce(...)``: auto installs a faster method after its first call)."""
+    return {"Allreduce": lambda s, r: wrapped.Allreduce(s, r),
+            "Reduce_scatter_block": lambda s, r: wrapped.Reduce_scatter_block(s, r),
+            "Allgather": lambda s, r: wrapped.Allgather(s, r),
+            "Bcast": lambda s, r: wrapped.Bcast(r, 0)}[collective.method]
 
 
 def _buffers(collective: Collective, count: int, p: int, dtype, rng):

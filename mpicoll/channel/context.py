@@ -129,9 +129,15 @@ class Context:
         freeing is collective, so it would wait forever for a rank that is gone
         or elsewhere.
         """
+        abandon = abandon or self.broken
+        if self._shared is not None and not abandon:
+            # the window's free waits for every rank of the node: one that never comes (hung, or gone without a
+            # death MPI reports) is named by the watchdog at the deadline, as in any other blocking MPI call
+            with watchdog.watch_of(self, "close"):
+                self._shared.free()
+        self._shared = None
         comm, self.comm = self.comm, MPI.COMM_NULL
         fingerprint, self.fingerprint = self.fingerprint, None
-        abandon = abandon or self.broken
         if fingerprint is not None:
             fingerprint.free(abandon)
         for child in self.children:
@@ -140,9 +146,6 @@ class Context:
         if comm != MPI.COMM_NULL and not abandon:
             comm.Free()
         self._scratch.clear()
-        if self._shared is not None and not abandon:
-            self._shared.free()
-        self._shared = None
 
     @property
     def broken(self) -> bool:

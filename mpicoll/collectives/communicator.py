@@ -14,8 +14,6 @@ a :class:`~mpicoll.collectives.nonblocking.Request` and run on a background thre
 
 from __future__ import annotations
 
-import threading
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -297,17 +295,9 @@ class Communicator(MPI.Intracomm):
         commutative = reduction is None or reduction.commutative
         return auto.choose(collective.name, sized.nbytes, self.Get_size(), commutative, device, self.across_nodes)
 
-    def _call_lock(self) -> threading.Lock:
-        """The lock that admits one collective call at a time on this communicator (taken without
-        blocking: a second thread's call is a :class:`ConcurrentCall`)."""
-        lock = self.__dict__.get("_lock")
-        if lock is None:        # communicators mpi4py builds from this one skip __init__
-            lock = self.__dict__.setdefault("_lock", threading.Lock())
-        return lock
-
     def _run(self, name: str | None, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
         """Check the call if due, then run algorithm ``name`` (None: MPI's own call with the caller's arguments)."""
-        with _OneCall(self._call_lock(), signature.collective):
+        with _OneCall(self, signature.collective):
             self._timed_run(name, signature, contribution, run_algorithm, run_mpi)
 
     def _timed_run(self, name, signature: Signature, contribution: Message | None, run_algorithm, run_mpi) -> None:
@@ -351,13 +341,15 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
     """The collective, calling MPI directly for numpy buffers under ``limit`` bytes, under the watchdog's deadline
     (MPI's blocking call cannot be interrupted: past ``MPICOLL_TIMEOUT`` the watchdog names the missing
     ranks and ends the job, :mod:`mpicoll.channel.watchdog`)."""
-    # What _OneCall and the watchdog's ``with`` do, and the overlap check, inlined (each call into Python costs
-    # ~60 ns): this path's cost over mpi4py's own call is about 0.3 us (docs/failures.md).  Overlapping
-    # buffers take the checked path, which refuses them in one line (MPICH aborts the job on them).
+    # What _OneCall does, and the overlap check, inlined (each call into Python costs ~20 ns, a lock's acquire
+    # and release ~110 ns against ~25 ns for the turn's pop and append), and the watchdog's deadline kept
+    # without a time stamp (watch_calls_of): this path's cost over mpi4py's own call is about 0.1 us
+    # (docs/failures.md).  Two arrays that own their memory
+    # (``base`` None) are apart unless they are one; other pairs take ``apart``, and overlapping ones the
+    # checked path, which refuses them in one line (MPICH aborts the job on them).
     name = collective.method
-    lock, watch = owner._call_lock(), watchdog.watch_of(owner, name)
-    ndarray, now, in_place, share = np.ndarray, time.monotonic, MPI.IN_PLACE, np.may_share_memory
-    acquire, release = lock.acquire, lock.release
+    take, give_back = _turn(owner)
+    ndarray, in_place, share = np.ndarray, MPI.IN_PLACE, np.may_share_memory
 
     def apart(sendbuf, recvbuf) -> bool:       # numpy points a view's base at its memory's owner
         mine, theirs = sendbuf.base, recvbuf.base
@@ -367,69 +359,84 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
     if collective.rooted:
         def call(buf, root=0):
             if type(buf) is ndarray and buf.nbytes < limit:
-                if not acquire(False):
-                    raise ConcurrentCall(name)
-                watch.started = now()
+                try:
+                    token = take()
+                except IndexError:
+                    raise ConcurrentCall(name) from None
                 try:
                     return mpi_call(buf, root)
                 except MPI.Exception as error:
                     owner._raise_if_ranks_lost(error)
                     raise
                 finally:
-                    watch.started = 0.0
-                    release()
+                    give_back(token)
             return checked_call(buf, root)
     elif collective is ALLGATHER:
         def call(sendbuf, recvbuf):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
-                    sendbuf is in_place or type(sendbuf) is ndarray and apart(sendbuf, recvbuf)):
-                if not acquire(False):
-                    raise ConcurrentCall(name)
-                watch.started = now()
+                    sendbuf is in_place or type(sendbuf) is ndarray and (
+                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or apart(sendbuf, recvbuf))):
+                try:
+                    token = take()
+                except IndexError:
+                    raise ConcurrentCall(name) from None
                 try:
                     return mpi_call(sendbuf, recvbuf)
                 except MPI.Exception as error:
                     owner._raise_if_ranks_lost(error)
                     raise
                 finally:
-                    watch.started = 0.0
-                    release()
+                    give_back(token)
             return checked_call(sendbuf, recvbuf)
     else:
         def call(sendbuf, recvbuf, op=MPI.SUM):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
-                    sendbuf is in_place or type(sendbuf) is ndarray and apart(sendbuf, recvbuf)):
-                if not acquire(False):
-                    raise ConcurrentCall(name)
-                watch.started = now()
+                    sendbuf is in_place or type(sendbuf) is ndarray and (
+                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or apart(sendbuf, recvbuf))):
+                try:
+                    token = take()
+                except IndexError:
+                    raise ConcurrentCall(name) from None
                 try:
                     return mpi_call(sendbuf, recvbuf, op)
                 except MPI.Exception as error:
                     owner._raise_if_ranks_lost(error)
                     raise
                 finally:
-                    watch.started = 0.0
-                    release()
+                    give_back(token)
             return checked_call(sendbuf, recvbuf, op)
     call.__doc__ = getattr(Communicator, name).__doc__
+    watchdog.watch_calls_of(call)        # bounds each call by its frame: nothing to set per call
     return call
+
+
+def _turn(owner: Communicator):
+    """(take, give_back) of the communicator's one turn to call a collective: a list holding one token,
+    whose ``pop`` (atomic under the GIL) takes it or raises IndexError while another thread's call holds it.
+    Cheaper than a lock's acquire and release on the fast path; every call, checked or fast, takes it."""
+    turn = owner.__dict__.get("_turn")
+    if turn is None:        # communicators mpi4py builds from this one skip __init__
+        turn = owner.__dict__.setdefault("_turn", [object()])
+    return turn.pop, turn.append
 
 
 class _OneCall:
     """``with`` around one collective call: refuses a second thread's call while one is in flight
     (:class:`mpicoll.ConcurrentCall`) instead of waiting for it."""
 
-    __slots__ = ("lock", "collective")
+    __slots__ = ("take", "give_back", "collective", "token")
 
-    def __init__(self, lock: threading.Lock, collective: str):
-        self.lock, self.collective = lock, collective
+    def __init__(self, owner: Communicator, collective: str):
+        (self.take, self.give_back), self.collective = _turn(owner), collective
 
     def __enter__(self):
-        if not self.lock.acquire(blocking=False):
-            raise ConcurrentCall(self.collective)
+        try:
+            self.token = self.take()
+        except IndexError:
+            raise ConcurrentCall(self.collective) from None
 
     def __exit__(self, *exc_info):
-        self.lock.release()
+        self.give_back(self.token)
 
 
 def _array(message: Message | None):

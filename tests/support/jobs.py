@@ -73,7 +73,7 @@ import mpicoll
 world = MPI.COMM_WORLD
 algorithm, collective, victim, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 late = float(sys.argv[5]) if len(sys.argv) > 5 else 0       # seconds the survivors start after the loss
-x = np.ones(1 << 20, np.float32)
+x = np.ones(int(os.environ.get("LOSE_ELEMENTS", 1 << 20)), np.float32)     # few: auto's fast path to MPI
 with mpicoll.Communicator(world, algorithm=algorithm) as comm:   # closing after a loss must not hang either
     comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))        # the first call's checks pass
     if world.rank == victim:
@@ -82,7 +82,12 @@ with mpicoll.Communicator(world, algorithm=algorithm) as comm:   # closing after
         os._exit(3)
     time.sleep(late)
     try:
-        comm.Bcast(x, root=0) if collective == "bcast" else comm.Allreduce(MPI.IN_PLACE, x)
+        if collective == "bcast":
+            comm.Bcast(x, root=0)
+        elif collective == "allgather":
+            comm.Allgather(x, np.empty(world.size * x.size, x.dtype))
+        else:
+            comm.Allreduce(MPI.IN_PLACE, x)
         print(f"rank {world.rank}: finished", flush=True)
     except mpicoll.MpicollError as error:
         print(f"rank {world.rank}: {type(error).__name__}: {error}", flush=True)
