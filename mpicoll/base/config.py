@@ -26,6 +26,10 @@
                            (default: chosen by size)
 ``MPICOLL_CUDA_AWARE``     0 or 1: whether device buffers go to MPI directly
                            (default: asked of the MPI library)
+``MPICOLL_FAST_PATH=F``    how ``auto`` hands small calls to MPI: ``c`` (the
+                           default where the compiled path was built at install)
+                           or ``python`` (the same path in Python, ~0.1 us a
+                           call slower)
 =========================  =======================================================
 
 Switches take 1/0, yes/no, true/false or on/off.  Every value is checked where
@@ -40,7 +44,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["debug", "timeout", "segment_bytes", "channel", "end_broken_jobs", "kernels", "cuda_aware",
-           "ucx_defaults", "parse_bytes", "cores", "check_all"]
+           "ucx_defaults", "fast_path", "parse_bytes", "cores", "check_all"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -129,6 +133,11 @@ def ucx_defaults() -> bool:
     return _switch("MPICOLL_UCX_DEFAULTS", True)
 
 
+def fast_path() -> str:
+    """``MPICOLL_FAST_PATH``: "c" or "python" (mpicoll.collectives.communicator)."""
+    return _choice("MPICOLL_FAST_PATH", ("c", "python"), "c")
+
+
 def check_launch() -> bool:
     """Whether a launch whose announced task count differs from MPI's world stops (mpicoll.base.launcher)."""
     return _switch("MPICOLL_CHECK_LAUNCH", True)
@@ -137,7 +146,7 @@ def check_launch() -> bool:
 def check_all() -> None:
     """Read every setting above, raising the first bad one's ValueError."""
     timeout(), segment_bytes(), channel(), end_broken_jobs(), debug(), kernels(), cuda_aware(), ucx_defaults()
-    check_launch(), restart()
+    fast_path(), check_launch(), restart()
 
 
 def cores() -> int:

@@ -36,7 +36,7 @@ from ..base import config, failure
 from ..base.errors import CollectiveTimeout
 from ..base.tags import Tag
 
-__all__ = ["watching", "watch_of", "watch_calls_of", "bounded", "start", "guard_job", "job_failed", "end_job_on_uncaught_errors", "FAILED_EXIT_CODE"]
+__all__ = ["watching", "watch_of", "watch_numbered_calls_of", "watch_calls_of", "bounded", "start", "guard_job", "job_failed", "end_job_on_uncaught_errors", "FAILED_EXIT_CODE"]
 
 FAILED_EXIT_CODE = 1     # mpiexec's status for a job a rank's uncaught exception ended
 _LOOK_EVERY = 0.1        # seconds between the thread's looks
@@ -46,6 +46,7 @@ _SETTLE_S = 1.0          # a failing rank's pause between telling the others and
 _watches: weakref.WeakSet = weakref.WeakSet()    # every watching object alive: the calls that may be in flight
 _watches_lock = threading.Lock()
 _fast_paths: set = set()        # the code of the functions watch_calls_of watches
+_numbered: weakref.WeakSet = weakref.WeakSet()     # what watch_numbered_calls_of watches
 _guard: MPI.Intracomm | None = None  # the side channel for notes from failed ranks (guard_job)
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
@@ -72,6 +73,16 @@ class watching:
 
     def __exit__(self, *exc_info):
         self.started = 0.0
+
+
+def watch_numbered_calls_of(caller) -> None:
+    """Time the calls of ``caller``, an object that numbers its call in flight (``in_flight``: 1, 2, ...; 0 when
+    idle: the compiled fast path) and names its ``owner`` (what :class:`watching` takes) and ``collective``.
+    The thread sees a number when it looks; one number seen for longer than the owner's timeout is one call
+    stuck that long.  Weakly held."""
+    with _watches_lock:
+        _numbered.add(caller)
+    start()
 
 
 def watch_of(owner, collective: str) -> watching:
@@ -188,7 +199,7 @@ def _one_line(error: BaseException) -> str:
 
 def _watch() -> None:
     beating = failure.fault_tolerant()
-    in_fast_calls: dict = {}     # frame of a fast path's call -> (first seen, owner, collective)
+    in_fast_calls: dict = {}     # frame of a fast path's call, or (caller, number) -> (first seen, owner, collective)
     while True:
         time.sleep(_LOOK_EVERY)
         try:
@@ -210,7 +221,7 @@ def _watch() -> None:
                 limit = context.timeout if context is not None else config.timeout()
                 if limit and now - started > limit and watch.started == started:      # still the same call
                     _expired(watch.owner, context, watch.collective, limit)
-            if _fast_paths:
+            if _fast_paths or _numbered:
                 in_fast_calls = _fast_calls_seen(in_fast_calls, now)
         except Exception as error:  # noqa: BLE001 - the watchdog must outlive anything it sees
             print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()}: watchdog: {type(error).__name__}: {error}",
@@ -218,18 +229,24 @@ def _watch() -> None:
 
 
 def _fast_calls_seen(before: dict, now: float) -> dict:
-    """The frames of :func:`watch_calls_of`'s functions running now, each with when it was first seen (from
-    ``before``) and its owner and collective; one running past its owner's timeout ends the job."""
+    """The fast paths' calls in flight now (frames of :func:`watch_calls_of`'s functions, numbers of
+    :func:`watch_numbered_calls_of`'s callers), each with when it was first seen (from ``before``) and its owner
+    and collective; one in flight past its owner's timeout ends the job."""
     seen = {}
-    for frame in sys._current_frames().values():
-        if frame.f_code not in _fast_paths:
-            continue
-        entry = before.get(frame)
-        if entry is None:
-            names = frame.f_locals
-            entry = (now, names["owner"], names["name"])
-        seen[frame] = entry
-        first, owner, collective = entry
+    for frame in sys._current_frames().values() if _fast_paths else ():
+        if frame.f_code in _fast_paths:
+            entry = before.get(frame)
+            if entry is None:
+                names = frame.f_locals
+                entry = (now, names["owner"], names["name"])
+            seen[frame] = entry
+    with _watches_lock:
+        numbered = list(_numbered)
+    for caller in numbered:
+        number = caller.in_flight
+        if number:
+            seen[caller, number] = before.get((caller, number)) or (now, caller.owner, caller.collective)
+    for first, owner, collective in seen.values():
         context = owner.context()
         limit = context.timeout if context is not None else config.timeout()
         if limit and now - first > limit:

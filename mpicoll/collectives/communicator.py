@@ -14,13 +14,15 @@ a :class:`~mpicoll.collectives.nonblocking.Request` and run on a background thre
 
 from __future__ import annotations
 
+import math
+import sys
 
 import numpy as np
 from mpi4py import MPI
 
 from . import algorithms
 from .. import arrays
-from ..base import failure, timeline
+from ..base import config, failure, timeline
 from ..base.collectives import ALLGATHER, ALLREDUCE, BCAST, COLLECTIVES, REDUCE_SCATTER_BLOCK, Collective
 from ..channel import watchdog
 from .algorithms import auto
@@ -31,6 +33,11 @@ from ..base.errors import ConcurrentCall, RootError, Unsupported
 from ..channel.nodes import node_layout
 from .nonblocking import Request, Worker
 from .reduction import Reduction, op_name
+
+try:
+    from ._fastcall import FastCall     # built at install where a C compiler is (setup.py): optional
+except ImportError:        # pragma: no cover - a machine that built no extension
+    FastCall = None
 
 __all__ = ["Communicator", "FINGERPRINT_FROM"]
 
@@ -263,14 +270,16 @@ class Communicator(MPI.Intracomm):
         """
         if timeline.enabled:           # every call is recorded, small ones too
             return
+        compiled = FastCall is not None and config.fast_path() == "c"
         for collective in COLLECTIVES.values():
             first, limit = auto.rule(collective.name, across_nodes=self.across_nodes)[0]
             if first == "mpi":
                 if collective is REDUCE_SCATTER_BLOCK:      # its rule is by the whole input: p blocks
                     limit /= self.Get_size()
                 name = collective.method
-                self.__dict__[name] = _straight_to_mpi(self, collective, getattr(MPI.Intracomm, name).__get__(self),
-                                                       getattr(Communicator, name).__get__(self), limit)
+                mpi_call, checked_call = getattr(MPI.Intracomm, name), getattr(Communicator, name).__get__(self)
+                self.__dict__[name] = (_compiled_straight_to_mpi if compiled else _straight_to_mpi)(
+                    self, collective, mpi_call, checked_call, limit)
 
     # -- shared machinery ---------------------------------------------------
 
@@ -338,9 +347,10 @@ class Communicator(MPI.Intracomm):
 
 
 def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, checked_call, limit: float):
-    """The collective, calling MPI directly for numpy buffers under ``limit`` bytes, under the watchdog's deadline
-    (MPI's blocking call cannot be interrupted: past ``MPICOLL_TIMEOUT`` the watchdog names the missing
-    ranks and ends the job, :mod:`mpicoll.channel.watchdog`)."""
+    """The collective, calling MPI (``mpi_call``, mpi4py's unbound method) directly for numpy buffers under
+    ``limit`` bytes, under the watchdog's deadline (MPI's blocking call cannot be interrupted: past
+    ``MPICOLL_TIMEOUT`` the watchdog names the missing ranks and ends the job, :mod:`mpicoll.channel.watchdog`).
+    The fallback of :func:`_compiled_straight_to_mpi`, which does the same in C."""
     # What _OneCall does, and the overlap check, inlined (each call into Python costs ~20 ns, a lock's acquire
     # and release ~110 ns against ~25 ns for the turn's pop and append), and the watchdog's deadline kept
     # without a time stamp (watch_calls_of): this path's cost over mpi4py's own call is about 0.1 us
@@ -348,13 +358,10 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
     # (``base`` None) are apart unless they are one; other pairs take ``apart``, and overlapping ones the
     # checked path, which refuses them in one line (MPICH aborts the job on them).
     name = collective.method
-    take, give_back = _turn(owner)
-    ndarray, in_place, share = np.ndarray, MPI.IN_PLACE, np.may_share_memory
-
-    def apart(sendbuf, recvbuf) -> bool:       # numpy points a view's base at its memory's owner
-        mine, theirs = sendbuf.base, recvbuf.base
-        return ((sendbuf if mine is None else mine) is not (recvbuf if theirs is None else theirs)
-                or not sendbuf.size or not share(sendbuf, recvbuf))
+    turn = _turn(owner)
+    take, give_back = turn.pop, turn.append
+    ndarray, in_place = np.ndarray, MPI.IN_PLACE
+    mpi_call = mpi_call.__get__(owner)
 
     if collective.rooted:
         def call(buf, root=0):
@@ -375,7 +382,7 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
         def call(sendbuf, recvbuf):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
                     sendbuf is in_place or type(sendbuf) is ndarray and (
-                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or apart(sendbuf, recvbuf))):
+                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or _apart(sendbuf, recvbuf))):
                 try:
                     token = take()
                 except IndexError:
@@ -392,7 +399,7 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
         def call(sendbuf, recvbuf, op=MPI.SUM):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
                     sendbuf is in_place or type(sendbuf) is ndarray and (
-                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or apart(sendbuf, recvbuf))):
+                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or _apart(sendbuf, recvbuf))):
                 try:
                     token = take()
                 except IndexError:
@@ -410,14 +417,37 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
     return call
 
 
-def _turn(owner: Communicator):
-    """(take, give_back) of the communicator's one turn to call a collective: a list holding one token,
-    whose ``pop`` (atomic under the GIL) takes it or raises IndexError while another thread's call holds it.
+def _compiled_straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, checked_call, limit: float):
+    """:func:`_straight_to_mpi` in C (``_fastcall.c``): the same checks, turn and deadline (the watchdog times
+    the call by its number), without a Python frame per call."""
+    def refuse():
+        raise ConcurrentCall(collective.method)
+
+    kind = 0 if collective.rooted else 1 if collective is ALLGATHER else 2
+    limit = sys.maxsize if limit == math.inf else math.ceil(limit)        # sys.maxsize: no size to check
+    call = FastCall(owner=owner, collective=collective.method, kind=kind, limit=limit,
+                    mpi_call=mpi_call, checked_call=checked_call, on_mpi_error=owner._raise_if_ranks_lost,
+                    refuse=refuse, apart=_apart, turn=_turn(owner), ndarray=np.ndarray, in_place=MPI.IN_PLACE,
+                    mpi_error=MPI.Exception, default_op=MPI.SUM)
+    watchdog.watch_numbered_calls_of(call)
+    return call
+
+
+def _apart(sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool:
+    """Whether two arrays' memory is apart (numpy points a view's base at its memory's owner)."""
+    mine, theirs = sendbuf.base, recvbuf.base
+    return ((sendbuf if mine is None else mine) is not (recvbuf if theirs is None else theirs)
+            or not sendbuf.size or not np.may_share_memory(sendbuf, recvbuf))
+
+
+def _turn(owner: Communicator) -> list:
+    """The communicator's one turn to call a collective: a list holding one token, whose ``pop`` (atomic under
+    the GIL) takes it, or raises IndexError while another thread's call holds it; ``append`` gives it back.
     Cheaper than a lock's acquire and release on the fast path; every call, checked or fast, takes it."""
     turn = owner.__dict__.get("_turn")
     if turn is None:        # communicators mpi4py builds from this one skip __init__
         turn = owner.__dict__.setdefault("_turn", [object()])
-    return turn.pop, turn.append
+    return turn
 
 
 class _OneCall:
@@ -427,7 +457,8 @@ class _OneCall:
     __slots__ = ("take", "give_back", "collective", "token")
 
     def __init__(self, owner: Communicator, collective: str):
-        (self.take, self.give_back), self.collective = _turn(owner), collective
+        turn = _turn(owner)
+        self.take, self.give_back, self.collective = turn.pop, turn.append, collective
 
     def __enter__(self):
         try:

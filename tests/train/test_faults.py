@@ -269,16 +269,18 @@ def test_a_lost_rank_is_named_by_every_survivor_and_the_job_ends(tmp_path, algor
     assert not left, f"processes left behind: {left}"
 
 
-@pytest.mark.parametrize("collective, victim", [("allreduce", 1), ("bcast", 0), ("allgather", 1)])
-def test_a_hung_peer_of_a_call_auto_hands_to_mpi_is_named_and_the_job_ends(tmp_path, collective, victim):
+@pytest.mark.parametrize("collective, victim, fast_path", [
+    ("allreduce", 1, "c"), ("bcast", 0, "c"), ("allgather", 1, "c"), ("allreduce", 1, "python")])
+def test_a_hung_peer_of_a_call_auto_hands_to_mpi_is_named_and_the_job_ends(tmp_path, collective, victim, fast_path):
     """Small calls go straight to MPI's own blocking collective, which nothing interrupts: the watchdog,
-    timing the fast path's calls by their frames, names the hung rank and ends the job.  (The bcast's
-    victim is its root: the others need nothing from a leaf.)"""
+    timing the fast path's calls (compiled: by their numbers; in Python: by their frames), names the hung rank
+    and ends the job.  (The bcast's victim is its root: the others need nothing from a leaf.)"""
     script = tmp_path / "lose.py"
     script.write_text(LOSE_A_RANK)
     start = time.perf_counter()
     result = launch(3, str(script), "auto", collective, str(victim), "hang", timeout=60,
-                    env={"MPICOLL_TIMEOUT": "2", "LOSE_ELEMENTS": "8"}, extra=["-disable-auto-cleanup"])
+                    env={"MPICOLL_TIMEOUT": "2", "LOSE_ELEMENTS": "8", "MPICOLL_FAST_PATH": fast_path},
+                    extra=["-disable-auto-cleanup"])
     seconds = time.perf_counter() - start
     assert result.returncode != 0 and seconds < 30, (seconds, result.stdout, result.stderr[-2000:])
     named = re.findall(rf"\(MPI's own\): rank \d waited 2 s for rank\(s\) {victim},", result.stderr)
