@@ -79,6 +79,13 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
         ctx.wait(ctx.irecv(_NOTHING, source, note_tag), source)
         shared.sync()
 
+    own = slice(bounds[r], bounds[r + 1])
+    # This rank's final chunk goes out segment by segment as it is reduced, while the segment is still in
+    # this core's cache, unless more work on it comes first.  Measured against one copy after the whole chunk
+    # (16 MiB float32, 4 ranks, interleaved in one run with an A/A control, two runs): 1.04x faster (A/A
+    # within 2%); at 2 ranks with MPICOLL_CHANNEL=shared within that run's noise (A/A 0.90-1.12).
+    out_early = then is None and not (cut and r < p - 1)
+    out, out_start = (gather_into, 0) if keep_into is None else (keep_into, bounds[r])
     first = (r - 1) % p
     for s in chunk_segments(first):
         mine[s] = send[s]
@@ -94,7 +101,8 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
                 reduction.combine(regions[left][s], send[s], out=mine[s])
             if k < p - 2:
                 ready(c)
-    own = slice(bounds[r], bounds[r + 1])
+            elif out_early:
+                out[s.start - out_start: s.stop - out_start] = mine[s]
     if cut and r < p - 1:
         for s in chunk_segments(r):
             await_from(p - 1, Tag.SHARED_HIGH)
@@ -102,13 +110,12 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
 
     if then is not None:
         then(mine[own])
-    if keep_into is not None:
-        keep_into[...] = mine[own]
-    else:
+    if not out_early:
+        out[own.start - out_start: own.stop - out_start] = mine[own]
+    if keep_into is None:
         shared.sync()
         notes += [ctx.isend(_NOTHING, q, Tag.SHARED_FINAL) for q in others]
         peers += others
-        gather_into[own] = mine[own]
         for q in others:
             await_from(q, Tag.SHARED_FINAL)
             chunk = slice(bounds[q], bounds[q + 1])
