@@ -11,6 +11,11 @@ to ``MPI.COMM_WORLD``; a plain mpi4py communicator is wrapped in a
 communicator lives (it is kept on the communicator as an MPI attribute, so freeing
 the communicator releases it); pass the same communicator from every rank, in the
 same order.
+
+bfloat16 arrays (``ml_dtypes.bfloat16``, which gives numpy the type; MPI has none) work in every call: sums
+and averages move the 16-bit words and add them in float32, rounding each partial sum once (the bound of
+:mod:`mpicoll.collectives.compression`, the same bits on every rank), min, max and product reduce in float32
+and round once, allgather and broadcast move the bits.  Host arrays only.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from .. import arrays
 from ..base import ops
 from ..base.collectives import ALLGATHER, ALLREDUCE, BCAST, REDUCE_SCATTER_BLOCK, Collective
 from .communicator import Communicator
+from .compression import Compression, is_bfloat16
 from .compression import resolve as resolve_compression
 from .nonblocking import Request
 from .reduction import resolve_op
@@ -118,7 +124,7 @@ def _average(op, x, communicator: Communicator) -> tuple:
     Horovod's name) is a sum divided by the rank count, for floating-point and complex arrays."""
     if not (isinstance(op, str) and op.lower() in ops.AVERAGE):
         return resolve_op(op), 1
-    if np.dtype(x.dtype).kind not in "fc":
+    if np.dtype(x.dtype).kind not in "fc" and not is_bfloat16(x.dtype):
         raise ValueError(f"op {op!r} needs floating-point or complex arrays, got {x.dtype}: reduce with 'sum' and "
                          "divide as you need")
     return MPI.SUM, communicator.Get_size()
@@ -128,6 +134,8 @@ def _allreduce(x, op, comm, algorithm, out) -> _Call:
     communicator = _communicator(comm, algorithm)
     in_place = out is x
     kind, x = _as_array(x)
+    if is_bfloat16(x.dtype):
+        return _bfloat16_reduction(ALLREDUCE, x, op, comm, algorithm, x if in_place else out, communicator, kind)
     op, divide_by = _average(op, x, communicator)
     source = arrays.contiguous(x, kind)
     if in_place and source is x and (not isinstance(x, np.ndarray) or x.flags.writeable):
@@ -143,6 +151,8 @@ def _reduce_scatter(x, op, comm, algorithm, out) -> _Call:
     size = communicator.Get_size()
     if x.ndim == 0 or x.shape[0] % size:
         raise ValueError(f"reduce_scatter: x has shape {x.shape}; its first axis must be a multiple of {size} ranks")
+    if is_bfloat16(x.dtype):
+        return _bfloat16_reduction(REDUCE_SCATTER_BLOCK, x, op, comm, algorithm, out, communicator, kind)
     result, copy_into = _output(out, (x.shape[0] // size, *x.shape[1:]), x, kind)
     op, divide_by = _average(op, x, communicator)
     return _Call(communicator, REDUCE_SCATTER_BLOCK, (x, result, op), result, copy_into, divide_by)
@@ -151,6 +161,9 @@ def _reduce_scatter(x, op, comm, algorithm, out) -> _Call:
 def _allgather(x, comm, algorithm, out) -> _Call:
     communicator = _communicator(comm, algorithm)
     kind, x = _as_array(x)
+    if is_bfloat16(x.dtype):          # bits moved as they are
+        target, convert = _bfloat16_out(out)
+        return _Converted(_allgather(_bits(x), comm, algorithm, target), convert)
     x = arrays.contiguous(x, kind)
     size = communicator.Get_size()
     shape = (size,) if x.ndim == 0 else (size * x.shape[0], *x.shape[1:])
@@ -161,10 +174,84 @@ def _allgather(x, comm, algorithm, out) -> _Call:
 def _broadcast(x, root, comm, algorithm, out) -> _Call:
     communicator = _communicator(comm, algorithm)
     kind, x = _as_array(x)
+    if is_bfloat16(x.dtype):          # bits moved as they are
+        target, convert = _bfloat16_out(out)
+        return _Converted(_broadcast(_bits(x), root, comm, algorithm, target), convert)
     result, copy_into = _output(out, x.shape, x, kind)
     if communicator.Get_rank() == root and result is not x:
         arrays.copy(x, result)
     return _Call(communicator, BCAST, (result, root), result, copy_into)
+
+
+class _Converted:
+    """A prepared call whose result ``convert`` turns into the caller's (``run()`` and ``start()`` as
+    :class:`_Call`'s)."""
+
+    def __init__(self, call, convert):
+        self.call, self.convert = call, convert
+
+    def run(self):
+        return self.convert(self.call.run())
+
+    def start(self) -> Request:
+        return self.call.start().then(self.convert)
+
+
+def _bits(x) -> np.ndarray:
+    """A host array of 16-bit floats as its bits (uint16), without a copy (a contiguous copy if need be)."""
+    kind, x = _as_array(x)
+    if kind is not arrays.HOST:
+        raise NotImplementedError("bfloat16: host (numpy) arrays only; copy a device array to the host")
+    return np.ascontiguousarray(x).view(np.uint16)
+
+
+def _bfloat16_out(out):
+    """(where a call moving bfloat16 bits writes: ``out``'s bits when they can be written in place, else None
+    (a new array), what turns the call's uint16 result into the caller's: ``out``, or a bfloat16 array)."""
+    aliased = isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
+
+    def convert(bits):
+        if out is None:
+            return bits.view(_BFLOAT16_OP.dtype)
+        if not aliased:
+            out[...] = bits.view(_BFLOAT16_OP.dtype)
+        return out
+    return (_bits(out) if aliased else None), convert
+
+
+_BFLOAT16_OP = Compression("bf16")    # the op that adds bfloat16 words in float32, rounding each sum once
+
+
+def _bfloat16_reduction(collective: Collective, x, op, comm, algorithm, out, communicator: Communicator, kind):
+    """A reduction of bfloat16 arrays (ml_dtypes'; MPI has no such type).  Sums and averages move the 16-bit
+    words, each addition made in float32 and rounded once (:mod:`mpicoll.collectives.compression`: the same
+    bound, the same bits on every rank); other ops run in float32 (exact for min and max) and round at the
+    end."""
+    if kind is not arrays.HOST:
+        raise NotImplementedError("bfloat16: host (numpy) arrays only; copy a device array to the host")
+    shape = x.shape if collective is ALLREDUCE else (x.shape[0] // communicator.Get_size(), *x.shape[1:])
+    reduce, divide_by = _average(op, x, communicator)
+    if reduce != MPI.SUM:
+        wide = x.astype(np.float32)
+        call = (_allreduce(wide, op, comm, algorithm, wide) if collective is ALLREDUCE else
+                _reduce_scatter(wide, op, comm, algorithm, None))
+        result, copy_into = _output(out, shape, x, kind)
+
+        def narrow(values):
+            result[...] = values
+            if copy_into is None:
+                return result
+            arrays.copy(result, copy_into)
+            return copy_into
+        return _Converted(call, narrow)
+    result, copy_into = _output(out, shape, x, kind)
+    if collective is ALLREDUCE:
+        if result is not x:
+            result[...] = x
+        args = (MPI.IN_PLACE, result.view(np.uint16), _BFLOAT16_OP.op)
+    else:
+        args = (_bits(x), result.view(np.uint16), _BFLOAT16_OP.op)
+    return _Call(communicator, collective, args, result, copy_into, divide_by)
 
 
 def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, compression=None, key=None):
@@ -181,13 +268,31 @@ def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, comp
     rounding error (per ``key``) into its next call (:mod:`mpicoll.collectives.compression`).
     """
     if compression is not None:
-        return _compressed_allreduce(x, op, comm, algorithm, out, compression, key)
+        return _compressed_allreduce(x, op, comm, algorithm, out, compression, key).run()
     return _allreduce(x, op, comm, algorithm, out).run()
 
 
-def _compressed_allreduce(x, op, comm, algorithm, out, compression, key):
-    """A sum or average moved as 16-bit floats: this rank's contribution rounded (its residual carried, with
-    error feedback), reduced by the communicator's algorithm with float32 additions, widened back."""
+class _CompressedCall(_Call):
+    """A sum or average moved as 16-bit floats: this rank's contribution rounded when the call is made (its
+    residual carried, with error feedback), reduced by the communicator's algorithm with float32 additions,
+    widened back into the result when it completes."""
+
+    def __init__(self, communicator: Communicator, compression, words, result, copy_into, divide_by: int, finite):
+        super().__init__(communicator, ALLREDUCE, (MPI.IN_PLACE, words, compression.op), result, copy_into, divide_by)
+        self.compression, self.words, self.finite = compression, words, finite
+
+    def _finish(self):
+        self.compression.decompress(self.words, self.result, 1 / self.divide_by)
+        if self.finite and not np.all(np.isfinite(self.result)):
+            raise OverflowError(f"compression {self.compression.kind}: the sum overflowed the 16-bit type (float16 "
+                                "ends at 65504); use bf16, which has float32's range, or scale the values down")
+        if self.copy_into is None:
+            return self.result
+        arrays.copy(self.result, self.copy_into)
+        return self.copy_into
+
+
+def _compressed_allreduce(x, op, comm, algorithm, out, compression, key) -> _CompressedCall:
     compression = resolve_compression(compression)
     communicator = _communicator(comm, algorithm)
     kind, x = _as_array(x)
@@ -199,16 +304,9 @@ def _compressed_allreduce(x, op, comm, algorithm, out, compression, key):
     if op != MPI.SUM:
         raise ValueError("compression: only sums and averages compress (op 'sum' or 'average')")
     words = compression.compress(np.ascontiguousarray(x), key)
-    communicator.Allreduce(MPI.IN_PLACE, words, compression.op)
     result, copy_into = _output(x if out is x else out, x.shape, x, kind)
-    compression.decompress(words, result, 1 / divide_by)
-    if not np.all(np.isfinite(result)) and np.all(np.isfinite(x)):
-        raise OverflowError(f"compression {compression.kind}: the sum overflowed the 16-bit type (float16 ends at "
-                            "65504); use bf16, which has float32's range, or scale the values down")
-    if copy_into is not None:
-        arrays.copy(result, copy_into)
-        return copy_into
-    return result
+    return _CompressedCall(communicator, compression, words, result, copy_into, divide_by,
+                           finite=bool(np.all(np.isfinite(x))))
 
 
 def reduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
@@ -233,11 +331,14 @@ def broadcast(x, root: int = 0, *, comm=None, algorithm: str = "auto", out=None)
     return _broadcast(x, root, comm, algorithm, out).run()
 
 
-def iallreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None) -> Request:
+def iallreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, compression=None, key=None) -> Request:
     """:func:`allreduce`, started: returns a Request whose ``wait()`` gives the result.
 
-    Leave ``x`` and ``out`` alone until then (:mod:`mpicoll.collectives.nonblocking`).
+    Leave ``x`` and ``out`` alone until then (:mod:`mpicoll.collectives.nonblocking`).  A compressed call
+    rounds ``x`` before it returns: ``x`` may change as soon as it has.
     """
+    if compression is not None:
+        return _compressed_allreduce(x, op, comm, algorithm, out, compression, key).start()
     return _allreduce(x, op, comm, algorithm, out).start()
 
 

@@ -30,17 +30,23 @@ from mpi4py import MPI
 
 from .. import compute
 
-__all__ = ["Compression", "KINDS", "resolve"]
+__all__ = ["Compression", "KINDS", "resolve", "bfloat16", "is_bfloat16"]
 
 KINDS = ("fp16", "bf16")
 
 
-def _bfloat16():
+def bfloat16() -> np.dtype:
+    """numpy's bfloat16, from the ``ml_dtypes`` package (a dependency of mpicoll's)."""
     try:
         import ml_dtypes
-    except ImportError:              # a dependency of mpicoll's: missing only in a broken environment
-        raise ImportError("bf16 compression needs the ml_dtypes package: pip install ml_dtypes") from None
+    except ImportError:              # missing only in a broken environment
+        raise ImportError("bfloat16 needs the ml_dtypes package: pip install ml_dtypes") from None
     return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16 (without importing ml_dtypes when it is not loaded)."""
+    return np.dtype(dtype).name == "bfloat16"
 
 
 _OPS: dict = {}
@@ -54,7 +60,7 @@ class Compression:
         if kind not in KINDS:
             raise ValueError(f"compression must be one of {', '.join(KINDS)}, got {kind!r}")
         self.kind, self.error_feedback = kind, error_feedback
-        self.dtype = np.dtype(np.float16) if kind == "fp16" else _bfloat16()
+        self.dtype = np.dtype(np.float16) if kind == "fp16" else bfloat16()
         self.unit_roundoff = 2.0 ** -11 if kind == "fp16" else 2.0 ** -8
         self.least = 2.0 ** -25 if kind == "fp16" else 2.0 ** -134        # half the smallest spacing
         self.residuals: dict = {}         # key -> what rounding took off that buffer's last contribution

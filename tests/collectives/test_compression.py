@@ -81,3 +81,54 @@ def test_what_cannot_compress_is_refused_in_one_line():
             mpicoll.allreduce(np.full(4, 70000.0), compression="fp16")
     summed = mpicoll.allreduce(np.full(4, 40000.0), compression="bf16")
     everywhere(bool(np.all(np.abs(summed - 40000.0 * P) <= 40000.0 * P * 2 * 2.0 ** -8)), "bf16 lost the range")
+
+
+def test_a_started_compressed_allreduce_gives_the_blocking_ones_bits():
+    """iallreduce(compression=...): rounded when started (x may change at once), widened when waited for."""
+    compression = Compression("fp16", error_feedback=True)
+    again = Compression("fp16", error_feedback=True)
+    x = np.random.default_rng([shared_seed(), RANK]).standard_normal(5001).astype(np.float32)
+    started = mpicoll.iallreduce(x, "average", compression=compression, key="g")
+    blocking = mpicoll.allreduce(x.copy(), "average", compression=again, key="g")
+    x[:] = np.nan                               # the started call rounded x already
+    result = started.wait()
+    everywhere(np.array_equal(result, blocking) and np.array_equal(compression.residuals["g"], again.residuals["g"]),
+               "a started compressed call differs from the blocking one")
+
+
+@pytest.mark.parametrize("count", [0, 1, max(P - 1, 1), 1003, 100_003])
+@pytest.mark.parametrize("algorithm", ["ring", "auto", "mpi"])
+def test_bfloat16_arrays_sum_within_the_bound_and_move_their_bits(count, algorithm):
+    """bfloat16 arrays (ml_dtypes'; MPI has no such type): sums and averages move the 16-bit words with float32
+    additions (the compressed sum's bound, the same bits everywhere), min and max are exact, allgather and
+    broadcast move the bits; in place, into out, and reduce_scatter too."""
+    bf16 = Compression("bf16").dtype
+    rng = np.random.default_rng([shared_seed(), RANK, count])
+    x = (rng.standard_normal(count) * 10).astype(bf16)
+    wide = x.astype(np.float64)
+    exact, magnitude = WORLD.allreduce(wide, MPI.SUM), WORLD.allreduce(np.abs(wide), MPI.SUM)
+    bound = Compression("bf16").bound(P, magnitude)
+    total = mpicoll.allreduce(x, algorithm=algorithm)
+    average = mpicoll.allreduce(x, "average", algorithm=algorithm)
+    in_place = x.copy()
+    mpicoll.allreduce(in_place, algorithm=algorithm, out=in_place)
+    largest = mpicoll.allreduce(x, "max", algorithm=algorithm)
+    everywhere(total.dtype == bf16 and bool(np.all(np.abs(total.astype(np.float64) - exact) <= bound))
+               and bool(np.all(np.abs(average.astype(np.float64) - exact / P) <= bound / P + np.abs(exact / P) / 128))
+               and np.array_equal(in_place, total) and np.array_equal(largest, np.maximum.reduce(WORLD.allgather(x))),
+               f"bfloat16 {algorithm} {count}")
+    everywhere(len(set(WORLD.allgather(total.tobytes()))) == 1, "ranks got different bits")
+    gathered = mpicoll.allgather(x, algorithm=algorithm)
+    out = np.zeros((P * count, 2), bf16)[:, 0]                # not contiguous: written through a copy
+    mpicoll.allgather(x, algorithm=algorithm, out=out)
+    root = P - 1
+    sent = mpicoll.broadcast(x, root, algorithm=algorithm)
+    everywhere(np.array_equal(gathered.view(np.uint16), np.concatenate(WORLD.allgather(x)).view(np.uint16))
+               and np.array_equal(out, gathered)
+               and np.array_equal(sent.view(np.uint16), WORLD.bcast(x, root).view(np.uint16)), "bfloat16 bits moved")
+    rows = (rng.standard_normal(P * 3) * 10).astype(bf16)
+    share = mpicoll.reduce_scatter(rows, algorithm=algorithm)
+    expected = WORLD.allreduce(rows.astype(np.float64), MPI.SUM)[RANK * 3:(RANK + 1) * 3]
+    everywhere(share.dtype == bf16 and bool(np.all(np.abs(share.astype(np.float64) - expected) <= Compression(
+        "bf16").bound(P, WORLD.allreduce(np.abs(rows.astype(np.float64)), MPI.SUM)[RANK * 3:(RANK + 1) * 3]))),
+        "bfloat16 reduce_scatter")
