@@ -24,7 +24,9 @@ from .collectives import algorithms
 from .collectives.api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce_scatter,
                               reduce_scatter)
 from .collectives.communicator import Communicator
+from .collectives.compression import Compression
 from .collectives.nonblocking import Request
+from .collectives.powersgd import PowerSGD
 
 __version__ = "0.1.0"
 
@@ -38,7 +40,7 @@ del _error
 __all__ = [
     "Communicator",
     "allreduce", "reduce_scatter", "allgather", "broadcast",
-    "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
+    "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request", "Compression", "PowerSGD",
     "MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed", "ServerLost",
     "PartFailed", "NonFiniteError", "Diverged", "ReductionError", "RootError", "SetupError", "ConcurrentCall",
     "LaunchMismatch", "Unsupported", "end_job", "guard_job", "timeline", "algorithms", "__version__",

@@ -96,6 +96,10 @@ class Compression:
                 residual = self.residuals[key] = np.zeros_like(x)
         return compute.narrow(x, np.empty(x.shape, np.uint16), self.dtype, residual)
 
+    def forget(self) -> None:
+        """Drop every buffer's residual (the buffers were replaced)."""
+        self.residuals.clear()
+
     def decompress(self, words: np.ndarray, out: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """``out`` <- the values of the 16-bit ``words`` times ``scale``."""
         return compute.widen(words, out, self.dtype, scale)

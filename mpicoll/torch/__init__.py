@@ -13,8 +13,11 @@ device arrays (``__cuda_array_interface__``) and are reduced on their GPU.
 Results are tensors of the input's kind; ``out=`` may be the input itself.
 ``comm`` is any mpi4py communicator (default ``MPI.COMM_WORLD``), wrapped once
 in a :class:`~mpicoll.Communicator` of ``algorithm``; every rank must make the
-same calls in the same order.  numpy has no bfloat16, so bfloat16 tensors are
-refused with a message saying what to pass.
+same calls in the same order.  bfloat16 CPU tensors travel as numpy arrays of
+``ml_dtypes.bfloat16`` (sums added in float32, :mod:`mpicoll.collectives.api`).
+Compression (``compression=`` of :func:`allreduce`, :class:`DistributedOptimizer`
+and :class:`HookState`): "fp16", "bf16", :class:`mpicoll.Compression` with error
+feedback, or :class:`mpicoll.PowerSGD`.
 
 Importing this module also registers torch.distributed's ``"mpicoll"`` backend
 (:mod:`mpicoll.torch.backend`): ``dist.init_process_group("mpicoll")`` under
@@ -28,11 +31,11 @@ from ..models.modules import point_at
 from . import backend
 from .collectives import OPS, allgather, allreduce, allreduce_async, broadcast
 from .functions import FlatParameters, broadcast_optimizer_state, broadcast_parameters, init_process_group
-from .hooks import allreduce_hook
+from .hooks import HookState, allreduce_hook
 from .optimizer import DistributedOptimizer
 
 __all__ = ["allreduce", "allreduce_async", "allgather", "broadcast", "broadcast_parameters",
-           "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "init_process_group",
+           "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "HookState", "init_process_group",
            "FlatParameters", "point_at", "OPS", "ProcessGroupMpicoll"]
 
 backend.register()       # dist.init_process_group("mpicoll"), and env:// from MPI without MASTER_ADDR

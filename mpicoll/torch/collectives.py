@@ -8,6 +8,7 @@ import torch
 
 from ..base import ops
 from ..collectives import api
+from ..collectives.compression import bfloat16, is_bfloat16
 from ..collectives.nonblocking import Request
 
 __all__ = ["OPS", "allreduce", "allreduce_async", "allgather", "broadcast", "as_array", "TensorBuffer"]
@@ -19,20 +20,24 @@ OPS = {"average": "average", **{op.torch.lower(): op.name for op in ops.OPS if o
 
 
 def as_array(tensor: torch.Tensor):
-    """The tensor's memory as a numpy (CPU) or device array, without a copy."""
+    """The tensor's memory as a numpy (CPU) or device array, without a copy.  A CPU bfloat16 tensor is a numpy
+    array of ``ml_dtypes.bfloat16`` (the array API reduces those: :mod:`mpicoll.collectives.api`)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype == torch.bfloat16:
-        raise TypeError("bfloat16 tensors are not supported (numpy has no bfloat16): pass "
-                        "tensor.float() and convert the result back")
     tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        if tensor.is_cuda:
+            raise TypeError("CUDA bfloat16 tensors are not supported (CuPy has no bfloat16): pass tensor.float() "
+                            "and convert the result back")
+        return tensor.view(torch.int16).numpy().view(bfloat16())
     return tensor if tensor.is_cuda else tensor.numpy()
 
 
 class TensorBuffer:
-    """A tensor as the array a collective reads or writes: the tensor's own memory when it is contiguous and
-    of a dtype numpy has, else a contiguous copy (bfloat16: in float32, which numpy has), which ``deliver()``
-    writes back into the tensor.  ``read_only``: the call only reads it (nothing to write back)."""
+    """A tensor as the array a :class:`~mpicoll.Communicator` collective reads or writes: the tensor's own
+    memory when it is contiguous and of a dtype MPI has, else a contiguous copy (bfloat16: in float32, which
+    MPI has), which ``deliver()`` writes back into the tensor.  ``read_only``: the call only reads it (nothing
+    to write back)."""
 
     def __init__(self, tensor: torch.Tensor, read_only: bool = False):
         self.original = tensor
@@ -53,31 +58,37 @@ class TensorBuffer:
 
 def _tensor(array, like: torch.Tensor) -> torch.Tensor:
     """An array the array API returned, as a tensor of ``like``'s kind (no copy)."""
-    return torch.from_numpy(array) if isinstance(array, np.ndarray) else torch.as_tensor(array, device=like.device)
+    if not isinstance(array, np.ndarray):
+        return torch.as_tensor(array, device=like.device)
+    if is_bfloat16(array.dtype):
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def allreduce(tensor: torch.Tensor, op: str = "average", *, comm=None, algorithm: str = "auto",
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, compression=None, key=None) -> torch.Tensor:
     """The elementwise ``op`` of ``tensor`` over all ranks: average (default), sum, min, max or product.
 
-    ``out=tensor`` reduces in place.  Averaging needs a floating-point tensor.
+    ``out=tensor`` reduces in place.  Averaging needs a floating-point tensor.  ``compression`` ("fp16",
+    "bf16", or a :class:`~mpicoll.Compression`, with error feedback per ``key``) moves a float32 or float64
+    sum or average as 16-bit floats (:mod:`mpicoll.collectives.compression`); 16-bit tensors travel as they are.
     """
-    call, finish = _allreduce(tensor, op, comm, algorithm, out)
+    call, finish = _allreduce(tensor, op, comm, algorithm, out, compression, key)
     return finish(call.run())
 
 
 def allreduce_async(tensor: torch.Tensor, op: str = "average", *, comm=None, algorithm: str = "auto",
-                    out: torch.Tensor | None = None) -> Request:
+                    out: torch.Tensor | None = None, compression=None, key=None) -> Request:
     """:func:`allreduce`, started: returns a :class:`~mpicoll.Request` whose ``wait()`` gives the result.
 
     The reduction runs while the caller goes on (:mod:`mpicoll.collectives.nonblocking`);
     leave ``tensor`` and ``out`` alone until it has completed.
     """
-    call, finish = _allreduce(tensor, op, comm, algorithm, out)
+    call, finish = _allreduce(tensor, op, comm, algorithm, out, compression, key)
     return call.start().then(finish)
 
 
-def _allreduce(tensor, op, comm, algorithm, out):
+def _allreduce(tensor, op, comm, algorithm, out, compression=None, key=None):
     """(the prepared array call, what turns its result into the tensor to return)."""
     if op not in OPS:
         raise ValueError(f"Unrecognized op: {op!r}; use one of {', '.join(OPS)}")
@@ -89,6 +100,8 @@ def _allreduce(tensor, op, comm, algorithm, out):
     def finish(array) -> torch.Tensor:
         return _tensor(array, tensor) if out is None else out
 
+    if compression is not None and tensor.dtype in (torch.float32, torch.float64):
+        return api._compressed_allreduce(source, OPS[op], comm, algorithm, target, compression, key), finish
     return api._allreduce(source, OPS[op], comm, algorithm, target), finish
 
 

@@ -86,7 +86,8 @@ class FlatParameters:
             raise TypeError(f"the parameters have several dtypes or devices {sorted(map(str, kinds))}: one flat "
                             "vector holds one kind; convert the module (e.g. model.float()) first")
         if kinds and next(iter(kinds))[0] == torch.bfloat16:
-            raise TypeError("bfloat16 parameters are not supported (numpy has no bfloat16): call model.float()")
+            raise TypeError("bfloat16 parameters are not supported here: the parameter servers and SGP update in "
+                            "float32 or float64; call model.float()")
         self._weights = _flatten(self.parameters) if self.parameters else torch.zeros(0)
         self._grad = torch.zeros_like(self._weights)
         point_at(self.parameters, self._weights, self._grad)

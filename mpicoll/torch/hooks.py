@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from ..collectives.compression import resolve
 from ..collectives.nonblocking import Request
-from .collectives import allreduce_async
+from ..collectives.powersgd import PowerSGD
+from .collectives import allreduce_async, as_array
 
-__all__ = ["allreduce_hook"]
+__all__ = ["allreduce_hook", "HookState"]
+
+
+class HookState:
+    """What :func:`allreduce_hook` averages a model's buckets with: ``comm`` (None: ``MPI.COMM_WORLD``),
+    ``algorithm``, and ``compression`` ("fp16", "bf16", a :class:`~mpicoll.Compression`, with error feedback
+    per bucket, or a :class:`~mpicoll.PowerSGD`, its state per bucket).  One per model: it keeps the buckets'
+    residuals and factors."""
+
+    def __init__(self, comm=None, compression=None, algorithm: str = "auto"):
+        self.comm, self.algorithm = comm, algorithm
+        self.compression = compression if isinstance(compression, PowerSGD) else resolve(compression)
 
 
 def allreduce_hook(state, bucket):
@@ -15,12 +28,16 @@ def allreduce_hook(state, bucket):
 
         model = DistributedDataParallel(model)
         model.register_comm_hook(None, mpicoll.torch.allreduce_hook)
+        model.register_comm_hook(mt.HookState(compression=mpicoll.PowerSGD(rank=4)), mt.allreduce_hook)
 
-    ``state``: None for ``MPI.COMM_WORLD``, or the mpi4py communicator to use.
-    DDP still needs ``torch.distributed`` initialised (it broadcasts the
-    parameters and checks the model with it); the gradients go through
-    mpicoll's nonblocking allreduce, started as DDP hands over each bucket.
+    ``state``: None for ``MPI.COMM_WORLD``, the mpi4py communicator to use, or a :class:`HookState` (a
+    communicator and a compression).  DDP still needs ``torch.distributed`` initialised (it broadcasts the
+    parameters and checks the model with it); the gradients go through mpicoll's nonblocking allreduce,
+    started as DDP hands over each bucket.  Compression applies to float32 and float64 CPU buckets; DDP
+    rebuilds its buckets after the first step, and a bucket of a new layout starts its own state.
     """
+    if not isinstance(state, HookState):
+        state = HookState(comm=state)
     tensor = bucket.buffer()
     future: torch.futures.Future = torch.futures.Future()
 
@@ -28,9 +45,23 @@ def allreduce_hook(state, bucket):
         if request.error is not None:
             future.set_exception(request.error)
         else:
-            future.set_result(request.wait())
+            request.wait()
+            future.set_result(tensor)
 
-    allreduce_async(tensor, "average", comm=state, out=tensor).add_done_callback(settle)
+    shapes = tuple(tuple(g.shape) for g in bucket.gradients())
+    key = (bucket.index(), shapes)             # a rebuilt bucket is another buffer
+    wide = tensor.dtype in (torch.float32, torch.float64) and not tensor.is_cuda
+    if isinstance(state.compression, PowerSGD) and wide:
+        flat, gradients, offset = as_array(tensor), [], 0
+        for shape in shapes:
+            size = int(torch.Size(shape).numel())
+            gradients.append(flat[offset:offset + size].reshape(shape))
+            offset += size
+        request = state.compression.start(gradients, comm=state.comm, algorithm=state.algorithm, key=key)
+    else:
+        request = allreduce_async(tensor, "average", comm=state.comm, algorithm=state.algorithm, out=tensor,
+                                  compression=state.compression if wide else None, key=key)
+    request.add_done_callback(settle)
     return future
 
 

@@ -12,7 +12,9 @@ from ..base import timeline
 from ..channel import watchdog
 from ..collectives import api
 from ..collectives.communicator import Communicator
+from ..collectives.compression import resolve
 from ..collectives.nonblocking import Request
+from ..collectives.powersgd import PowerSGD
 from .collectives import as_array
 
 __all__ = ["DistributedOptimizer"]
@@ -21,22 +23,23 @@ __all__ = ["DistributedOptimizer"]
 class _Bucket:
     """Parameters whose gradients travel together in one allreduce, through one flat buffer reused every step.
 
-    The buffer holds the gradients one after the other in the wire dtype,
-    then one element per parameter: 1 where this rank contributed a gradient
-    for it.  Summed over the ranks, that says which parameters got a gradient
-    anywhere, in the same message.
+    The buffer holds the gradients one after the other in the parameters'
+    dtype, then one element per parameter: 1 where this rank contributed a
+    gradient for it.  Averaged over the ranks, that says which parameters got
+    a gradient anywhere (more than 0), in the same message.
     """
 
-    def __init__(self, index: int, params: list, wire: torch.dtype):
+    def __init__(self, index: int, params: list):
         self.index, self.params = index, params
         self.sizes = [p.numel() for p in params]
         self.elements = sum(self.sizes)
-        self.flat = torch.zeros(self.elements + len(params), dtype=wire, device=params[0].device)
+        self.flat = torch.zeros(self.elements + len(params), dtype=params[0].dtype, device=params[0].device)
         self.waiting = len(params)          # parameters whose gradient is not ready yet this step
         self.request: Request | None = None
 
-    def start(self, comm, algorithm: str) -> None:
-        """Pack the gradients and start summing them over the ranks."""
+    def start(self, comm, algorithm: str, compression) -> None:
+        """Pack the gradients and start averaging them over the ranks (compressed as ``compression`` says:
+        16-bit floats for float32/float64 buckets, or PowerSGD's factors per parameter)."""
         offset = 0
         with torch.no_grad(), timeline.span(f"bucket {self.index}: pack and start", "bucket",
                                             parameters=len(self.params), bytes=self.flat.nbytes):
@@ -52,10 +55,20 @@ class _Bucket:
                 self.flat[self.elements + index] = p.grad is not None
                 offset += size
         array = as_array(self.flat)
-        self.request = api.iallreduce(array, "sum", comm=comm, algorithm=algorithm, out=array)
+        wide = self.flat.dtype in (torch.float32, torch.float64) and not self.flat.is_cuda
+        if isinstance(compression, PowerSGD) and wide:
+            gradients, offset = [], 0
+            for p, size in zip(self.params, self.sizes):
+                gradients.append(array[offset:offset + size].reshape(p.shape))
+                offset += size
+            gradients.append(array[self.elements:])              # the flags travel whole
+            self.request = compression.start(gradients, comm=comm, algorithm=algorithm, key=self.index)
+        else:
+            self.request = api.iallreduce(array, "average", comm=comm, algorithm=algorithm, out=array,
+                                          compression=compression if wide else None, key=self.index)
 
-    def finish(self, ranks: int) -> None:
-        """Wait for the sum, and give each parameter that had a gradient anywhere the average."""
+    def finish(self) -> None:
+        """Wait for the average, and give it to each parameter that had a gradient anywhere."""
         self.request.Wait()
         self.request, self.waiting = None, len(self.params)
         with torch.no_grad(), timeline.span(f"bucket {self.index}: unpack", "bucket"):
@@ -63,10 +76,9 @@ class _Bucket:
             offset = 0
             for p, size, anywhere in zip(self.params, self.sizes, had):
                 if anywhere:
-                    average = self.flat[offset:offset + size].to(p.dtype).div_(ranks)
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    p.grad.copy_(average.view_as(p.grad))
+                    p.grad.copy_(self.flat[offset:offset + size].view_as(p.grad))
                 offset += size
 
 
@@ -91,8 +103,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
       backward passes (torch sums them into ``.grad``); the sum is averaged
       over the ranks after the N-th.  More passes than N before ``step()`` is
       an error, as in Horovod.
-    - ``compression="fp16"`` sends float32/float64 buckets as float16 (half the
-      bytes; the sum is rounded to float16).
+    - ``compression``: "fp16" or "bf16" sends float32/float64 buckets as 16-bit
+      floats (half the bytes; each partial sum added in float32 and rounded,
+      :mod:`mpicoll.collectives.compression`), a :class:`~mpicoll.Compression`
+      with ``error_feedback=True`` carries each bucket's rounding into its next
+      step, and a :class:`~mpicoll.PowerSGD` sends each weight matrix's rank-r
+      factors (its warm-up steps exact; one state per bucket).  Buckets of other
+      dtypes travel as they are.
     - ``synchronize()`` averages without stepping (e.g. to clip the averaged
       gradients), then ``with optimizer.skip_synchronize(): optimizer.step()``.
 
@@ -120,8 +137,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, *, algorithm: str = "auto",
                  compression: str | None = None, bucket_bytes: int = 4 << 20, backward_passes_per_step: int = 1,
                  comm=None):
-        if compression not in (None, "fp16"):
-            raise ValueError(f"compression must be None or 'fp16', got {compression!r}")
+        if not isinstance(compression, PowerSGD):
+            compression = resolve(compression)       # None, "fp16", "bf16" or a Compression; else a TypeError
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if backward_passes_per_step < 1:
@@ -172,8 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 runs.append(current)
                 current, current_bytes = [], 0
         runs += [current] if current else []
-        return [_Bucket(index, run, torch.float16 if self.compression == "fp16" and run[0].dtype in
-                        (torch.float32, torch.float64) else run[0].dtype) for index, run in enumerate(runs)]
+        return [_Bucket(index, run) for index, run in enumerate(runs)]
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """Backward has accumulated ``p``'s gradient: count the pass, start the buckets now complete."""
@@ -189,7 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._start_next()
 
     def _start_next(self) -> None:
-        self._buckets[self._next].start(self.comm, self.algorithm)
+        self._buckets[self._next].start(self.comm, self.algorithm, self.compression)
         self._next += 1
 
     def synchronize(self) -> None:
@@ -198,9 +214,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             while self._next < len(self._buckets):
                 self._start_next()
             try:
-                ranks = self.comm.Get_size()
                 for bucket in self._buckets:
-                    bucket.finish(ranks)
+                    bucket.finish()
             finally:
                 self._next, self._passes = 0, {}
             trainable = self._trainable()
@@ -222,11 +237,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         planned = set(self._planned)
         fresh = [p for p in trainable if id(p) not in planned]
         if fresh:                 # their gradients of this step were not in any bucket
-            ranks = self.comm.Get_size()
             for bucket in self._plan(fresh):
-                bucket.start(self.comm, self.algorithm)
-                bucket.finish(ranks)
+                bucket.start(self.comm, self.algorithm, None)
+                bucket.finish()
         self._follow(trainable)
+        if self.compression is not None:          # the buckets are new: their residuals and factors go
+            self.compression.forget()
 
     def shrink(self) -> None:
         """Go on with the survivors after a :class:`mpicoll.RanksLost` (MPI's fault tolerance, docs/elastic.md):

@@ -98,8 +98,6 @@ def test_bad_input_is_refused_on_every_rank():
         mt.allreduce(torch.ones(3), "mean")
     with pytest.raises(TypeError, match="averaging needs a floating-point tensor"):
         mt.allreduce(torch.ones(3, dtype=torch.int32))
-    with pytest.raises(TypeError, match="bfloat16"):
-        mt.allreduce(torch.ones(3, dtype=torch.bfloat16), "sum")
     with pytest.raises(TypeError, match="torch.Tensor"):
         mt.allreduce(np.ones(3), "sum")
     wider = torch.nn.Linear(4, 2 + (RANK == P - 1 and P > 1))       # the last rank built another model
@@ -215,7 +213,7 @@ def test_distributed_optimizer_handles_unused_parameters_mixed_dtypes_and_fp16()
     half.synchronize()
     exact = 1 / 3 + (P - 1) / 2
     everywhere(abs(float(b.grad[0]) - exact) < 2e-3 * max(1.0, exact), f"fp16: {float(b.grad[0])} vs {exact}")
-    with pytest.raises(ValueError, match="compression must be None or 'fp16'"):
+    with pytest.raises(ValueError, match="compression must be one of fp16, bf16"):
         mt.DistributedOptimizer(torch.optim.SGD([a], lr=1.0), compression="int8")
     with pytest.raises(ValueError, match="a closure would recompute"):
         optimizer.step(lambda: 0.0)
