@@ -250,3 +250,32 @@ def test_distributed_optimizer_refuses_duplicate_names_and_warns_of_a_second_syn
     if P > 1 and not any("skip_synchronize" in str(w.message) for w in caught):
         problems.append("no warning for step() after synchronize() without skip_synchronize()")
     everywhere(not problems, str(problems))
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_allreduce_and_optimizer_stay_near_the_exact_ones(compression):
+    """``compression=hvd.Compression.fp16`` (and mpicoll's bf16): the tensor travels as 16-bit floats, comes
+    back in its own dtype within the compressed sum's bound, the same bits on every rank."""
+    from mpicoll import Compression
+    compressor = getattr(hvd.Compression, compression)
+    x = torch.from_numpy(np.random.default_rng([shared_seed(), RANK]).standard_normal(3001) * 100)
+    result = hvd.allreduce(x, op=hvd.Sum, compression=compressor)
+    wire = x.to(torch.float16 if compression == "fp16" else torch.bfloat16).double().numpy()
+    bound = Compression(compression).bound(P, WORLD.allreduce(np.abs(wire)))
+    moved = compressor.compress(x)[0].dtype
+    everywhere(moved == (torch.float16 if compression == "fp16" else torch.bfloat16) and result.dtype == torch.float64
+               and bool(np.all(np.abs(result.numpy() - WORLD.allreduce(wire)) <= bound))
+               and len(set(WORLD.allgather(result.numpy().tobytes()))) == 1, f"{compression}")
+    torch.manual_seed(4)
+    net = torch.nn.Linear(6, 2).double()
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                         named_parameters=net.named_parameters(), compression=compressor)
+    X = torch.from_numpy(np.random.default_rng([shared_seed(), RANK, 1]).standard_normal((8, 6)))
+    optimizer.zero_grad()
+    net(X).pow(2).sum().backward()
+    exact = [WORLD.allreduce(p.grad.numpy()) / P for p in net.parameters()]
+    optimizer.step()
+    applied = [p.grad.numpy() for p in net.parameters()]
+    everywhere(all(np.allclose(a, e, rtol=2e-2, atol=2e-2) for a, e in zip(applied, exact)),
+               f"{compression}: the optimizer's averaged gradient is off")
