@@ -28,11 +28,17 @@ def add_compare_parser(commands) -> None:
                          help="comma-separated (default: all); --algorithms is the old name")
     compare.add_argument("-n", "--ranks", type=int, default=4, help="MPI ranks per run (default 4)")
     compare.add_argument("--output", default="compare-report", help="report folder (default compare-report)")
-    compare.add_argument("--target", type=float, help="accuracy to time, e.g. 0.9 (default: 90%% of the best "
-                         "method's final accuracy)")
+    compare.add_argument("--compressions", default="none",
+                         help="allreduce methods: also train each with these, comma-separated, among none, fp16, "
+                         "bf16, fp16+ef, bf16+ef (error feedback) and powersgd (default none); e.g. "
+                         "none,fp16,bf16,fp16+ef,powersgd (docs/compression.md)")
+    compare.add_argument("--target", type=_target, help="accuracy to time, e.g. 0.9, or 'first': the first "
+                         "method's mean final accuracy (default: 90%% of the best method's final accuracy)")
     compare.add_argument("--timeout", type=float, default=600, help="seconds per run before giving up")
     compare.add_argument("--repeats", type=int, default=1,
                          help="runs per method, in alternating order; the report gives means and spreads")
+    compare.add_argument("--seeds", help="one run per method and seed, e.g. 1,2,3 (instead of --repeats): the "
+                         "spreads are over seeds")
     compare.add_argument("--cluster", action="store_true",
                          help="launch through 'mpicoll cluster run' (an emulated cluster that is up)")
 
@@ -41,8 +47,28 @@ def add_plot_parser(commands) -> None:
     plot = commands.add_parser("plot", help="the compare report (table and plots) from train logs")
     plot.add_argument("logs", nargs="+", help="mpicoll train --output files (JSON lines)")
     plot.add_argument("--output", default="compare-report", help="report folder (default compare-report)")
-    plot.add_argument("--target", type=float, help="accuracy to time, e.g. 0.9 (default: 90%% of the best "
-                      "run's final accuracy)")
+    plot.add_argument("--target", type=_target, help="accuracy to time, e.g. 0.9, or 'first': the first method's "
+                      "mean final accuracy (default: 90%% of the best run's final accuracy)")
+
+
+def _seeds(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"mpicoll compare: --seeds takes seeds separated by commas, e.g. 1,2,3, not {text!r}") from None
+
+
+def _target(text: str):
+    """``--target``: an accuracy, or "first" (the first method's mean final accuracy)."""
+    import argparse
+    if text == "first":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give an accuracy such as 0.9, or 'first', not {text!r}") from None
 
 
 def add_reproduce_parser(commands) -> None:
@@ -117,7 +143,8 @@ def compare_main(args) -> int:
                   f"{args.ranks} ranks needed", file=sys.stderr)
         methods = fit
     compare(methods, args.ranks, args.output, [*DEFAULT_PROBLEM, *args.train_args], args.target, args.timeout,
-            repeats=args.repeats, cluster=args.cluster)
+            repeats=args.repeats, cluster=args.cluster, compressions=args.compressions.split(","),
+            seeds=_seeds(args.seeds))
     return 0
 
 

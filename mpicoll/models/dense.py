@@ -23,6 +23,11 @@ class Model:
     def __init__(self, xp=np):
         self.xp = xp
 
+    def parameter_shapes(self) -> list[tuple]:
+        """The shapes of the tensors laid end to end in the flat parameter vector, in order (what PowerSGD
+        compresses matrix by matrix)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its flat vector is laid out")
+
     def init(self, seed: int):
         raise NotImplementedError
 
@@ -113,6 +118,9 @@ class _Layers(Model):
     def _unpack(self, params):
         return dense_layers(params, self.shapes)
 
+    def parameter_shapes(self) -> list[tuple]:
+        return [shape for a, b in self.shapes for shape in ((a, b), (b,))]
+
     def init(self, seed: int):
         return self.init_layers(seed, 0, len(self.shapes))
 
@@ -202,6 +210,9 @@ class CNN(Model):
 
     def _unpack(self, params):
         return unpack(params, self.shapes)
+
+    def parameter_shapes(self) -> list[tuple]:
+        return list(self.shapes)
 
     def init(self, seed: int):
         rng = np.random.default_rng(seed)

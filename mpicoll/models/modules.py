@@ -67,6 +67,9 @@ class TorchModel(Model):
         # 4-rank CNN run on 2 cores 4x slower); every call restores the count in force now.
         self.threads = torch.get_num_threads()
 
+    def parameter_shapes(self) -> list[tuple]:
+        return [tuple(p.shape) for p in self.parameters]
+
     def init(self, seed: int):
         torch.manual_seed(seed)
         fresh = self.build().float()

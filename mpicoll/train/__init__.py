@@ -164,11 +164,16 @@ def add_parser(commands) -> None:
                         help="allreduce methods: refuse to start if a rank would hold more training state than "
                         "this (parameters, gradient, allreduce result, a batch's activations), e.g. 16M; with "
                         "--model-parallel K a rank holds only its stage's (default: no limit)")
-    train_.add_argument("--compression", choices=("fp16", "bf16"),
-                        help="allreduce methods: move the gradients as 16-bit floats, half the bytes of float32 "
-                        "(docs/compression.md)")
+    train_.add_argument("--compression", choices=("fp16", "bf16", "powersgd"),
+                        help="allreduce methods: move the gradients as 16-bit floats, half the bytes of float32, or "
+                        "as PowerSGD's low-rank factors of each weight matrix (docs/compression.md)")
     train_.add_argument("--error-feedback", action="store_true",
-                        help="with --compression: carry each step's rounding into the next step's gradient")
+                        help="with --compression fp16 or bf16: carry each step's rounding into the next step's "
+                        "gradient (PowerSGD always does)")
+    train_.add_argument("--powersgd-rank", type=int, default=2, metavar="R",
+                        help="with --compression powersgd: the rank of each matrix's approximation (default 2)")
+    train_.add_argument("--powersgd-start", type=int, default=10, metavar="STEPS",
+                        help="with --compression powersgd: steps averaged exactly before compressing (default 10)")
     train_.add_argument("--seed", type=int, default=0,
                         help="seeds the initial weights, the data order and the data split (default 0): the "
                         "same seed gives every method the same start")

@@ -15,7 +15,8 @@ from ..channel.checks import load_checkpoint_set
 from ..collectives.api import allreduce
 from ..collectives.communicator import Communicator
 from ..collectives.compression import Compression
-from ..models.dense import Model
+from ..collectives.powersgd import PowerSGD
+from ..models.dense import Model, unpack
 from . import elastic, schedule as schedules
 from .common import Family, Options, batches, check_whole_replicas, setup, stop_if_diverged
 from .report import Reporter
@@ -59,6 +60,9 @@ class Allreduce(Family):
             raise ValueError(f"--compression: {options.method} runs on one process and moves no gradient")
         if getattr(model, "xp", np) is not np:
             raise ValueError("--compression moves host (numpy) gradients so far: drop --device cuda, or --compression")
+        if options.compression == "powersgd" and options.model_parallel > 1:
+            raise ValueError("--compression powersgd needs whole models (a stage holds parts of the matrices): drop "
+                             "--model-parallel, or use fp16 or bf16")
 
     def check_memory(self, options: Options, model: Model, size: int) -> None:
         """Refuse a run whose ranks would hold more training state than ``--max-rank-memory``, saying which
@@ -112,7 +116,7 @@ class Allreduce(Family):
         if options.resume:                       # every replica holds the same parameters: one file per stage
             params, start = self._resume(comm, options, run, xp)
         average = xp.empty_like(params)
-        summed = _summer(options, self.algorithm)
+        summed = _summer(options, self.algorithm, model)
         lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
         with Communicator(replicas_comm, algorithm=self.algorithm) as channel:
             reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
@@ -164,7 +168,7 @@ class Allreduce(Family):
         if params is None:
             params = xp.asarray(replicas.init(options.seed))
         average, before = xp.empty_like(params), xp.empty_like(params)
-        summed = _summer(options, self.algorithm)
+        summed = _summer(options, self.algorithm, model)
         samples = elastic.samples_before(epoch, len(y), replicas.count, options.batch)     # 0 unless resumed
         survivors = elastic.Survivors(comm, options, model, data, xp)
         rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
@@ -215,11 +219,21 @@ class Allreduce(Family):
         return summary
 
 
-def _summer(options: Options, algorithm: str):
+def _summer(options: Options, algorithm: str, model: Model):
     """``summed(channel, gradient, out)``: out <- the sum of the ranks' gradients over ``channel``, by its
-    allreduce, or with ``--compression`` as 16-bit floats (the error feedback's residual kept across steps)."""
+    allreduce, or with ``--compression`` as 16-bit floats (the error feedback's residual kept across steps), or
+    PowerSGD's rank-``--powersgd-rank`` approximation of each weight matrix (its state kept across steps)."""
     if not options.compression:
         return lambda channel, gradient, out: channel.Allreduce(gradient, out)
+    if options.compression == "powersgd":
+        compressor = PowerSGD(rank=options.powersgd_rank, start_step=options.powersgd_start)
+        shapes = model.parameter_shapes()
+
+        def summed(channel, gradient, out):
+            out[...] = gradient
+            compressor.allreduce(unpack(out, shapes), comm=channel, algorithm=algorithm, key="gradient")
+            out *= channel.Get_size()            # the average, as the sum the update divides
+        return summed
     compression = Compression(options.compression, error_feedback=options.error_feedback)
     return lambda channel, gradient, out: allreduce(gradient, comm=channel, algorithm=algorithm, out=out,
                                                     compression=compression, key="gradient")

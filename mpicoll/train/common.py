@@ -49,8 +49,10 @@ class Options:
     tau: int = 0                      # sgp overlap
     model_parallel: int = 1           # allreduce methods: stages per replica (mpicoll.modelparallel)
     max_rank_memory: int = 0          # allreduce methods: bytes of training state one rank may hold (0: no limit)
-    compression: str | None = None    # allreduce methods: gradients moved as fp16 or bf16 (collectives.compression)
-    error_feedback: bool = False      # with compression: each step's rounding carried into the next
+    compression: str | None = None    # allreduce methods: gradients moved as fp16 or bf16 (collectives.compression),
+    error_feedback: bool = False      # or powersgd; fp16/bf16: each step's rounding carried into the next
+    powersgd_rank: int = 2            # --compression powersgd: the rank of each matrix's approximation
+    powersgd_start: int = 10          # --compression powersgd: steps averaged exactly first
     history: int = 10                 # sandblaster-lbfgs: L-BFGS pairs kept
     lbfgs_batch: int = 0              # sandblaster-lbfgs: rows per iteration (0: all, full-batch L-BFGS)
     portions: int = 0                 # sandblaster-lbfgs: pieces per gradient evaluation (0: 4 per worker)

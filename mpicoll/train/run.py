@@ -93,6 +93,8 @@ _RANGES = [
     ("history", lambda v: v >= 1, "at least 1"),
     ("lbfgs_batch", lambda v: v >= 0, "at least 0 (0: the whole training set)"),
     ("portions", lambda v: v >= 0, "at least 0 (0: 4 per worker)"),
+    ("powersgd_rank", lambda v: v >= 1, "at least 1"),
+    ("powersgd_start", lambda v: v >= 0, "at least 0"),
     ("min_ranks", lambda v: v >= 1, "at least 1"),
 ]
 

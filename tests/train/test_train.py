@@ -80,6 +80,22 @@ def test_compressed_training_stays_near_exact_allreduce_training_and_its_replica
     everywhere(summary is None or summary["options"]["compression"] == compression, "the log names it")
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("rank", [10, 1])
+def test_powersgd_training_is_exact_where_its_rank_covers_the_weights_and_near_it_where_not(rank):
+    """--compression powersgd: with the rank of the softmax weights' smaller side (10 classes) every step is the
+    exact average, so the run is exact allreduce training (float64, 1e-9); rank 1 lands near it."""
+    data = digits()
+    model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
+    options = dict(method="allreduce-auto", epochs=1, batch=8, lr=0.2, seed=5, progress=False)
+    exact = allreduce_sgd(model, data, Options(**options), P)
+    summary = train(WORLD, Options(**options, compression="powersgd", powersgd_rank=rank, powersgd_start=2), model,
+                    data)
+    loss = [s["final_loss"] for s in WORLD.allgather(summary) if s][0]
+    near = abs(loss - exact) < 1e-9 if rank == 10 else (abs(loss - exact) < 0.1 * exact and loss != exact)
+    everywhere(near, f"rank {rank}: final loss {loss!r}, exact {exact!r}")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_model_parallel_training_is_allreduce_training_of_its_replicas():
     """--model-parallel K at P ranks: P/K replicas, each a pipeline of K stages; the result must be plain
