@@ -214,6 +214,50 @@ def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> 
     return best["mpi"], best["auto"]
 
 
+COPY_BOUND_FROM = 1 << 20      # bytes: from this message size the one-node report has a memory bound
+
+
+def copy_seconds(comm: MPI.Intracomm, nbytes: int, rounds: int = 15) -> float:
+    """Seconds for every rank at once to copy ``nbytes`` from one array to another (numpy, a STREAM-style
+    copy: read once, write once), the slowest rank's, median of ``rounds`` (a barrier before each).
+
+    No allreduce on one node can beat it: each rank must at least read its input and write its output,
+    which is this copy's traffic, while the other ranks move theirs through the same memory."""
+    source = np.ones(nbytes // 8 or 1, np.float64)
+    target = np.empty_like(source)
+    np.copyto(target, source)
+    times = []
+    for _ in range(rounds):
+        comm.Barrier()
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    mine = np.array(np.median(times))
+    comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
+    return float(mine)
+
+
+def copy_bound_report(comm: MPI.Intracomm, records: list[dict]) -> list[str]:
+    """Each time from ``COPY_BOUND_FROM`` bytes against the copy bound (:func:`copy_seconds`; adds ``copy_s``,
+    ``busbw_bound_gbps`` and ``of_copy_bound`` to the records).  Collective: every rank measures."""
+    sizes = [size for size in dict.fromkeys(r["bytes"] for r in records) if size >= COPY_BOUND_FROM]
+    lines = []
+    for size in sizes:
+        seconds = copy_seconds(comm, size)
+        row = [r for r in records if r["bytes"] == size]
+        factor = row[0]["busbw_gbps"] / row[0]["algbw_gbps"]
+        for r in row:
+            r["copy_s"], r["busbw_bound_gbps"] = seconds, size / seconds / 1e9 * factor
+            r["of_copy_bound"] = seconds / r["time_s"]
+        lines.append(f"#   {format_bytes(size):>8}: copy {seconds * 1e3:8.3f} ms ({2 * size / seconds / 1e9:5.1f} GB/s "
+                     f"read+write per rank), busbw bound {row[0]['busbw_bound_gbps']:5.2f} GB/s; "
+                     + ", ".join(f"{r['algorithm']} {r['of_copy_bound']:.2f}" for r in row))
+    if lines:
+        lines.insert(0, f"# memory bound: all {comm.Get_size()} ranks copying a buffer of the message's size at once "
+                        "(numpy, read + write; no allreduce can take less); each time as a share of it:")
+    return lines
+
+
 def link_bound_report(records: list[dict], nodes: int, gbps: float) -> list[str]:
     """Each time against the link bound (adds ``link_bound_s`` and ``of_link_bound`` to the records)."""
     if nodes < 2:
@@ -356,6 +400,7 @@ def run(args) -> int:
     records = measure(comm, names, sizes, args.dtype, args.iters, args.min_iters, args.warmup,
                       report=lambda row: print(table_row(row), file=out, flush=True), collective=args.collective)
     nodes = node_count(comm)
+    memory = copy_bound_report(comm, records) if nodes == 1 else []
     raw, wrapped = python_overhead(comm)
     costs = fingerprint_costs(comm, names, sizes, args.dtype, args.collective) if comm.Get_size() > 1 else []
     work = fingerprint_work() if costs else 0.0
@@ -370,6 +415,8 @@ def run(args) -> int:
                 print(f"#   {format_bytes(c['bytes']):>8} {c['algorithm']:<20} {c['added_s'] * 1e6:+8.1f} us on "
                       f"{c['without_s'] * 1e6:9.1f} us = {100 * c['cost']:+.1f}%   (control "
                       f"{c['control_s'] * 1e6:+8.1f} us = {100 * c['control']:+.1f}%, {c['rounds']} rounds)", file=out)
+        for line in memory:
+            print(line, file=out)
         if args.link_gbps:
             for line in link_bound_report(records, nodes, args.link_gbps):
                 print(line, file=out)

@@ -174,6 +174,10 @@ def add_parser(commands) -> None:
                         help="with --compression powersgd: the rank of each matrix's approximation (default 2)")
     train_.add_argument("--powersgd-start", type=int, default=10, metavar="STEPS",
                         help="with --compression powersgd: steps averaged exactly before compressing (default 10)")
+    train_.add_argument("--distributed-optimizer", action="store_true",
+                        help="with --framework torch and an allreduce method: average the gradients with "
+                        "mpicoll.torch.DistributedOptimizer (buckets started during backward, compressed as "
+                        "--compression says) and step with torch's SGD, as a torch program would")
     train_.add_argument("--seed", type=int, default=0,
                         help="seeds the initial weights, the data order and the data split (default 0): the "
                         "same seed gives every method the same start")

@@ -55,6 +55,11 @@ class Allreduce(Family):
         if self.one_rank:
             raise ValueError(f"--elastic: {options.method} runs on one process, which has no rank to lose")
 
+    def check_distributed_optimizer(self, options: Options, model: Model) -> None:
+        if self.one_rank or options.model_parallel > 1 or options.elastic or not hasattr(model, "module"):
+            raise ValueError("--distributed-optimizer trains torch modules (--framework torch) with an allreduce "
+                             "method, whole (no --model-parallel) and not --elastic")
+
     def check_compression(self, options: Options, model: Model) -> None:
         if self.one_rank:
             raise ValueError(f"--compression: {options.method} runs on one process and moves no gradient")
@@ -120,12 +125,17 @@ class Allreduce(Family):
         lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
         with Communicator(replicas_comm, algorithm=self.algorithm) as channel:
             reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
+            torch_step = _torch_optimizer(options, model, channel, self.algorithm) if options.distributed_optimizer \
+                else None
             for epoch in range(start, options.epochs):
                 losses = []
                 for step, batch in enumerate(batches(len(y), options.batch, steps, [options.seed, replica, epoch])):
                     with slow, timeline.span("gradient", "train"):
                         loss, grad = gradient_of(params, X[batch], y[batch])
                     losses.append(loss)
+                    if torch_step is not None:         # averaged during backward; the module's weights are params
+                        torch_step(lr_at(epoch, step))
+                        continue
                     summed(channel, grad, average)
                     with timeline.span("update", "train"):
                         params -= (lr_at(epoch, step) / replicas) * average
@@ -217,6 +227,30 @@ class Allreduce(Family):
         replicas.close(abandon=bool(survivors.losses))
         channel.close(abandon=bool(survivors.losses))
         return summary
+
+
+def _torch_optimizer(options: Options, model, channel, algorithm: str):
+    """``--distributed-optimizer``: ``step(lr)`` waits for :class:`mpicoll.torch.DistributedOptimizer`'s buckets
+    (started by the torch module's backward, compressed as ``--compression`` says) and takes torch's SGD step
+    on the module's weights, which are views of the flat parameters (:func:`mpicoll.models.modules.point_at`):
+    the same update as the loop's own, through the optimizer a torch program would use."""
+    import torch
+    from ..torch import DistributedOptimizer
+    if options.compression == "powersgd":
+        compression = PowerSGD(rank=options.powersgd_rank, start_step=options.powersgd_start)
+    elif options.compression:
+        compression = Compression(options.compression, error_feedback=options.error_feedback)
+    else:
+        compression = None
+    sgd = torch.optim.SGD(model.parameters, lr=options.lr)
+    optimizer = DistributedOptimizer(sgd, compression=compression, comm=channel, algorithm=algorithm)
+
+    def step(lr: float) -> None:
+        for group in sgd.param_groups:
+            group["lr"] = lr
+        with timeline.span("update", "train"):
+            optimizer.step()
+    return step
 
 
 def _summer(options: Options, algorithm: str, model: Model):

@@ -53,6 +53,7 @@ class Options:
     error_feedback: bool = False      # or powersgd; fp16/bf16: each step's rounding carried into the next
     powersgd_rank: int = 2            # --compression powersgd: the rank of each matrix's approximation
     powersgd_start: int = 10          # --compression powersgd: steps averaged exactly first
+    distributed_optimizer: bool = False   # torch modules: averaged by mpicoll.torch.DistributedOptimizer's buckets
     history: int = 10                 # sandblaster-lbfgs: L-BFGS pairs kept
     lbfgs_batch: int = 0              # sandblaster-lbfgs: rows per iteration (0: all, full-batch L-BFGS)
     portions: int = 0                 # sandblaster-lbfgs: pieces per gradient evaluation (0: 4 per worker)
@@ -206,6 +207,10 @@ class Family:
     def check_compression(self, options: Options, model: Model) -> None:
         """Raise unless this family can move its gradients compressed (``--compression``)."""
         raise ValueError(f"--compression works with the allreduce methods, not {self.name}")
+
+    def check_distributed_optimizer(self, options: Options, model: Model) -> None:
+        """Raise unless this family can average through mpicoll.torch.DistributedOptimizer."""
+        raise ValueError(f"--distributed-optimizer works with the allreduce methods, not {self.name}")
 
     def check_memory(self, options: Options, model: Model, size: int) -> None:
         raise ValueError("--max-rank-memory is enforced for the allreduce methods on numpy dense models (mlp, "

@@ -122,6 +122,8 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: Fami
         method.check_model_parallel(options, model, size)
     if options.max_rank_memory:
         method.check_memory(options, model, size)
+    if options.distributed_optimizer:
+        method.check_distributed_optimizer(options, model)
     if options.compression:
         method.check_compression(options, model)
     elif options.error_feedback:

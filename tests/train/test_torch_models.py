@@ -117,6 +117,31 @@ def test_allreduce_on_a_torch_model_is_single_process_sgd_on_the_combined_batch(
                f"final loss {losses[0]!r}, single process {expected!r}")
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("compression", [None, "bf16", "powersgd"])
+def test_the_distributed_optimizer_takes_the_loops_steps(compression):
+    """--distributed-optimizer: the torch module's gradients averaged by mpicoll.torch.DistributedOptimizer's
+    buckets during backward and torch's SGD step on the flat weights: uncompressed, the same final loss as the
+    loop's own allreduce (float32, 1e-5); compressed, near it (PowerSGD with its rank covering every matrix:
+    the same, to float32's rounding)."""
+    data = digits()
+    model = make("mlp", data.features, data.classes, [8])
+    options = dict(method="allreduce-auto", epochs=1, batch=8, lr=0.2, seed=5, progress=False)
+    plain = train(WORLD, Options(**options), model, data)
+    extra = {"compression": compression, "powersgd_rank": 8, "powersgd_start": 1} if compression else {}
+    through = train(WORLD, Options(**options, distributed_optimizer=True, **extra), model, data)
+    want, got = ([s["final_loss"] for s in WORLD.allgather(summary) if s][0] for summary in (plain, through))
+    tolerance = {None: 1e-5, "bf16": 2e-2, "powersgd": 1e-3}[compression]
+    everywhere(abs(got - want) <= tolerance * abs(want), f"{compression}: final loss {got!r}, the loop's {want!r}")
+    with pytest.raises(ValueError, match="--distributed-optimizer trains torch modules"):
+        train(WORLD, Options(**options, distributed_optimizer=True), allreduce_model(data), data)
+
+
+def allreduce_model(data):
+    from mpicoll.models.dense import MLP
+    return MLP(data.features, data.classes, [8])
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("method", ["allreduce-ring", "downpour"])
 def test_model_parallel_trains_a_torch_sequential(method):
