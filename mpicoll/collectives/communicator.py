@@ -378,6 +378,8 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
                 finally:
                     give_back(token)
             return checked_call(buf, root)
+    # Allgather's and the reductions' closures differ only in the op: written twice, since forwarding
+    # ``*args, **keywords`` costs ~150 ns a call (measured), as much as the rest of this path
     elif collective is ALLGATHER:
         def call(sendbuf, recvbuf):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (

@@ -116,6 +116,24 @@ def gradient_of(net, X, y) -> None:
     torch.nn.functional.cross_entropy(net(X), y).backward()
 
 
+def averaged_reference(seed: int, steps: int, lr: float = 0.05) -> torch.nn.Module:
+    """One process: SGD+momentum on the ranks' averaged gradients, from rank 0's initial weights (as broadcast),
+    float64."""
+    single = model(seed=100).double()
+    optimizer = torch.optim.SGD(single.parameters(), lr=lr, momentum=0.9)
+    everyone = [batches(seed, rank, steps) for rank in range(P)]
+    for step in range(steps):
+        total = [torch.zeros_like(p) for p in single.parameters()]
+        for rank in range(P):
+            single.zero_grad()
+            gradient_of(single, *everyone[rank][step])
+            total = [t + p.grad for t, p in zip(total, single.parameters())]
+        for p, t in zip(single.parameters(), total):
+            p.grad = t / P
+        optimizer.step()
+    return single
+
+
 @pytest.mark.parametrize("bucket_bytes", [25 << 20, 100])       # one bucket, or one per tensor or so
 def test_distributed_optimizer_is_sgd_with_momentum_on_the_averaged_gradient(bucket_bytes):
     """Each rank trains on its own batches; a single process applying the ranks' averaged gradient
@@ -131,18 +149,7 @@ def test_distributed_optimizer_is_sgd_with_momentum_on_the_averaged_gradient(buc
         gradient_of(net, X, y)
         optimizer.step()
 
-    single = model(seed=100).double()                   # rank 0's initial weights, as broadcast
-    reference = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9)
-    everyone = [batches(seed, rank, steps) for rank in range(P)]
-    for step in range(steps):
-        total = [torch.zeros_like(p) for p in single.parameters()]
-        for rank in range(P):
-            single.zero_grad()
-            gradient_of(single, *everyone[rank][step])
-            total = [t + p.grad for t, p in zip(total, single.parameters())]
-        for p, t in zip(single.parameters(), total):
-            p.grad = t / P
-        reference.step()
+    single = averaged_reference(seed, steps)
     worst = max(float((a - b).detach().abs().max()) for a, b in zip(net.parameters(), single.parameters()))
     everywhere(worst < 1e-9, f"seed {seed}: {worst:.2e} from single-process SGD on the averaged gradient")
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy().tobytes()

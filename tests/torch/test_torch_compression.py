@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 import mpicoll.torch as mt  # noqa: E402
 from mpicoll import Compression, PowerSGD  # noqa: E402
 from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed  # noqa: E402
-from tests.torch.test_torch import batches, gradient_of, model  # noqa: E402
+from tests.torch.test_torch import averaged_reference, batches, gradient_of, model  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -60,23 +60,6 @@ def test_compressed_tensor_allreduce_within_the_bound_and_started_alike(compress
     bound = Compression(kind).bound(P, WORLD.allreduce(np.abs(x.numpy()))) / P
     everywhere(result.dtype == torch.float64 and bool(np.all(np.abs(result.numpy() - exact) <= bound))
                and torch.equal(result, other) and same_everywhere(result), f"{compression}")
-
-
-def averaged_reference(seed: int, steps: int, lr: float = 0.05) -> torch.nn.Module:
-    """One process: SGD+momentum on the ranks' averaged gradients, from rank 0's weights (float64)."""
-    single = model(seed=100).double()
-    optimizer = torch.optim.SGD(single.parameters(), lr=lr, momentum=0.9)
-    everyone = [batches(seed, rank, steps) for rank in range(P)]
-    for step in range(steps):
-        total = [torch.zeros_like(p) for p in single.parameters()]
-        for rank in range(P):
-            single.zero_grad()
-            gradient_of(single, *everyone[rank][step])
-            total = [t + p.grad for t, p in zip(total, single.parameters())]
-        for p, t in zip(single.parameters(), total):
-            p.grad = t / P
-        optimizer.step()
-    return single
 
 
 def train(compression, seed: int, steps: int, *, ddp: bool = False, dtype=torch.float64) -> torch.nn.Module:
