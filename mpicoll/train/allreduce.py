@@ -124,9 +124,10 @@ class Allreduce(Family):
         summed = _summer(options, self.algorithm, model)
         lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
         with Communicator(replicas_comm, algorithm=self.algorithm) as channel:
-            reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
+            # made before the reporter starts the clock: importing mpicoll.torch (torch.distributed) takes ~0.8 s
             torch_step = _torch_optimizer(options, model, channel, self.algorithm) if options.distributed_optimizer \
                 else None
+            reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
             for epoch in range(start, options.epochs):
                 losses = []
                 for step, batch in enumerate(batches(len(y), options.batch, steps, [options.seed, replica, epoch])):
