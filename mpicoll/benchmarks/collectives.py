@@ -363,7 +363,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--dtype", default="float32", help="numpy dtype of the elements (default float32)")
     bench.add_argument("--compression", help="allreduce: also time each algorithm moving 16-bit floats, e.g. "
                        "fp16,bf16 (shown as auto+fp16, ...; docs/compression.md)")
-    bench.add_argument("--iters", type=int, default=50, help="timed calls per size up to 1 MiB (default 50)")
+    bench.add_argument("--iters", type=int, default=200, help="timed calls per size up to 1 MiB, fewer above "
+                       "(default 200: small calls are cheap, and a median of fewer flipped between the modes of "
+                       "oversubscribed ranks' times)")
     bench.add_argument("--min-iters", type=int, default=15, help="timed calls at least, at any size (default 15)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm after the "
                        "first, whose result is checked against MPI's (default 3)")
