@@ -35,6 +35,12 @@ def test_bench_writes_table_json_and_plot(tmp_path):
         assert record["busbw_gbps"] == pytest.approx(record["algbw_gbps"] * 2 * (2 - 1) / 2)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "per-call overhead of the Python layer" in result.stdout
+    # one node: from 1 MiB each time against every rank copying the buffer at once (a bound no allreduce beats)
+    bounded = [r for r in records if "copy_s" in r]
+    assert bounded and all(r["bytes"] == 3 << 20 for r in bounded), records
+    assert all(r["of_copy_bound"] == pytest.approx(r["copy_s"] / r["time_s"]) and r["busbw_bound_gbps"] ==
+               pytest.approx(r["bytes"] / r["copy_s"] / 1e9 * 2 * (2 - 1) / 2) for r in bounded), bounded
+    assert "# memory bound: all 2 ranks copying" in result.stdout and "busbw bound" in result.stdout
     assert all(name in result.stdout for name in algorithms)
 
 
