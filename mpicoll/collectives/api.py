@@ -113,6 +113,10 @@ class _Call:
     def _finish(self):
         if self.divide_by != 1:                       # "average": the sum, divided by the rank count
             self.result /= self.divide_by
+        return self._deliver()
+
+    def _deliver(self):
+        """The result, copied into the caller's ``out`` where it could not be written in place."""
         if self.copy_into is None:
             return self.result
         arrays.copy(self.result, self.copy_into)
@@ -286,10 +290,7 @@ class _CompressedCall(_Call):
         if self.finite and not np.all(np.isfinite(self.result)):
             raise OverflowError(f"compression {self.compression.kind}: the sum overflowed the 16-bit type (float16 "
                                 "ends at 65504); use bf16, which has float32's range, or scale the values down")
-        if self.copy_into is None:
-            return self.result
-        arrays.copy(self.result, self.copy_into)
-        return self.copy_into
+        return self._deliver()
 
 
 def _compressed_allreduce(x, op, comm, algorithm, out, compression, key) -> _CompressedCall:
