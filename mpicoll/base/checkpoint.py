@@ -108,6 +108,8 @@ def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
         if bad:
             raise ValueError(f"the checksum of {', '.join(bad)} does not match")
         int(stamp["point"])
+    except FileNotFoundError:
+        raise                    # renamed by a writer since it was listed (see versions), not damaged
     except Exception as error:  # noqa: BLE001 - a damaged file fails in many ways; all mean the same
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
         raise CheckpointMismatch(f"{path} is damaged ({reason}): it was cut short or changed after it was "
@@ -130,8 +132,27 @@ def versions(path: str | Path, identity: dict) -> dict[int, Path]:
 
     The file itself, if there, must be whole and this run's: a damaged or foreign one raises
     :class:`CheckpointMismatch` naming it (the kept previous file is not taken silently in its place).  A
-    cut-off write or a damaged previous file is passed over.  FileNotFoundError when there is none."""
+    cut-off write or a damaged previous file is passed over.  FileNotFoundError when there is none.  Files
+    that a running writer renames while they are read (a survivor naming the last checkpoint of a run that
+    lost a rank) are listed again."""
     path = Path(path)
+    for _ in range(_LISTINGS):
+        try:
+            return _versions(path, identity)
+        except _Renamed:
+            continue          # a writer renamed a file between the listing and its reading: list again
+    raise CheckpointMismatch(f"{path}: its files were renamed while being read, {_LISTINGS} times over: another "
+                             "job is writing them; give each job its own --checkpoint prefix")
+
+
+_LISTINGS = 10
+
+
+class _Renamed(Exception):
+    """A listed file was gone when read: a running writer's rename (:func:`save`) came between."""
+
+
+def _versions(path: Path, identity: dict) -> dict[int, Path]:
     candidates = [p for p in (path, _partial(path), previous(path)) if p.is_file()]
     if not candidates:
         raise FileNotFoundError(f"no checkpoint at {path}: --resume continues from the files an earlier run wrote "
@@ -141,6 +162,8 @@ def versions(path: str | Path, identity: dict) -> dict[int, Path]:
         try:
             stamp, _ = _read(candidate)
             _refuse_other_runs(candidate, stamp, identity)
+        except FileNotFoundError:
+            raise _Renamed(candidate) from None
         except CheckpointMismatch as error:
             if candidate == path:
                 raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "ServerFailed",
+__all__ = ["MpicollError", "MismatchError", "CollectiveTimeout", "PeerFailed", "RanksLost", "Told", "ServerFailed",
            "ServerLost", "PartFailed", "NonFiniteError", "Diverged", "MPIRefusal", "ReductionError", "RootError",
            "SetupError", "ConcurrentCall", "Unsupported", "HorovodInternalError"]
 
@@ -116,13 +116,35 @@ class RanksLost(PeerFailed):
                                     "comm.shrink(), a communicator of the survivors, or end the job")
 
 
-class ServerFailed(MpicollError):
+class Told(MpicollError):
+    """A failure another rank told this one of (:mod:`mpicoll.channel.notices`): ``sender`` raised and said why.
+
+    ``reason`` is its words; ``kind`` the name of its error's class and ``lost`` the ranks that error said were
+    gone (dead or silent; empty for other errors), carried as data so that the rank told can act on them
+    without reading the words."""
+
+    def __init__(self, rank: int, sender: int, reason: str, kind: str = "", lost=()):
+        self.rank, self.sender, self.reason, self.kind, self.lost = rank, sender, reason, kind, sorted(set(lost))
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        return f"rank {self.rank}: rank {self.sender} failed: {self.reason}"
+
+    def says_ranks_died(self) -> bool:
+        """Whether the sender's error was the loss of ranks (dead, cut off or silent)."""
+        return issubclass(globals().get(self.kind, type(None)), (PeerFailed, CollectiveTimeout, ServerLost))
+
+
+class ServerFailed(Told):
     """A parameter server raised (a checkpoint of another run, a lost worker under sync, a full disk, ...)
     and told its workers why; raised on each worker, which cannot go on without that shard."""
 
-    def __init__(self, rank: int, server: int, reason: str):
-        self.rank, self.server, self.reason = rank, server, reason
-        super().__init__(f"worker rank {rank}: parameter server rank {server} failed: {reason}")
+    @property
+    def server(self) -> int:
+        return self.sender
+
+    def describe(self) -> str:
+        return f"worker rank {self.rank}: parameter server rank {self.sender} failed: {self.reason}"
 
 
 class ServerLost(MpicollError):
@@ -135,13 +157,13 @@ class ServerLost(MpicollError):
         super().__init__(message)
 
 
-class PartFailed(MpicollError):
+class PartFailed(Told):
     """Another part of a job whose parts depend on each other (a Sandblaster coordinator, shard or worker)
     raised and told every rank why; raised on each of them, which cannot go on without it."""
 
-    def __init__(self, rank: int, peer: int, reason: str):
-        self.rank, self.peer, self.reason = rank, peer, reason
-        super().__init__(f"rank {rank}: rank {peer} failed: {reason}")
+    @property
+    def peer(self) -> int:
+        return self.sender
 
 
 class Diverged(MpicollError, FloatingPointError):

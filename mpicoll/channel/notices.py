@@ -1,25 +1,32 @@
 """Failure notices: a rank that stops tells the ranks that depend on it why, and they stop at once.
 
 A parameter server that fails tells its workers; a Sandblaster part that fails tells every other part.
-The notice is a short message on a tag of the caller's (sent, never waited for); the ranks that may
-receive one make every lasting wait of their context look for it and raise it, instead of waiting
-out their timeout for a rank that will never answer.
+The notice is a short message on a tag of the caller's (sent, never waited for): the sender's words, the
+name of its error's class and the ranks that error said were lost, as data (a rank told of a lost server
+names the checkpoint without reading the words).  The ranks that may receive one make every lasting wait
+of their context look for it and raise it, instead of waiting out their timeout for a rank that will
+never answer.
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["tell", "listen"]
+from ..base.errors import ServerLost, Told
+
+__all__ = ["tell", "listen", "what_failed"]
 
 _REASON_BYTES = 1000
 
 
 def tell(ctx, ranks, error: BaseException, tag: int) -> None:
     """A failing rank's last word to ``ranks`` (those still living): why it stops."""
-    text = f"{type(error).__name__}: {error}".encode()[:_REASON_BYTES]
-    note = np.frombuffer(text, np.uint8).copy()
+    kind, lost = what_failed(error)
+    reason = f"{type(error).__name__}: {error}"[:_REASON_BYTES]
+    note = np.frombuffer(json.dumps({"kind": kind, "lost": lost, "reason": reason}).encode(), np.uint8).copy()
     for rank in ctx.living(ranks):
         ctx.isend(note, rank, tag)
 
@@ -37,8 +44,19 @@ def listen(ctx, senders, tag: int, error: type) -> None:
                 return                             # next alarm
             raise
         if noticed and status.Get_source() in senders:
-            reason = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-            ctx.comm.Recv([reason, MPI.BYTE], status.Get_source(), tag)
-            raise ctx.broken_by(error(ctx.rank, status.Get_source(), bytes(reason).decode(errors="replace")))
+            note = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+            ctx.comm.Recv([note, MPI.BYTE], status.Get_source(), tag)
+            told = json.loads(bytes(note).decode(errors="replace"))
+            raise ctx.broken_by(error(ctx.rank, status.Get_source(), told["reason"], told["kind"], told["lost"]))
 
     ctx.alarms.append(alarm)
+
+
+def what_failed(error: BaseException) -> tuple[str, list[int]]:
+    """(the name of the error's class, the ranks it says are lost) as a notice carries them; a failure told by
+    another rank passes on what that rank said (a server stopped by a worker that lost another server tells
+    the other workers of the lost server, not of the worker)."""
+    if isinstance(error, Told):
+        return error.kind, error.lost
+    lost = getattr(error, "servers", None) if isinstance(error, ServerLost) else getattr(error, "peers", [])
+    return type(error).__name__, [int(rank) for rank in lost]

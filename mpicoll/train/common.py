@@ -223,15 +223,23 @@ class Family:
 
     def last_checkpoint(self, options: Options, ranks, unit: str) -> str:
         """For the line that ends a run which lost a rank it cannot go on without: the newest point the files
-        of ``ranks`` all hold (what ``--resume`` takes), or why there is none to name."""
+        of ``ranks`` all hold (what ``--resume`` takes, :func:`mpicoll.channel.checks.load_checkpoint_set`),
+        or why there is none to name.  Read while living ranks may still be writing theirs: a point every
+        file holds now, the newest or the one kept before it, is one they all still hold after one more write."""
         if not options.checkpoint:
             return "nothing was saved (no --checkpoint): the run must start over"
         try:
-            points = [checkpoint.stamp(self.checkpoint_file(options, rank), {})["point"] for rank in ranks]
-        except (OSError, ValueError, KeyError, MpicollError):
+            held = [set(checkpoint.versions(self.checkpoint_file(options, rank), {})) for rank in ranks]
+        except (OSError, MpicollError):
             return (f"no whole set of checkpoint files under --checkpoint {options.checkpoint} was found from this "
                     "rank (none written yet, or on another node's disk)")
-        return (f"the last checkpoint, --checkpoint {options.checkpoint}, holds {unit} {min(points)}: go on from it "
+        common = set.intersection(*held)
+        if not common:
+            listing = "; ".join(f"rank {rank}: {', '.join(map(str, sorted(points)))}"
+                                for rank, points in zip(ranks, held))
+            return (f"the checkpoint files under --checkpoint {options.checkpoint} hold no {unit} in common "
+                    f"({listing}): the run must start over")
+        return (f"the last checkpoint, --checkpoint {options.checkpoint}, holds {unit} {max(common)}: go on from it "
                 "with the same command and --resume")
 
     def earlier_ranks(self, options: Options, run: dict) -> int:

@@ -99,5 +99,5 @@ def _a_part_lost(error: Exception, servers: int) -> bool:
     """Whether ``error`` says the coordinator or a shard (the first ``servers`` + 1 ranks) is gone, as this rank
     heard it or another told it (a worker lost is not an error: its portions go to the others)."""
     if isinstance(error, PartFailed):
-        return error.reason.startswith((PeerFailed.__name__, CollectiveTimeout.__name__))
+        return error.says_ranks_died()
     return any(peer <= servers for peer in error.peers)

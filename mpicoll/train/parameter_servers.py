@@ -4,7 +4,6 @@ update rule of :mod:`mpicoll.ps` (Downpour also over pipelines of model stages, 
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from mpi4py import MPI
 
 from .. import arrays, ps
 from ..base import checkpoint, failure, timeline
-from ..base.errors import CollectiveTimeout, PartFailed, PeerFailed, ServerFailed, ServerLost
+from ..base.errors import CollectiveTimeout, PeerFailed, ServerLost, Told
 from ..base.tags import Tag
 from ..channel.checks import load_checkpoint_set
 from ..models.dense import Model
@@ -166,7 +165,7 @@ class ParameterServers(Family):
         errors pass as they are."""
         try:
             yield
-        except (PeerFailed, CollectiveTimeout, ServerFailed, PartFailed, ServerLost) as error:
+        except (PeerFailed, CollectiveTimeout, Told, ServerLost) as error:
             lost = _servers_lost(error, options.servers)
             if not lost:
                 raise
@@ -226,14 +225,12 @@ class ParameterServers(Family):
 
 def _servers_lost(error: Exception, servers: int) -> list:
     """The servers (of the first ``servers`` ranks) that ``error`` says are gone, dead or silent, as heard by
-    this rank, or by another that told it (its note names them; ["?"] where it does not)."""
+    this rank, or by another that told it (its notice names them; ["?"] where a lost server is not named)."""
     if isinstance(error, ServerLost):
         return error.servers or ["?"]
-    if isinstance(error, (ServerFailed, PartFailed)):
-        if not error.reason.startswith(ServerLost.__name__):
-            return []
-        named = re.search(r"server rank\(s\) ([\d, ]+)", error.reason)
-        return [int(rank) for rank in named.group(1).replace(",", " ").split()] if named else ["?"]
+    if isinstance(error, Told):
+        named = [rank for rank in error.lost if rank < servers]
+        return named or (["?"] if error.kind == ServerLost.__name__ else [])
     return [peer for peer in error.peers if peer < servers]
 
 

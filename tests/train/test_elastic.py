@@ -19,6 +19,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from mpicoll.train import METHODS, Options
 from mpicoll.train.common import batches
 from mpicoll.train.elastic import Plan, _quorum
 from mpicoll.base import checkpoint
@@ -196,14 +197,33 @@ def test_a_killed_server_ends_the_run_on_every_rank_naming_the_last_checkpoint(t
             if line.startswith("mpicoll train: rank ")}
     # the workers hear of it in their exchange, and tell the other server (MPI told it up to 2 s later here)
     assert sorted(said) == [1, 2, 3], job.stderr_text[-3000:]
-    # the newest point both servers' files held when the line was written: one the dead server's files hold
-    # (the other server may have written a newer one, or not yet the dead one's newest)
-    held = checkpoint.versions(checkpoint.path(prefix, "server", 0), {})
+    # the newest point both servers' files held when the line was written: one they both still hold (the living
+    # server stops once told, before a second write could drop it)
+    held = set.intersection(*(set(checkpoint.versions(checkpoint.path(prefix, "server", server), {}))
+                              for server in (0, 1)))
     named = {rank: re.search(rf"--checkpoint {re.escape(str(prefix))}, holds update (\d+): go on from it", line)
              for rank, line in said.items()}
     assert all(f"rank {rank} lost parameter server rank(s) 0," in said[rank] and found and int(found.group(1)) in held
-               for rank, found in named.items()), (said, sorted(held))
+               for rank, found in named.items()), "\n".join([f"held by both servers' files: {sorted(held)}",
+                                                             *said.values()])
     assert not any(r.get("summary") for r in logged)
+
+
+@pytest.mark.parametrize("dead, living, named", [
+    ([90, 180], [90, 180], "holds update 180"), ([90, 180], [180, 270], "holds update 180"),
+    ([180, 270], [90, 180], "holds update 180"), ([90], [90, 180], "holds update 90"),
+    ([90, 180], [270, 360], "hold no update in common (rank 0: 90, 180; rank 1: 270, 360): the run must start over")])
+def test_the_checkpoint_named_after_a_lost_server_is_the_newest_update_every_servers_files_hold(tmp_path, dead, living,
+                                                                                               named):
+    """What ``--resume`` would take (checks.load_checkpoint_set): not the oldest of the servers' newest files,
+    which the one ahead may no longer hold."""
+    prefix = tmp_path / "ck"
+    for server, points in enumerate([dead, living]):
+        for point in points:
+            checkpoint.save(checkpoint.path(prefix, "server", server), {}, point, weights=np.full(3, point))
+    said = METHODS["ps-async"].last_checkpoint(Options(method="ps-async", servers=2, checkpoint=str(prefix)),
+                                               range(2), "update")
+    assert named in said and (f"--checkpoint {prefix}" in said), said
 
 
 def test_a_killed_sandblaster_shard_ends_the_run_on_every_rank_naming_it_and_the_last_checkpoint(tmp_path):
