@@ -277,20 +277,32 @@ def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, comp
 
 
 class _CompressedCall(_Call):
-    """A sum or average moved as 16-bit floats: this rank's contribution rounded when the call is made (its
-    residual carried, with error feedback), reduced by the communicator's algorithm with float32 additions,
-    widened back into the result when it completes."""
+    """A sum or average moved as 16-bit floats by the communicator's algorithm
+    (:meth:`~mpicoll.collectives.algorithms.base.Algorithm.allreduce_compressed`); an overflow of float16 is
+    refused when it completes."""
 
-    def __init__(self, communicator: Communicator, compression, words, result, copy_into, divide_by: int, finite):
-        super().__init__(communicator, ALLREDUCE, (MPI.IN_PLACE, words, compression.op), result, copy_into, divide_by)
-        self.compression, self.words, self.finite = compression, words, finite
+    def __init__(self, communicator: Communicator, compression, key, source, result, copy_into, divide_by: int,
+                 finite: bool):
+        super().__init__(communicator, ALLREDUCE, (), result, copy_into, divide_by)
+        self.compression, self.key, self.source, self.finite = compression, key, source, finite
+
+    def _reduce(self, communicator: Communicator) -> None:
+        communicator._allreduce_compressed(self.source, self.result, self.compression, self.key)
+
+    def run(self):
+        self._reduce(self.communicator)
+        return self._finish()
+
+    def start(self) -> Request:
+        if self.source is not None:        # x is the caller's again at once: the call reduces its own copy
+            self.result[...], self.source = self.source, None
+        return self.communicator.start(Request(ALLREDUCE.nonblocking, self._reduce)).then(lambda _: self._finish())
 
     def _finish(self):
-        self.compression.decompress(self.words, self.result, 1 / self.divide_by)
         if self.finite and not np.all(np.isfinite(self.result)):
             raise OverflowError(f"compression {self.compression.kind}: the sum overflowed the 16-bit type (float16 "
                                 "ends at 65504); use bf16, which has float32's range, or scale the values down")
-        return self._deliver()
+        return super()._finish()
 
 
 def _compressed_allreduce(x, op, comm, algorithm, out, compression, key) -> _CompressedCall:
@@ -304,10 +316,11 @@ def _compressed_allreduce(x, op, comm, algorithm, out, compression, key) -> _Com
     op, divide_by = _average(op, x, communicator)
     if op != MPI.SUM:
         raise ValueError("compression: only sums and averages compress (op 'sum' or 'average')")
-    words = compression.compress(np.ascontiguousarray(x), key)
+    source = np.ascontiguousarray(x)
+    compression.residual(key, source)            # a buffer of another shape under this key: refused here
     result, copy_into = _output(x if out is x else out, x.shape, x, kind)
-    return _CompressedCall(communicator, compression, words, result, copy_into, divide_by,
-                           finite=bool(np.all(np.isfinite(x))))
+    return _CompressedCall(communicator, compression, key, None if result is source else source, result, copy_into,
+                           divide_by, finite=bool(np.all(np.isfinite(x))))
 
 
 def reduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):
@@ -336,7 +349,8 @@ def iallreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, com
     """:func:`allreduce`, started: returns a Request whose ``wait()`` gives the result.
 
     Leave ``x`` and ``out`` alone until then (:mod:`mpicoll.collectives.nonblocking`).  A compressed call
-    rounds ``x`` before it returns: ``x`` may change as soon as it has.
+    copies ``x`` into its result before it returns (unless ``out`` is ``x``): ``x`` may change as soon as it
+    has.
     """
     if compression is not None:
         return _compressed_allreduce(x, op, comm, algorithm, out, compression, key).start()

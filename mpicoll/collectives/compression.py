@@ -9,7 +9,9 @@ own error.  Every rank gets the same bits.
 **Error feedback** (``error_feedback=True``): what rounding took off this rank's contribution is kept, per
 buffer (``key``), and added to that buffer's next contribution, so nothing is lost over the steps of a training
 run, only delayed (Seide et al. 2014; Karimireddy et al. 2019).  The residual is exact: the contribution plus
-the residual, less what was sent, computed in the input's precision.
+the residual, less what was sent, computed in the input's precision.  The residuals are the only state:
+:meth:`Compression.state_dict` gives them as arrays to save beside a checkpoint, and
+:meth:`Compression.load_state_dict` puts them back, so a resumed run continues exactly.
 
 **Error bound** (documented, and what the tests hold the result to): for p ranks, with u the unit roundoff
 of the 16-bit type (2^-11 for float16, 2^-8 for bfloat16) and e half its smallest spacing (2^-25 for
@@ -25,10 +27,14 @@ semantics are exact.
 
 from __future__ import annotations
 
+import ast
+import json
+
 import numpy as np
 from mpi4py import MPI
 
 from .. import compute
+from .reduction import Reduction
 
 __all__ = ["Compression", "KINDS", "resolve", "bfloat16", "is_bfloat16"]
 
@@ -50,6 +56,7 @@ def is_bfloat16(dtype) -> bool:
 
 
 _OPS: dict = {}
+_REDUCTIONS: dict = {}
 
 
 class Compression:
@@ -86,23 +93,67 @@ class Compression:
     def compress(self, x: np.ndarray, key=None) -> np.ndarray:
         """This rank's contribution as 16-bit words (uint16, x's shape), its residual (with error feedback)
         added first and the new one kept."""
-        residual = None
-        if self.error_feedback:
-            residual = self.residuals.get(key)
-            if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-                raise ValueError(f"error feedback: buffer {key!r} was {residual.shape} {residual.dtype} and is "
-                                 f"now {x.shape} {x.dtype}; give each buffer its own key")
-            if residual is None:
-                residual = self.residuals[key] = np.zeros_like(x)
-        return compute.narrow(x, np.empty(x.shape, np.uint16), self.dtype, residual)
+        return self.narrow(x, np.empty(x.shape, np.uint16), self.residual(key, x))
+
+    def residual(self, key, x: np.ndarray) -> np.ndarray | None:
+        """With error feedback, buffer ``key``'s residual (zeros on its first call), which must be of ``x``'s
+        shape and dtype; None without."""
+        if not self.error_feedback:
+            return None
+        residual = self.residuals.get(key)
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+            raise ValueError(f"error feedback: buffer {key!r} was {residual.shape} {residual.dtype} and is "
+                             f"now {x.shape} {x.dtype}; give each buffer its own key")
+        if residual is None:
+            residual = self.residuals[key] = np.zeros_like(x)
+        return residual
+
+    def narrow(self, x: np.ndarray, words: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+        """``words`` <- ``x`` (plus ``residual``, which keeps what the rounding took off) as 16-bit words."""
+        return compute.narrow(x, words, self.dtype, residual)
+
+    @property
+    def reduction(self) -> Reduction:
+        """The words' sum (:attr:`op` on uint16), as an algorithm reduces."""
+        if self.kind not in _REDUCTIONS:
+            _REDUCTIONS[self.kind] = Reduction(self.op, MPI.UINT16_T, np.uint16)
+        return _REDUCTIONS[self.kind]
 
     def forget(self) -> None:
         """Drop every buffer's residual (the buffers were replaced)."""
         self.residuals.clear()
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The residuals, as flat name -> array (what ``np.savez`` or a checkpoint takes), with what they were
+        made by: :meth:`load_state_dict` of the same kind and error feedback puts them back."""
+        keys = list(self.residuals)
+        return {"compression": np.array(json.dumps({"made_by": repr(self), "keys": [_saved_key(k) for k in keys]})),
+                **{f"residual{i}": self.residuals[key] for i, key in enumerate(keys)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the residuals of :meth:`state_dict`'s ``state`` in place of this one's; ValueError if it was
+        made by another compression (``state["compression"]`` says which)."""
+        about = json.loads(str(state["compression"]))
+        if about["made_by"] != repr(self):
+            raise ValueError(f"the saved state is of {about['made_by']}, not of {self!r}")
+        self.residuals = {ast.literal_eval(key): np.array(state[f"residual{i}"])
+                          for i, key in enumerate(about["keys"])}
+
     def decompress(self, words: np.ndarray, out: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """``out`` <- the values of the 16-bit ``words`` times ``scale``."""
         return compute.widen(words, out, self.dtype, scale)
+
+
+def _saved_key(key) -> str:
+    """A buffer's key as saved (its repr, read back by ast.literal_eval): str, int, float, bool, None, or
+    tuples of them."""
+    text = repr(key)
+    try:
+        if ast.literal_eval(text) == key:
+            return text
+    except (ValueError, SyntaxError):
+        pass
+    raise TypeError(f"a state with buffer key {key!r} cannot be saved: use str, int or tuple keys")
 
 
 def resolve(compression) -> Compression | None:

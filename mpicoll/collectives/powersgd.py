@@ -17,14 +17,19 @@ The first ``start_step`` steps of each buffer are averaged exactly (a warm-up, a
 
 State is kept per ``key`` (one per distinct list of gradients: a bucket, a model): its step count, its Q
 factors and residuals.  Every rank must pass the same shapes in the same order; Q starts from the same
-random matrices everywhere (``seed``).
+random matrices everywhere (``seed``).  :meth:`PowerSGD.state_dict` gives that state as arrays to save beside a
+checkpoint and :meth:`PowerSGD.load_state_dict` puts it back, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+
 import numpy as np
 
 from . import api
+from .compression import _saved_key
 from .nonblocking import Request
 
 __all__ = ["PowerSGD"]
@@ -60,6 +65,38 @@ class PowerSGD:
     def forget(self) -> None:
         """Drop every buffer's state (step count, factors, residuals): the buffers were replaced."""
         self.buffers.clear()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Every buffer's state (step count, Q factors, residuals), as flat name -> array (what ``np.savez`` or
+        a checkpoint takes), with what it was made by; :meth:`load_state_dict` puts it back."""
+        keys, state = list(self.buffers), {}
+        about = {"made_by": repr(self), "buffers": []}
+        for n, key in enumerate(keys):
+            buffer = self.buffers[key]
+            about["buffers"].append({"key": _saved_key(key), "shapes": [list(shape) for shape in buffer.shapes],
+                                     "dtype": buffer.dtype.str, "step": buffer.step})
+            state.update({f"q{n}.{i}": q for i, q in buffer.qs.items()})
+            state.update({f"residual{n}.{i}": residual for i, residual in buffer.residuals.items()})
+        return {"powersgd": np.array(json.dumps(about)), **state}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the buffers of :meth:`state_dict`'s ``state`` in place of this one's; ValueError if it was made
+        by a PowerSGD of other settings (``state["powersgd"]`` says which)."""
+        about = json.loads(str(state["powersgd"]))
+        if about["made_by"] != repr(self):
+            raise ValueError(f"the saved state is of {about['made_by']}, not of {self!r}")
+        buffers = {}
+        for n, saved in enumerate(about["buffers"]):
+            shapes = [tuple(shape) for shape in saved["shapes"]]
+            buffer = _Buffer(shapes, np.dtype(saved["dtype"]),
+                             [i for i, shape in enumerate(shapes) if self.compresses(shape)])
+            buffer.step = int(saved["step"])
+            for name, array in state.items():
+                kind, _, index = name.partition(".")
+                if kind in (f"q{n}", f"residual{n}"):
+                    (buffer.qs if kind[0] == "q" else buffer.residuals)[int(index)] = np.array(array)
+            buffers[ast.literal_eval(saved["key"])] = buffer
+        self.buffers = buffers
 
     def compresses(self, shape: tuple) -> bool:
         """Whether a gradient of ``shape`` travels as factors (else whole)."""

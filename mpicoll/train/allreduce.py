@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import arrays
 from ..base import checkpoint, failure, timeline
 from ..base.straggler import Straggler
 from ..channel.checks import load_checkpoint_set
+from ..channel.watchdog import bounded
 from ..collectives.api import allreduce
 from ..collectives.communicator import Communicator
 from ..collectives.compression import Compression
@@ -117,16 +120,17 @@ class Allreduce(Family):
                 return pipe.evaluate(params, data.X_test, data.y_test)
             return None
 
-        start = 0
+        start, compressor = 0, _compressor(options)
+        kept = _CompressionState(options, compressor, rank)
         if options.resume:                       # every replica holds the same parameters: one file per stage
-            params, start = self._resume(comm, options, run, xp)
+            params, start = self._resume(comm, options, run, xp, kept)
         average = xp.empty_like(params)
-        summed = _summer(options, self.algorithm, model)
+        summed = _summer(model, self.algorithm, compressor)
         lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
         with Communicator(replicas_comm, algorithm=self.algorithm) as channel:
             # made before the reporter starts the clock: importing mpicoll.torch (torch.distributed) takes ~0.8 s
-            torch_step = _torch_optimizer(options, model, channel, self.algorithm) if options.distributed_optimizer \
-                else None
+            torch_step = _torch_optimizer(options, model, channel, self.algorithm, compressor) \
+                if options.distributed_optimizer else None
             reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
             for epoch in range(start, options.epochs):
                 losses = []
@@ -143,7 +147,8 @@ class Allreduce(Family):
                 stop_if_diverged(comm, params, [(epoch, losses)], f"after epoch {epoch + 1}")   # before saving it
                 if options.checkpoint and replica == 0:     # the first replica: a file per stage (one stage: rank 0)
                     checkpoint.save(self.checkpoint_file(options, rank), run, epoch + 1,
-                                    params=arrays.as_host(params), epoch=epoch + 1)
+                                    params=arrays.as_host(params), epoch=epoch + 1, **kept.saved_with)
+                kept.save(run, epoch + 1)                   # every rank: its own residuals
                 score = test_score()
                 if reporter:
                     reporter.evaluate(None, epoch + 1, (epoch + 1) * steps * options.batch * replicas, measured=score)
@@ -154,14 +159,18 @@ class Allreduce(Family):
             replicas_comm.Free()
         return reporter.finish(None, measured=final) if reporter else None
 
-    def _resume(self, comm, options, run, xp) -> tuple:
+    def _resume(self, comm, options, run, xp, kept: _CompressionState | None = None) -> tuple:
         """(the parameters, the epochs done) of the checkpoint, written at this rank count or any other (the
-        files do not depend on it)."""
+        files do not depend on it); with ``kept``, the compression's state of the same point, where the
+        parameters were saved with one this run can take."""
         earlier = self.check_rank_count(comm, options, run)
-        state = load_checkpoint_set(comm, self.checkpoint_file(options, comm.Get_rank()),
-                                    checkpoint.without_ranks(run), "epochs")
+        identity, files = checkpoint.without_ranks(run), [self.checkpoint_file(options, comm.Get_rank())]
+        carried = kept is not None and kept.resumable(comm, earlier, checkpoint.load(files[0], identity))
+        states = load_checkpoint_set(comm, files + [kept.file] if carried else files, identity, "epochs")
+        if carried:
+            kept.compressor.load_state_dict(states[1])
         self.say_resharded(comm, options, earlier)
-        return xp.asarray(state["params"]), int(state["epoch"])
+        return xp.asarray(states[0]["params"]), int(states[0]["epoch"])
 
     def _run_elastic(self, comm, options, model, data, xp, run):
         """Allreduce SGD that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as
@@ -172,14 +181,15 @@ class Allreduce(Family):
         X, y = xp.asarray(data.X), xp.asarray(data.y)
         slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
         k, epoch, params = options.model_parallel, 0, None
-        if options.resume:
-            params, epoch = self._resume(comm, options, run, xp)
+        compressor = _compressor(options)
+        if options.resume:       # the compression's state is not kept: ranks are renumbered after a loss
+            params, epoch = self._resume(comm, options, run, xp, _CompressionState(options, compressor, None))
         channel = Communicator(comm.Dup(), algorithm=self.algorithm)     # revoked, not the job's, after a loss
         replicas = _Replicas(channel, k, model, options, self.algorithm)
         if params is None:
             params = xp.asarray(replicas.init(options.seed))
         average, before = xp.empty_like(params), xp.empty_like(params)
-        summed = _summer(options, self.algorithm, model)
+        summed = _summer(model, self.algorithm, compressor)
         samples = elastic.samples_before(epoch, len(y), replicas.count, options.batch)     # 0 unless resumed
         survivors = elastic.Survivors(comm, options, model, data, xp)
         rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
@@ -230,19 +240,13 @@ class Allreduce(Family):
         return summary
 
 
-def _torch_optimizer(options: Options, model, channel, algorithm: str):
+def _torch_optimizer(options: Options, model, channel, algorithm: str, compression):
     """``--distributed-optimizer``: ``step(lr)`` waits for :class:`mpicoll.torch.DistributedOptimizer`'s buckets
     (started by the torch module's backward, compressed as ``--compression`` says) and takes torch's SGD step
     on the module's weights, which are views of the flat parameters (:func:`mpicoll.models.modules.point_at`):
     the same update as the loop's own, through the optimizer a torch program would use."""
     import torch
     from ..torch import DistributedOptimizer
-    if options.compression == "powersgd":
-        compression = PowerSGD(rank=options.powersgd_rank, start_step=options.powersgd_start)
-    elif options.compression:
-        compression = Compression(options.compression, error_feedback=options.error_feedback)
-    else:
-        compression = None
     sgd = torch.optim.SGD(model.parameters, lr=options.lr)
     optimizer = DistributedOptimizer(sgd, compression=compression, comm=channel, algorithm=algorithm)
 
@@ -254,14 +258,23 @@ def _torch_optimizer(options: Options, model, channel, algorithm: str):
     return step
 
 
-def _summer(options: Options, algorithm: str, model: Model):
-    """``summed(channel, gradient, out)``: out <- the sum of the ranks' gradients over ``channel``, by its
-    allreduce, or with ``--compression`` as 16-bit floats (the error feedback's residual kept across steps), or
-    PowerSGD's rank-``--powersgd-rank`` approximation of each weight matrix (its state kept across steps)."""
-    if not options.compression:
-        return lambda channel, gradient, out: channel.Allreduce(gradient, out)
+def _compressor(options: Options) -> Compression | PowerSGD | None:
+    """The run's ``--compression``, made once: it keeps its state (the error feedback's residuals, PowerSGD's
+    factors) across the steps, and in the checkpoint (:class:`_CompressionState`)."""
     if options.compression == "powersgd":
-        compressor = PowerSGD(rank=options.powersgd_rank, start_step=options.powersgd_start)
+        return PowerSGD(rank=options.powersgd_rank, start_step=options.powersgd_start)
+    if options.compression:
+        return Compression(options.compression, error_feedback=options.error_feedback)
+    return None
+
+
+def _summer(model: Model, algorithm: str, compressor):
+    """``summed(channel, gradient, out)``: out <- the sum of the ranks' gradients over ``channel``, by its
+    allreduce, or through ``compressor``: as 16-bit floats (the error feedback's residual kept across steps), or
+    PowerSGD's low-rank approximation of each weight matrix (its state kept across steps)."""
+    if compressor is None:
+        return lambda channel, gradient, out: channel.Allreduce(gradient, out)
+    if isinstance(compressor, PowerSGD):
         shapes = model.parameter_shapes()
 
         def summed(channel, gradient, out):
@@ -269,9 +282,48 @@ def _summer(options: Options, algorithm: str, model: Model):
             compressor.allreduce(unpack(out, shapes), comm=channel, algorithm=algorithm, key="gradient")
             out *= channel.Get_size()            # the average, as the sum the update divides
         return summed
-    compression = Compression(options.compression, error_feedback=options.error_feedback)
     return lambda channel, gradient, out: allreduce(gradient, comm=channel, algorithm=algorithm, out=out,
-                                                    compression=compression, key="gradient")
+                                                    compression=compressor, key="gradient")
+
+
+class _CompressionState:
+    """A compression's state in the checkpoint: each rank's own file (``PREFIX.rank<r>.npz``: residuals differ
+    by rank) beside the parameters' file, written at the same epochs and resumed with it as one set, so a
+    resumed run continues as the uninterrupted one would, to the bit.  The parameters' file names the
+    compression whose state was saved with it (:attr:`saved_with`).  Where there is none to take (a compression
+    without state, the parameters were saved with none or another, the earlier run ran on another rank count,
+    or an elastic run renumbered its ranks) the state starts afresh, and rank 0 says so once."""
+
+    def __init__(self, options: Options, compressor, rank: int | None):
+        """``rank`` None: this run keeps no state (elastic: its ranks are renumbered after a loss)."""
+        keeps = isinstance(compressor, PowerSGD) or getattr(compressor, "error_feedback", False)
+        self.compressor = compressor if keeps and options.checkpoint else None
+        self.file = checkpoint.path(options.checkpoint, "rank", rank) if self.compressor and rank is not None \
+            else None
+
+    @property
+    def saved_with(self) -> dict[str, np.ndarray]:
+        """What the parameters' file records of the state saved beside it (nothing: an empty name)."""
+        return {"compression": np.array(repr(self.compressor) if self.file is not None else "")}
+
+    def save(self, run: dict, epoch: int) -> None:
+        if self.file is not None:
+            checkpoint.save(self.file, run, epoch, **self.compressor.state_dict())
+
+    def resumable(self, comm, earlier: int, parameters: dict) -> bool:
+        """Whether this run takes the state saved with the newest ``parameters`` (collective: every rank has
+        the same answer, and rank 0 says why not where there is a state to miss)."""
+        saved = str(parameters.get("compression", ""))
+        why = ("an elastic run keeps none" if self.compressor is not None and self.file is None else
+               "the earlier run ran on another rank count" if earlier != comm.Get_size() else
+               "the earlier run kept none" if not saved else
+               f"it was saved by {saved}" if saved != repr(self.compressor) else "")
+        with bounded(comm, "comparing the compression's checkpoint"):
+            every = comm.allreduce(int(self.compressor is not None and not why), MPI.MIN) == 1
+        if self.compressor is not None and not every and comm.Get_rank() == 0:
+            print(f"mpicoll train: {self.compressor!r} starts afresh: its state is not in the checkpoint "
+                  f"({why or 'not on every rank'})", file=sys.stderr, flush=True)
+        return every
 
 
 class _Replicas:

@@ -112,3 +112,29 @@ def test_bad_input_is_refused_in_one_line():
         compressor.allreduce([np.ones((4, 5))], key="a")
     with pytest.raises(ValueError, match="rank"):
         PowerSGD(rank=0)
+
+
+def test_a_saved_and_loaded_state_goes_on_as_if_never_stopped(tmp_path_factory):
+    """Steps past the warm-up, the state (step counts, Q factors, residuals of two keys) saved and loaded into a
+    new PowerSGD: its next steps give the first one's bits; a PowerSGD of other settings refuses it."""
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("state")) if RANK == 0 else None)
+    rng = np.random.default_rng([shared_seed(), RANK])
+    shapes = {"a": [(40, 30), (30,), (3, 4, 5)], 3: [(64, 8)]}
+
+    def step():
+        return {key: [rng.standard_normal(shape) for shape in kinds] for key, kinds in shapes.items()}
+
+    kept, saved = PowerSGD(rank=2, start_step=2), f"{folder}/rank{RANK}.npz"
+    for _ in range(4):
+        for key, gradients in step().items():
+            kept.allreduce(gradients, key=key)
+    np.savez(saved, **kept.state_dict())
+    again = PowerSGD(rank=2, start_step=2)
+    again.load_state_dict(dict(np.load(saved)))
+    for _ in range(3):
+        for key, gradients in step().items():
+            mine = kept.allreduce([g.copy() for g in gradients], key=key)
+            theirs = again.allreduce(gradients, key=key)
+            everywhere(all(np.array_equal(m, t) for m, t in zip(mine, theirs)), f"{key}: the loaded state went another way")
+    with pytest.raises(ValueError, match=r"the saved state is of PowerSGD\(rank=2, .*not of PowerSGD\(rank=1"):
+        PowerSGD(rank=1, start_step=2).load_state_dict(kept.state_dict())

@@ -253,9 +253,14 @@ def test_the_report_comes_from_recorded_logs(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("method", ["allreduce-ring", "sgp", "ps-sync"])
-def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, tmp_path_factory):
-    """Stop after 2 of 4 epochs (checkpoints after every epoch), resume: the same final model."""
+@pytest.mark.parametrize("method, compression", [
+    ("allreduce-ring", {}), ("sgp", {}), ("ps-sync", {}),
+    ("allreduce-ring", {"compression": "fp16", "error_feedback": True}),
+    ("allreduce-auto", {"compression": "powersgd", "powersgd_rank": 1, "powersgd_start": 3})])
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, compression, tmp_path_factory):
+    """Stop after 2 of 4 epochs (checkpoints after every epoch), resume: the same final model, to the bit.  A
+    compression's state (the error feedback's residuals, PowerSGD's step count, factors and residuals) is in the
+    checkpoint too: without it, the resumed run's loss differs."""
     if method == "ps-sync" and P < 2:
         pytest.skip("a parameter server needs a server and a worker")
     data = digits()
@@ -264,7 +269,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, tmp_path_fac
 
     def run(epochs, **extra):
         options = Options(method=method, epochs=epochs, batch=16, lr=0.05, seed=4, progress=False,
-                          transport="p2p", **extra)
+                          transport="p2p", **compression, **extra)
         summary = train(WORLD, options, model, data)
         return [s for s in WORLD.allgather(summary) if s][0]
 
@@ -278,6 +283,29 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, tmp_path_fac
                f"{straight['final_loss']!r}")
 
 
+
+
+@pytest.mark.mpi
+def test_a_compression_without_a_state_to_resume_starts_afresh_saying_why(tmp_path_factory, capfd):
+    """Resumed with another --compression, or from a run that kept no state: the parameters resume, and the
+    compression's state starts afresh, said once by rank 0."""
+    data = digits()
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("checkpoints")) if RANK == 0 else None)
+    model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
+
+    def run(epochs, **extra):
+        train(WORLD, Options(method="allreduce-ring", epochs=epochs, batch=16, lr=0.05, seed=4, progress=False,
+                             checkpoint=f"{folder}/job", **extra), model, data)
+        return capfd.readouterr().err
+
+    run(1, compression="fp16", error_feedback=True)
+    said = run(2, compression="bf16", error_feedback=True, resume=True)
+    everywhere(said.count("starts afresh: its state is not in the checkpoint (it was saved by Compression('fp16', "
+                          "error_feedback=True))") == (RANK == 0), f"rank {RANK} said: {said!r}")
+    run(3, resume=True)             # saved without compression: the older state files beside it are not its own
+    said = run(4, compression="bf16", error_feedback=True, resume=True)
+    everywhere(said.count("starts afresh: its state is not in the checkpoint (the earlier run kept none)") ==
+               (RANK == 0) and "resuming from the checkpoint set after" not in said, f"rank {RANK} said: {said!r}")
 
 class _PoisonedOnLastRank(MLP):
     """An MLP whose gradient and loss on the last rank turn NaN at its third gradient (step 3 of epoch 1)."""

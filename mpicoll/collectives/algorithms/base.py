@@ -10,6 +10,7 @@ from ... import arrays
 
 if TYPE_CHECKING:                    # annotations only: algorithms stand beside the reduction, not on it
     from ...channel.context import Context
+    from ..compression import Compression
     from ..reduction import Reduction
 
 __all__ = ["Algorithm", "MpiBuffers"]
@@ -30,6 +31,19 @@ class Algorithm:
 
     def allreduce(self, ctx: Context, send: np.ndarray | None, recv: np.ndarray, reduction: Reduction) -> None:
         raise NotImplementedError
+
+    def allreduce_compressed(self, ctx: Context, send: np.ndarray | None, recv: np.ndarray, reduction: Reduction,
+                             compression: Compression, key) -> None:
+        """The sum of float32 or float64 host arrays moved as ``compression``'s 16-bit floats
+        (:mod:`mpicoll.collectives.compression`).  Here each rank's contribution is rounded once (its residual
+        carried, with error feedback), the words are summed by :meth:`allreduce` with float32 additions, and
+        widened back into ``recv``.  ``reduction``: the arrays' own sum, for an algorithm that adds in their
+        precision first (:class:`~mpicoll.collectives.algorithms.hierarchical.Hierarchical`)."""
+        data = recv if send is None else send
+        words = compression.narrow(data, ctx.scratch("compressed.words", data.size, np.uint16),
+                                   compression.residual(key, data))
+        self.allreduce(ctx, None, words, compression.reduction)
+        compression.decompress(words, recv)
 
     def reduce_scatter_block(self, ctx: Context, send: np.ndarray, recv: np.ndarray, reduction: Reduction) -> None:
         """``send`` holds size * recv.size elements (it may be the caller's recvbuf when in place)."""

@@ -16,14 +16,15 @@ otherwise through page-locked host buffers that are allocated once and reused.
 
 from __future__ import annotations
 
+import numpy as np
 from mpi4py import MPI
 
 from ... import arrays
-from ...base.chunks import balanced_bounds, block_bounds
+from ...base.chunks import balanced_bounds, block_bounds, segments
 from ...base.tags import Tag
 from .base import Algorithm, MpiBuffers
 
-__all__ = ["Direct"]
+__all__ = ["Direct", "owner_rounded_sum"]
 
 
 class Direct(Algorithm):
@@ -40,6 +41,12 @@ class Direct(Algorithm):
         buffers = MpiBuffers(ctx, recv, "direct")
         chunk = _exchange_and_fold(ctx, buffers, source, bounds, reduction)
         _gather_into(ctx, buffers, chunk, recv, bounds)
+
+    def allreduce_compressed(self, ctx, send, recv, reduction, compression, key):
+        """Each chunk rounded once more, by its owner, after summing its contributions in their own precision
+        (:func:`owner_rounded_sum`): with error feedback, nothing of any rounding is lost."""
+        data = recv if send is None else send
+        owner_rounded_sum(ctx, data, recv, compression, compression.residual(key, data))
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
         if ctx.size == 1:
@@ -63,6 +70,16 @@ class Direct(Algorithm):
 
 def _exchange_and_fold(ctx, buffers: MpiBuffers, source, bounds, reduction):
     """Every rank's chunk ``ctx.rank`` of ``source`` folded in rank order; returns an array beside the data."""
+    parts = _exchanged(ctx, buffers, source, bounds)
+    result = buffers.scratch("result", parts[0].size, source.dtype)
+    reduction.combine(parts[0], parts[1], out=result)
+    for part in parts[2:]:
+        reduction.combine(result, part, out=result)
+    return result
+
+
+def _exchanged(ctx, buffers: MpiBuffers, source, bounds) -> list:
+    """Every rank's chunk ``ctx.rank`` of ``source``, in rank order (this rank's own: a view of ``source``)."""
     p, r, others = ctx.size, ctx.rank, ctx.others()
     mine = slice(bounds[r], bounds[r + 1])
     width = mine.stop - mine.start
@@ -72,12 +89,70 @@ def _exchange_and_fold(ctx, buffers: MpiBuffers, source, bounds, reduction):
     sent = [ctx.isend(outgoing[bounds[q]:bounds[q + 1]], q, Tag.DIRECT) for q in others]
     ctx.waitall(received + sent, others + others)
     contributions = buffers.beside(inbox, "contributions")
-    parts = [source[mine] if q == r else contributions[q * width:(q + 1) * width] for q in range(p)]
-    result = buffers.scratch("result", width, source.dtype)
-    reduction.combine(parts[0], parts[1], out=result)
-    for q in range(2, p):
-        reduction.combine(result, parts[q], out=result)
-    return result
+    return [source[mine] if q == r else contributions[q * width:(q + 1) * width] for q in range(p)]
+
+
+# Elements of 16-bit words per piece of a compressed exchange: each piece goes out as soon as it is rounded,
+# and is summed, rounded and sent back as soon as it has arrived, so the rounding and widening overlap the wire.
+PIECE_ELEMENTS = 128 << 10
+
+
+def owner_rounded_sum(ctx, data, recv, compression, residual) -> None:
+    """``recv`` <- the sum over ``ctx``'s ranks of ``data`` (float32 or float64, host), moved as
+    ``compression``'s 16-bit words and rounded twice only: each rank rounds its contribution, and the owner of
+    each chunk sums the chunk's contributions in their own precision and rounds that sum once.  ``residual``
+    (error feedback, or None) takes both: this rank's own rounding, and in the chunk it owns the sum's, so the
+    ranks' residuals together carry every rounding of the call.  ``recv`` may be ``data``.
+
+    The chunks travel in pieces (:data:`PIECE_ELEMENTS`), every receive posted first: a piece is sent as soon
+    as it is rounded, summed at its owner as soon as every rank's has come, and sent back at once, so that
+    the arithmetic of one piece overlaps the transfer of the others."""
+    p, r, others = ctx.size, ctx.rank, ctx.others()
+    bounds = balanced_bounds(data.size, p)
+    pieces = [segments(bounds[q], bounds[q + 1], PIECE_ELEMENTS) for q in range(p)]
+    words = ctx.scratch("direct.words", data.size, np.uint16)         # what this rank rounds and sends
+    summed = ctx.scratch("direct.summed", data.size, np.uint16)       # the owners' rounded sums it receives
+    width = bounds[r + 1] - bounds[r]
+    inbox = ctx.scratch("direct.inbox", p * width, np.uint16)
+
+    def landing(q, piece):          # where rank q's part of this rank's chunk lands
+        return inbox[q * width + piece.start - bounds[r]: q * width + piece.stop - bounds[r]]
+
+    parts = [[ctx.irecv(landing(q, piece), q, Tag.DIRECT) for piece in pieces[r]] if q != r else []
+             for q in range(p)]
+    results = [[ctx.irecv(summed[piece], q, Tag.DIRECT_GATHER) for piece in pieces[q]] if q != r else []
+               for q in range(p)]
+    sent, to = [], []
+    for k in range(max(map(len, pieces))):                      # round piece k of every chunk, send it
+        for q in range(r, r + p):
+            q %= p
+            if k < len(pieces[q]):
+                piece = pieces[q][k]
+                compression.narrow(data[piece], words[piece], None if residual is None else residual[piece])
+                if q != r:
+                    sent.append(ctx.isend(words[piece], q, Tag.DIRECT))
+                    to.append(q)
+    total, term = (ctx.scratch(f"direct.{name}", min(width, PIECE_ELEMENTS), data.dtype) for name in ("total", "term"))
+    for k, piece in enumerate(pieces[r]):                       # sum each piece of this rank's chunk, round, send
+        ctx.waitall([parts[q][k] for q in others], others)
+        n = piece.stop - piece.start
+        exact, carried = total[:n], None if residual is None else np.zeros(n, data.dtype)
+        compression.decompress(words[piece], exact)
+        for q in others:
+            exact += compression.decompress(landing(q, piece), term[:n])
+        compression.narrow(exact, summed[piece], carried)
+        if residual is not None:
+            residual[piece] += carried
+        compression.decompress(summed[piece], recv[piece])
+        sent += [ctx.isend(summed[piece], q, Tag.DIRECT_GATHER) for q in others]
+        to += others
+    for k in range(max(map(len, pieces))):                      # widen the others' chunks as they come
+        for q in others:
+            if k < len(pieces[q]):
+                piece = pieces[q][k]
+                ctx.wait(results[q][k], q)
+                compression.decompress(summed[piece], recv[piece])
+    ctx.waitall(sent, to)
 
 
 def _gather_into(ctx, buffers: MpiBuffers, chunk, target, bounds) -> None:

@@ -38,6 +38,7 @@ from ...base.collectives import ALLGATHER, ALLREDUCE, COLLECTIVES, REDUCE_SCATTE
 from ...base.errors import MpicollError
 from ...channel.nodes import node_layout
 from .base import Algorithm
+from .direct import owner_rounded_sum
 from .mpi import Mpi
 from .ring import Ring, allgather_in_place, reduce_scatter
 from .ring_shared import shared_reduce_scatter
@@ -63,23 +64,41 @@ class Hierarchical(Algorithm):
             ctx.compare_calls_now()         # MPI's blocking call cannot be interrupted by a disagreement
             _MPI.allreduce(ctx, send, recv, reduction)
             return
-        local, cross = layout.local, layout.cross
-        bounds = balanced_bounds(recv.size, layout.per_node)
 
-        def between_nodes(chunk):
-            cross.shun_the_dead(cross.others())     # a peer that died during the node phase: no crash
-            _RING.allreduce(cross, None, chunk, reduction)
+        def between_nodes(chunk, bounds):
+            _RING.allreduce(layout.cross, None, chunk, reduction)
+        _by_node(ctx, layout, send, recv, reduction, between_nodes)
 
-        with _parts_break_the_whole(ctx, layout):
-            if local.channel == "shared":      # the slice stays in shared memory; the others read it there
-                shared_reduce_scatter(local, recv if send is None else send, bounds, reduction, gather_into=recv,
-                                      then=between_nodes)
-                return
-            if send is not None:
-                recv[...] = send
-            local.waitall(*reduce_scatter(local, recv, recv, bounds, reduction))
-            between_nodes(recv[bounds[local.rank]: bounds[local.rank + 1]])
-            allgather_in_place(local, recv, bounds)
+    def allreduce_compressed(self, ctx, send, recv, reduction, compression, key):
+        """Inside each node the contributions are summed in their own precision (over shared memory, no link
+        crossed); only the node sums cross the nodes, as 16-bit words: local rank j of each node rounds its
+        slice of its node's sum, and the slice's parts are summed in full precision by their owners and rounded
+        once more (:func:`~mpicoll.collectives.algorithms.direct.owner_rounded_sum`), then widened back before
+        the node gathers the slices.  Two roundings, whatever the rank count (within the documented bound), and
+        each rank rounds and widens a slice, not the whole buffer.  With error feedback the ranks that round
+        keep what each rounding took off (a rank's residual is zero outside what it rounded): together the
+        residuals carry every rounding of the call into the next.  On one node, or with one rank per node,
+        the owners round as :class:`~mpicoll.collectives.algorithms.direct.Direct` does (measured: as fast as
+        the ring's rounding at every hop, on one node at 2 and 4 ranks and 4-16 MiB, and across 2 nodes of one
+        rank 70.8 against 76 ms at 16 MiB)."""
+        layout = _layered(ctx, True)
+        if layout is None and ctx.size > 1:          # one node, or one rank per node: the owners round
+            data = recv if send is None else send
+            owner_rounded_sum(ctx, data, recv, compression, compression.residual(key, data))
+            return
+        if layout is None or recv.size < layout.per_node or recv.nbytes // 2 < ACROSS_NODES_FROM[ALLREDUCE.name]:
+            super().allreduce_compressed(ctx, send, recv, reduction, compression, key)
+            return
+        residual = compression.residual(key, recv)
+        if residual is not None:                  # this call's contribution carries the last one's rounding
+            reduction.combine(recv if send is None else send, residual, recv)
+            residual[...] = 0
+            send = None
+
+        def between_nodes(chunk, bounds):
+            mine = slice(bounds[layout.local.rank], bounds[layout.local.rank + 1])
+            owner_rounded_sum(layout.cross, chunk, chunk, compression, None if residual is None else residual[mine])
+        _by_node(ctx, layout, send, recv, reduction, between_nodes)
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
         """Local rank j's slice is the blocks of every node's local rank j: summed inside the node, then
@@ -132,6 +151,29 @@ class Hierarchical(Algorithm):
         # The chain already crosses each node boundary once when nodes hold consecutive ranks: every link
         # carries the buffer once, the least a broadcast can; splitting it by node would only add steps.
         _RING.bcast(ctx, buf, root)
+
+
+def _by_node(ctx, layout, send, recv, reduction, between_nodes) -> None:
+    """An allreduce by node: a reduce-scatter inside each node (local rank j ends with slice j of the node's
+    sum), ``between_nodes(slice j, the slices' bounds)`` (which leaves the sum over the nodes in it), then an
+    allgather of the slices inside each node."""
+    local = layout.local
+    bounds = balanced_bounds(recv.size, layout.per_node)
+
+    def across(chunk):
+        layout.cross.shun_the_dead(layout.cross.others())     # a peer that died during the node phase: no crash
+        between_nodes(chunk, bounds)
+
+    with _parts_break_the_whole(ctx, layout):
+        if local.channel == "shared":      # the slice stays in shared memory; the others read it there
+            shared_reduce_scatter(local, recv if send is None else send, bounds, reduction, gather_into=recv,
+                                  then=across)
+            return
+        if send is not None:
+            recv[...] = send
+        local.waitall(*reduce_scatter(local, recv, recv, bounds, reduction))
+        across(recv[bounds[local.rank]: bounds[local.rank + 1]])
+        allgather_in_place(local, recv, bounds)
 
 
 def _layered(ctx, commutative: bool, contiguous: bool = False):
