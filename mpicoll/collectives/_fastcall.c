@@ -17,6 +17,8 @@
 #define Py_TPFLAGS_HAVE_VECTORCALL _Py_TPFLAGS_HAVE_VECTORCALL
 #endif
 
+/* What a collective's arguments look like (the module's ROOTED, GATHER and REDUCE; kind= of FastCall):
+   (buf[, root]), (sendbuf, recvbuf), (sendbuf, recvbuf[, op]). */
 enum { ROOTED = 0, GATHER = 1, REDUCE = 2 };
 
 typedef struct {
@@ -159,7 +161,7 @@ static int fastcall_init(FastCall *self, PyObject *args, PyObject *kwds) {
                                      &turn, &ndarray, &in_place, &mpi_error, &default_op))
         return -1;
     if (!PyType_Check(ndarray) || kind < ROOTED || kind > REDUCE) {
-        PyErr_SetString(PyExc_ValueError, "FastCall: ndarray must be a type and kind 0, 1 or 2");
+        PyErr_SetString(PyExc_ValueError, "FastCall: ndarray must be a type and kind ROOTED, GATHER or REDUCE");
         return -1;
     }
     PyObject *zero = PyLong_FromLong(0);
@@ -240,6 +242,11 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
     Py_INCREF(&FastCallType);
     if (PyModule_AddObject(m, "FastCall", (PyObject *)&FastCallType) < 0) {
         Py_DECREF(&FastCallType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ROOTED", ROOTED) < 0 || PyModule_AddIntConstant(m, "GATHER", GATHER) < 0 ||
+            PyModule_AddIntConstant(m, "REDUCE", REDUCE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -35,7 +35,8 @@ from .nonblocking import Request, Worker
 from .reduction import Reduction, op_name
 
 try:
-    from ._fastcall import FastCall     # built at install where a C compiler is (setup.py): optional
+    from . import _fastcall     # built at install where a C compiler is (setup.py): optional
+    from ._fastcall import FastCall
 except ImportError:        # pragma: no cover - a machine that built no extension
     FastCall = None
 
@@ -438,7 +439,8 @@ def _compiled_straight_to_mpi(owner: Communicator, collective: Collective, mpi_c
     def refuse():
         raise ConcurrentCall(collective.method)
 
-    kind = 0 if collective.rooted else 1 if collective is ALLGATHER else 2
+    kind = (_fastcall.ROOTED if collective.rooted else _fastcall.GATHER if collective is ALLGATHER
+            else _fastcall.REDUCE)
     limit = sys.maxsize if limit == math.inf else math.ceil(limit)        # sys.maxsize: no size to check
     call = FastCall(owner=owner, collective=collective.method, kind=kind, limit=limit,
                     mpi_call=mpi_call, checked_call=checked_call, on_mpi_error=owner._raise_if_ranks_lost,

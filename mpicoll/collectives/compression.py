@@ -1,17 +1,22 @@
 """Compressed allreduce: floating-point arrays moved as 16-bit floats, half the bytes of float32.
 
 A :class:`Compression` rounds this rank's contribution to ``float16`` ("fp16") or ``bfloat16`` ("bf16", the
-type numpy gets from the ``ml_dtypes`` package) and reduces the 16-bit array with whichever algorithm the
-communicator runs: every addition is made in float32 and rounded back to 16 bits (numpy's and ``ml_dtypes``'
-arithmetic on these types), so the sum loses a rounding per hop of the reduction, never float16 arithmetic's
-own error.  Every rank gets the same bits.
+type numpy gets from the ``ml_dtypes`` package), and the 16-bit words are what travel.  How they are summed is
+the algorithm's (:meth:`~mpicoll.collectives.algorithms.base.Algorithm.allreduce_compressed`): where owners
+round (``direct``; ``hierarchical``, ``auto``'s choice for large buffers), each chunk's owner sums every
+rank's words of it in full precision and rounds the sum once, two roundings in all; elsewhere (the ring,
+MPI's own) every partial sum is made in float32 and rounded back to 16 bits on its way (numpy's and
+``ml_dtypes``' arithmetic on these types), a rounding per hop, never float16 arithmetic's own error.  Every
+rank gets the same bits.
 
 **Error feedback** (``error_feedback=True``): what rounding took off this rank's contribution is kept, per
 buffer (``key``), and added to that buffer's next contribution, so nothing is lost over the steps of a training
 run, only delayed (Seide et al. 2014; Karimireddy et al. 2019).  The residual is exact: the contribution plus
-the residual, less what was sent, computed in the input's precision.  The residuals are the only state:
-:meth:`Compression.state_dict` gives them as arrays to save beside a checkpoint, and
-:meth:`Compression.load_state_dict` puts them back, so a resumed run continues exactly.
+the residual, less what was sent, computed in the input's precision.  Where owners round, each also keeps its
+sum's rounding, in its residual's share of the chunk it owns: the ranks' residuals then carry every rounding
+of the call.  The residuals are the only state: :meth:`Compression.state_dict` gives them as arrays to save
+beside a checkpoint, and :meth:`Compression.load_state_dict` puts them back, so a resumed run continues
+exactly.
 
 **Error bound** (documented, and what the tests hold the result to): for p ranks, with u the unit roundoff
 of the 16-bit type (2^-11 for float16, 2^-8 for bfloat16) and e half its smallest spacing (2^-25 for

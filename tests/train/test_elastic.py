@@ -33,10 +33,12 @@ def records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def train(tmp_path, name: str, *extra: str, kill: int | None = None, after_epoch: int = 2, ranks: int = 4):
-    """Run ``mpicoll train`` with ``extra`` on ``ranks`` ranks; with ``kill``, SIGKILL that rank once the log
-    shows ``after_epoch``.  (the finished process, the log's records)."""
+def train(tmp_path, name: str, *extra: str, kill: int | None = None, after_epoch: int = 2, ranks: int = 4,
+          settings: dict | None = None):
+    """Run ``mpicoll train`` with ``extra`` (and environment ``settings``) on ``ranks`` ranks; with ``kill``,
+    SIGKILL that rank once the log shows ``after_epoch``.  (the finished process, the log's records)."""
     start, env = fault_tolerant(ranks)
+    env = {**env, **(settings or {})}
     output = tmp_path / f"{name}.jsonl"
     job = subprocess.Popen([*start, *TRAIN, "--output", str(output), *extra], cwd=ROOT, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -62,21 +64,29 @@ def summary_of(logged: list[dict]) -> dict:
 _intact: dict = {}
 
 
-def intact(tmp_path_factory, method: str):
-    """The intact elastic run of ``method`` (slowed like the killed ones), made once per module."""
-    if method not in _intact:
-        job, logged = train(tmp_path_factory.mktemp(method), "intact", "--method", method, "--elastic", *SLOW)
+def intact(tmp_path_factory, method: str, *extra: str, settings: dict | None = None):
+    """The intact elastic run of ``method`` with ``extra`` (slowed like the killed ones), made once per module."""
+    if (method, extra) not in _intact:
+        job, logged = train(tmp_path_factory.mktemp(method), "intact", "--method", method, "--elastic", *SLOW,
+                            *extra, settings=settings)
         assert job.returncode == 0, job.stderr_text[-3000:]
-        _intact[method] = logged
-    return _intact[method]
+        _intact[method, extra] = logged
+    return _intact[method, extra]
 
 
-@pytest.mark.parametrize("method, victim", [("allreduce-ring", 2), ("sgp", 0)])     # a worker; the log's writer
+# fp16 with error feedback through owners that round (hierarchical on one node, at every size)
+_COMPRESSED = (["--compression", "fp16", "--error-feedback"], {"MPICOLL_AUTO_ALLREDUCE": "hierarchical"})
+
+
+@pytest.mark.parametrize("method, victim, compressed", [("allreduce-ring", 2, False), ("sgp", 0, False),
+                                                        ("allreduce-auto", 1, True)])   # a worker; the log's writer
 def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_run(tmp_path, tmp_path_factory,
-                                                                                 method, victim):
-    logged_intact = intact(tmp_path_factory, method)
+                                                                                 method, victim, compressed):
+    extra, settings = _COMPRESSED if compressed else ([], None)
+    logged_intact = intact(tmp_path_factory, method, *extra, settings=settings)
     saved = ["--checkpoint", str(tmp_path / "ck")] if method == "sgp" else []      # the survivors' files
-    killed, logged = train(tmp_path, "killed", "--method", method, "--elastic", *SLOW, *saved, kill=victim)
+    killed, logged = train(tmp_path, "killed", "--method", method, "--elastic", *SLOW, *saved, *extra, kill=victim,
+                           settings=settings)
     assert killed.returncode == 0, killed.stderr_text[-3000:]
     events = [r for r in logged if r.get("event") == "ranks_lost"]
     assert len(events) == 1 and events[0]["lost"] == [victim] and events[0]["ranks"] == 3, events
