@@ -84,16 +84,16 @@ def test_files_a_running_writer_renames_while_they_are_read_are_never_called_dam
 
     thread = threading.Thread(target=writer)
     thread.start()
-    reads, ends = [], time.monotonic() + 1.0
+    reads, ends = [], time.monotonic() + 30        # under a loaded disk's fsync writes come slowly: by count
     try:
-        while time.monotonic() < ends:
+        while (written[-1] < 50 or len(reads) < 200) and time.monotonic() < ends:
             newest_before = written[-1]
             found = checkpoint.versions(path, IDENTITY)
             reads.append((newest_before, sorted(found), written[-1]))
     finally:
         stop.set()
         thread.join()
-    assert len(reads) > 100 and written[-1] > 100, (len(reads), written[-1])
+    assert len(reads) >= 200 and written[-1] >= 50, (len(reads), written[-1])
     assert all(before <= max(found) <= after + 1 for before, found, after in reads), \
         [r for r in reads if not r[0] <= max(r[1]) <= r[2] + 1][:5]
 
