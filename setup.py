@@ -48,7 +48,7 @@ setup(
         # CUDA-specific packages are numba-cuda and the host-side bindings it requires (cuda-bindings,
         # cuda-core, cuda-pathfinder: 68 MB, no toolkit or driver); its simulator does not import without
         # them (measured).  The environment is about 1.6 GB, torch's CPU build 0.75 GB of it.
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-xdist>=3", "matplotlib", "numba>=0.59", "numba-cuda",
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-xdist>=3.2", "matplotlib", "numba>=0.59", "numba-cuda",
                  "scikit-learn", "mnist1d", "torch==2.13.0", "import-linter>=2.13"],
     },
     entry_points={"console_scripts": ["mpicoll = mpicoll.cli:main"]},
