@@ -120,8 +120,14 @@ def shape(node: str, rate: str | None, delay: str | None = None, loss: float | N
 
 
 def set_link(node: str, up: bool) -> None:
-    """Take the node's switch port down (a cut cable: the node is gone as the others see it) or up."""
+    """Take the node's switch port down (a cut cable: the node is gone as the others see it) or up.  Up, the
+    nodes also forget the neighbour entries that failed while it was down: with them, a connection made at once
+    after the heal could fail with "no route to host" (EHOSTUNREACH, seen in the cluster test) until the
+    kernel tried again."""
     _run("ip", "-n", SWITCH, "link", "set", node, "up" if up else "down")
+    if up:
+        for ns in existing():
+            subprocess.run(["ip", "-n", ns, "neigh", "flush", "all"], capture_output=True)
 
 
 def processes(node: str) -> list[str]:
