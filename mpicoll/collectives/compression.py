@@ -41,7 +41,7 @@ from mpi4py import MPI
 from .. import compute
 from .reduction import Reduction
 
-__all__ = ["Compression", "KINDS", "resolve", "bfloat16", "is_bfloat16"]
+__all__ = ["Compression", "KINDS", "resolve", "bfloat16", "is_bfloat16", "key_as_saved", "key_from_saved"]
 
 KINDS = ("fp16", "bf16")
 
@@ -132,7 +132,7 @@ class Compression:
         """The residuals, as flat name -> array (what ``np.savez`` or a checkpoint takes), with what they were
         made by: :meth:`load_state_dict` of the same kind and error feedback puts them back."""
         keys = list(self.residuals)
-        return {"compression": np.array(json.dumps({"made_by": repr(self), "keys": [_saved_key(k) for k in keys]})),
+        return {"compression": np.array(json.dumps({"made_by": repr(self), "keys": [key_as_saved(k) for k in keys]})),
                 **{f"residual{i}": self.residuals[key] for i, key in enumerate(keys)}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -141,7 +141,7 @@ class Compression:
         about = json.loads(str(state["compression"]))
         if about["made_by"] != repr(self):
             raise ValueError(f"the saved state is of {about['made_by']}, not of {self!r}")
-        self.residuals = {ast.literal_eval(key): np.array(state[f"residual{i}"])
+        self.residuals = {key_from_saved(key): np.array(state[f"residual{i}"])
                           for i, key in enumerate(about["keys"])}
 
     def decompress(self, words: np.ndarray, out: np.ndarray, scale: float = 1.0) -> np.ndarray:
@@ -149,16 +149,22 @@ class Compression:
         return compute.widen(words, out, self.dtype, scale)
 
 
-def _saved_key(key) -> str:
-    """A buffer's key as saved (its repr, read back by ast.literal_eval): str, int, float, bool, None, or
-    tuples of them."""
+def key_as_saved(key) -> str:
+    """A buffer's key as a state dict saves it (its repr; :func:`key_from_saved` reads it back): str, int,
+    float, bool, None, or tuples of them (TypeError naming the key otherwise).  Shared by every compression
+    that keeps a state per buffer (this module's residuals, :class:`mpicoll.PowerSGD`'s factors)."""
     text = repr(key)
     try:
-        if ast.literal_eval(text) == key:
+        if key_from_saved(text) == key:
             return text
     except (ValueError, SyntaxError):
         pass
     raise TypeError(f"a state with buffer key {key!r} cannot be saved: use str, int or tuple keys")
+
+
+def key_from_saved(text: str):
+    """The buffer key :func:`key_as_saved` wrote."""
+    return ast.literal_eval(text)
 
 
 def resolve(compression) -> Compression | None:

@@ -23,13 +23,12 @@ checkpoint and :meth:`PowerSGD.load_state_dict` puts it back, so a resumed run c
 
 from __future__ import annotations
 
-import ast
 import json
 
 import numpy as np
 
 from . import api
-from .compression import _saved_key
+from .compression import key_as_saved, key_from_saved
 from .nonblocking import Request
 
 __all__ = ["PowerSGD"]
@@ -73,7 +72,7 @@ class PowerSGD:
         about = {"made_by": repr(self), "buffers": []}
         for n, key in enumerate(keys):
             buffer = self.buffers[key]
-            about["buffers"].append({"key": _saved_key(key), "shapes": [list(shape) for shape in buffer.shapes],
+            about["buffers"].append({"key": key_as_saved(key), "shapes": [list(shape) for shape in buffer.shapes],
                                      "dtype": buffer.dtype.str, "step": buffer.step})
             state.update({f"q{n}.{i}": q for i, q in buffer.qs.items()})
             state.update({f"residual{n}.{i}": residual for i, residual in buffer.residuals.items()})
@@ -95,7 +94,7 @@ class PowerSGD:
                 kind, _, index = name.partition(".")
                 if kind in (f"q{n}", f"residual{n}"):
                     (buffer.qs if kind[0] == "q" else buffer.residuals)[int(index)] = np.array(array)
-            buffers[ast.literal_eval(saved["key"])] = buffer
+            buffers[key_from_saved(saved["key"])] = buffer
         self.buffers = buffers
 
     def compresses(self, shape: tuple) -> bool:

@@ -153,6 +153,11 @@ class Allreduce(Family):
                 if reporter:
                     reporter.evaluate(None, epoch + 1, (epoch + 1) * steps * options.batch * replicas, measured=score)
             final = test_score()
+        if options.checkpoint:
+            # every rank resumes from the first replica's files: none returns before they are whole (a train() that
+            # follows in the same program resumed from a file still being written; seen in the 2-rank tests)
+            with bounded(comm, "waiting for the last checkpoint to be written"):
+                comm.barrier()
         if k > 1:
             pipe.close()
             pipe_comm.Free()

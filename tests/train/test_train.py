@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -306,6 +307,30 @@ def test_a_compression_without_a_state_to_resume_starts_afresh_saying_why(tmp_pa
     said = run(4, compression="bf16", error_feedback=True, resume=True)
     everywhere(said.count("starts afresh: its state is not in the checkpoint (the earlier run kept none)") ==
                (RANK == 0) and "resuming from the checkpoint set after" not in said, f"rank {RANK} said: {said!r}")
+
+@pytest.mark.mpi
+def test_train_returns_once_the_checkpoint_every_rank_resumes_from_is_written(tmp_path_factory, monkeypatch):
+    """Every rank resumes from the first replica's file: with its writer slowed, no rank returns from train()
+    before the file holds the last epoch (a train() after it in the same program read a file still being
+    written, 1 run in about 16 of the 2-rank tests)."""
+    from mpicoll.base import checkpoint
+    data = digits()
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("written")) if RANK == 0 else None)
+    save = checkpoint.save
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.5)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", slow_save)
+    train(WORLD, Options(method="allreduce-ring", epochs=1, batch=64, lr=0.05, progress=False,
+                         checkpoint=f"{folder}/job"), SoftmaxRegression(data.features, data.classes), data)
+    try:
+        held = sorted(checkpoint.versions(checkpoint.path(f"{folder}/job"), {}))
+    except FileNotFoundError:
+        held = []
+    everywhere(held == [1], f"rank {RANK} found the checkpoint holding {held} when train() returned")
+
 
 class _PoisonedOnLastRank(MLP):
     """An MLP whose gradient and loss on the last rank turn NaN at its third gradient (step 3 of epoch 1)."""
