@@ -369,6 +369,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--min-iters", type=int, default=15, help="timed calls at least, at any size (default 15)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed calls per size and algorithm after the "
                        "first, whose result is checked against MPI's (default 3)")
+    bench.add_argument("--fingerprint-seconds", type=float, default=2.0, metavar="S",
+                       help="seconds per size and algorithm spent timing what the cross-rank fingerprint adds to "
+                       "calls from 512 KiB of float32 (default 2, 20 rounds at least; 0 skips it)")
     bench.add_argument("--output", metavar="FILE.json", help="write one record per (algorithm, size)")
     bench.add_argument("--plot", metavar="FILE.png", help="draw bus bandwidth against size")
     link_option(bench, "report each time as a share of the link bound across nodes")
@@ -393,6 +396,8 @@ def run(args) -> int:
     try:
         sizes = parse_sizes(args.sizes) if args.sizes else default_sizes()
         check_counts(args, sizes, np.dtype(args.dtype))
+        if not args.fingerprint_seconds >= 0:
+            raise ValueError(f"--fingerprint-seconds must be 0 or more, got {args.fingerprint_seconds}")
     except (TypeError, ValueError) as error:        # the same on every rank: each stops, rank 0 says why
         if comm.Get_rank() == 0:
             print(f"mpicoll bench: {error}", file=sys.stderr, flush=True)
@@ -407,7 +412,8 @@ def run(args) -> int:
     nodes = node_count(comm)
     memory = copy_bound_report(comm, records) if nodes == 1 else []
     raw, wrapped = python_overhead(comm)
-    costs = fingerprint_costs(comm, names, sizes, args.dtype, args.collective) if comm.Get_size() > 1 else []
+    costs = fingerprint_costs(comm, names, sizes, args.dtype, args.collective, args.fingerprint_seconds) \
+        if comm.Get_size() > 1 and args.fingerprint_seconds > 0 else []
     work = fingerprint_work() if costs else 0.0
     if comm.Get_rank() == 0:
         print(f"# per-call overhead of the Python layer at 8 B: {(wrapped - raw) * 1e6:+.2f} us "

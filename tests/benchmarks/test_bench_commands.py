@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ def bench(tmp_path, ranks: int, command: str, *options: str):
 def test_bench_writes_table_json_and_plot(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = launch(2, "-m", "mpicoll", "bench", "--sizes", "8,64K,3M", "--iters", "3", "--min-iters", "2",
-                    "--warmup", "1", "--output", str(out), "--plot", str(png))
+                    "--warmup", "1", "--fingerprint-seconds", "0.1", "--output", str(out), "--plot", str(png))
     assert result.returncode == 0, result.stderr
     records = json.loads(out.read_text())
     algorithms = set(mpicoll.collectives.algorithms.names())
@@ -42,6 +43,9 @@ def test_bench_writes_table_json_and_plot(tmp_path):
                pytest.approx(r["bytes"] / r["copy_s"] / 1e9 * 2 * (2 - 1) / 2) for r in bounded), bounded
     assert "# memory bound: all 2 ranks copying" in result.stdout and "busbw bound" in result.stdout
     assert all(name in result.stdout for name in algorithms)
+    # what the cross-rank fingerprint adds, at the one size from 512 KiB, for each own algorithm (not mpi, auto)
+    added = re.findall(r"^#\s+3 MiB (\S+)\s+[-+][\d.]+ us on .* rounds\)$", result.stdout, re.M)
+    assert sorted(added) == sorted(algorithms - {"mpi", "auto"}), result.stdout
 
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "bcast"])
