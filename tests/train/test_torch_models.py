@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
-from mpicoll.train import METHODS, Options, load, train  # noqa: E402
+from mpicoll.train import METHODS, Options, train  # noqa: E402
 from mpicoll.train.common import batches as _batches  # noqa: E402
 from mpicoll.models.dense import CNN  # noqa: E402
 from mpicoll.models.modules import TorchModel, make  # noqa: E402
@@ -170,13 +170,3 @@ def test_model_parallel_trains_a_torch_sequential(method):
     losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
     everywhere(len(losses) == 1 and abs(losses[0] - expected) < 1e-3 * abs(expected),
                f"final loss {losses}, single process {expected!r}")
-
-
-def test_mnist1d_is_generated_once_and_cached(tmp_path, monkeypatch):
-    pytest.importorskip("mnist1d", reason="MNIST-1D needs the mnist1d package (the data extra)")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    data = load("mnist1d")
-    assert (data.X.shape, data.X_test.shape, data.classes, data.name) == ((4000, 40), (1000, 40), 10, "mnist1d")
-    assert (tmp_path / "mpicoll" / "mnist1d.npz").is_file()
-    again = load("mnist1d")
-    assert np.array_equal(again.X, data.X) and np.array_equal(again.y_test, data.y_test)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from mpicoll.models.dense import CNN
 from mpicoll.experiments.compare import read_log, report
 from mpi4py import MPI
 
+from tests.support.jobs import ROOT
 from tests.support.mpi import P, RANK, WORLD, everywhere
 from tests.support.problems import allreduce_sgd, digits
 
@@ -398,3 +401,30 @@ def test_a_resumed_model_parallel_run_ends_where_an_uninterrupted_one_does(tmp_p
     WORLD.Barrier()
     with pytest.raises(mpicoll.SetupError, match=r"hold no epoch in common \(rank 0: 3, 4; rank 1: 1"):
         run(5, checkpoint=f"{folder}/job", resume=True)
+
+
+@pytest.mark.parametrize("name, module, shapes", [("mnist1d", "mnist1d", ((4000, 40), (1000, 40))),
+                                                   ("digits", "sklearn", ((1438, 64), (359, 64)))])
+def test_a_built_in_data_set_is_made_once_and_cached(tmp_path, monkeypatch, name, module, shapes):
+    """The cached arrays are the made ones to the bit; a later load (a new process) reads them without
+    importing the package that made them (scikit-learn's import costs each rank ~0.7 s of CPU); a damaged
+    cache is made again."""
+    pytest.importorskip(module, reason=f"{name} needs the data extra")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    data = load(name)
+    assert (data.X.shape, data.X_test.shape, data.classes, data.name) == (*shapes, 10, name)
+    cache = tmp_path / "mpicoll" / f"{name}.npz"
+    assert cache.is_file()
+    again = load(name)
+    assert np.array_equal(again.X, data.X) and np.array_equal(again.y_test, data.y_test)
+    assert again.fingerprint() == data.fingerprint()
+    imported = subprocess.run([sys.executable, "-c", f"import sys; from mpicoll.train import load; load({name!r}); "
+                               f"print({module!r} in sys.modules)"], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path)})
+    assert imported.stdout.split() == ["False"], imported.stderr[-2000:]
+    with np.load(cache) as kept:
+        made = {key: kept[key] for key in kept.files}
+    cache.write_bytes(cache.read_bytes()[:100])             # cut short (a full disk)
+    assert load(name).fingerprint() == data.fingerprint()
+    with np.load(cache) as remade:                          # made again, whole
+        assert remade.files == list(made) and all(np.array_equal(remade[key], made[key]) for key in made)
