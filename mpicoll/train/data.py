@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def _mnist1d():
 def _cached(name: str, make) -> dict[str, np.ndarray]:
     """The arrays of built-in data set ``name``: from ``~/.cache/mpicoll/NAME.npz`` (``XDG_CACHE_HOME``) when
     there, else ``make()``'s, then kept there.  Ranks may race to write it: each writes its own file, then
-    renames it into place (the same arrays; a reader sees one whole file or none)."""
+    renames it into place (the same arrays; a reader sees one whole file or none; one it cannot read is made
+    again)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mpicoll" / f"{name}.npz"
     if cache.is_file():
         try:
@@ -97,7 +99,7 @@ def _cached(name: str, make) -> dict[str, np.ndarray]:
     arrays = make()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        temporary = cache.with_name(f"{name}.{os.getpid()}.npz")
+        temporary = cache.with_name(f"{name}.{socket.gethostname()}.{os.getpid()}.npz")   # a home shared by nodes
         np.savez(temporary, **arrays)
         os.replace(temporary, cache)
     except OSError:
