@@ -255,7 +255,7 @@ class Server:
 
         An answer sent to a worker that died on another node crashes this server inside MPICH's UCX transport,
         so across nodes the server asks afresh before every round of answers (0.1 ms): with the answer of up to
-        50 ms before, 3 of 8 runs of the killed-worker test across emulated nodes crashed; asking afresh, 0 of 10."""
+        50 ms before, 3 of 8 runs of the killed-worker test across emulated nodes crashed; asking afresh, 0 of 18."""
         stale = 0.0 if fresh else _DEATHS_EVERY
         now, timeout = time.perf_counter(), self.worker_timeout
         others = [server for server in self.layout.servers if server != self.layout.rank]
