@@ -256,13 +256,14 @@ class Server:
         An answer sent to a worker that died on another node crashes this server inside MPICH's UCX transport,
         so across nodes the server asks afresh before every round of answers (0.1 ms): with the answer of up to
         50 ms before, 3 of 8 runs of the killed-worker test across emulated nodes crashed; asking afresh, 0 of 18."""
-        stale = 0.0 if fresh else _DEATHS_EVERY
         now, timeout = time.perf_counter(), self.worker_timeout
         others = [server for server in self.layout.servers if server != self.layout.rank]
-        if gone := sorted(set(others).difference(self.ctx.living(others, stale_after=stale))):
+        asked = [*others, *sorted(self.active)]                   # one question for the servers and the workers
+        dead = set(asked).difference(self.ctx.living(asked, stale_after=0.0 if fresh else _DEATHS_EVERY))
+        if gone := sorted(dead.intersection(others)):
             raise ServerLost(f"server rank {self.layout.rank}: server rank(s) {', '.join(map(str, gone))} died (the "
                              "MPI library reports the process gone): its shard of the weights is gone with it", gone)
-        dead = self.active.difference(self.ctx.living(sorted(self.active), stale_after=_DEATHS_EVERY))   # asked now
+        dead &= self.active
         for worker in dead:                       # owed nothing: dropping one must not answer another
             self.waiting.pop(worker, None)
         for worker in sorted(self.active):

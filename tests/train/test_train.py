@@ -311,6 +311,7 @@ def test_a_compression_without_a_state_to_resume_starts_afresh_saying_why(tmp_pa
     everywhere(said.count("starts afresh: its state is not in the checkpoint (the earlier run kept none)") ==
                (RANK == 0) and "resuming from the checkpoint set after" not in said, f"rank {RANK} said: {said!r}")
 
+
 @pytest.mark.mpi
 def test_train_returns_once_the_checkpoint_every_rank_resumes_from_is_written(tmp_path_factory, monkeypatch):
     """Every rank resumes from the first replica's file: with its writer slowed, no rank returns from train()
