@@ -32,6 +32,7 @@ The updates (Zheng et al. 2017 for DC-ASGD; Dean et al. 2012 for Adagrad in Down
 - ``reduce``: ``out = a (op) b`` for sum, prod, min, max (NaN propagates through min and max)
 - ``streaming_reducer``: ``out = a (op) b`` stored around the caches (non-temporal stores), for
   results not read again soon (:mod:`mpicoll.compute.streaming`; host, Numba, sum and prod)
+- ``copy_around_caches``: ``out[...] = source`` the same way, for any contiguous host arrays
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from ..base import config, launcher, ops
 from ..arrays import kinds     # which memory, and views: the only part of the array layer the kernels need
 
 __all__ = ["reduce", "narrow", "widen", "add_narrow", "scaled_accumulate", "dcasgd", "dcasgd_adaptive", "sgd",
-           "adagrad", "warm_up", "backend_for", "backends", "set_threads", "streaming_reducer", "REDUCIBLE",
-           "REDUCE_OPS", "FLOATS"]
+           "adagrad", "warm_up", "backend_for", "backends", "set_threads", "streaming_reducer", "copy_around_caches",
+           "REDUCIBLE", "REDUCE_OPS", "FLOATS"]
 
 FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 REDUCE_OPS = ops.KERNEL_OPS          # sum, prod, min, max (mpicoll.base.ops: the one op table)
@@ -129,6 +130,22 @@ def streaming_reducer(op: str, dtype):
         return None
     from . import streaming                   # Numba loads (above), so this does
     return streaming.LOOPS.get(op) if np.dtype(dtype) in streaming.DTYPES else None
+
+
+def copy_around_caches(out: np.ndarray, source: np.ndarray) -> None:
+    """``out[...] = source``, stored around the caches where Numba loads (see :mod:`mpicoll.compute.streaming`).
+
+    For copies that are not read again soon.  Contiguous numpy arrays of the same
+    shape and type; anything else (device arrays too), or ``MPICOLL_KERNELS=numpy``,
+    is a plain copy.
+    """
+    if type(out) is np.ndarray and type(source) is np.ndarray and out.flags.c_contiguous \
+            and source.flags.c_contiguous and out.dtype == source.dtype and out.shape == source.shape \
+            and _forced_kernels() != "numpy" and _backend("numba") is not None:
+        from . import streaming
+        streaming.stream_copy(out.reshape(-1).view(np.uint8), source.reshape(-1).view(np.uint8))
+    else:
+        out[...] = source
 
 
 NUMBA_FROM = 1 << 16     # elements: below this, a numpy pass beats waking Numba's threads (and its JIT)

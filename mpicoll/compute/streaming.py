@@ -15,7 +15,8 @@ store itself is LLVM IR with ``!nontemporal`` metadata, one 64-byte vector at
 a time (AVX-512's width; LLVM splits it where vectors are narrower).  Sums and
 products on float32/64 and int32/64 only (:data:`LOOPS`); the caller reduces
 as before for anything else, or where Numba does not load
-(:func:`mpicoll.compute.streaming_reducer`).
+(:func:`mpicoll.compute.streaming_reducer`).  Copies of any bytes:
+:func:`stream_copy` (:func:`mpicoll.compute.copy_around_caches`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,25 @@ def stream_prod(out, a, b):
         i += lanes
     while i < n:
         out[i] = a[i] * b[i]
+        i += 1
+    _drain()
+
+
+_first = _vector_store(lambda b, real, x, y: x)
+
+
+@njit(nogil=True, cache=True)
+def stream_copy(out, a):
+    """out[...] = a, stored around the caches (bytes: callers pass uint8 views)."""
+    n, lanes, i = out.size, 64 // out.itemsize, 0
+    while i < n and (out.ctypes.data + i * out.itemsize) % 64:
+        out[i] = a[i]
+        i += 1
+    while i + lanes <= n:
+        _first(out, a, a, i)
+        i += lanes
+    while i < n:
+        out[i] = a[i]
         i += 1
     _drain()
 

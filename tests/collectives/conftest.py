@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll.collectives.algorithms import hierarchical, ring
+from mpicoll.collectives.algorithms import hierarchical, ring, ring_shared
 from tests.support.mpi import RANK, WORLD, require_one_node
 
 # (id, algorithm, environment): the ring is run over both of its channels,
@@ -17,7 +17,7 @@ from tests.support.mpi import RANK, WORLD, require_one_node
 # ``hierarchical`` runs its intra-node and inter-node phases.
 VARIANTS = {
     "ring-p2p": ("ring", {"MPICOLL_CHANNEL": "p2p", "MPICOLL_SEGMENT": "1K"}),
-    "ring-shared": ("ring", {"MPICOLL_CHANNEL": "shared", "MPICOLL_SEGMENT": "1K"}),
+    "ring-shared": ("ring", {"MPICOLL_CHANNEL": "shared", "MPICOLL_SEGMENT": "1K"}),   # streamed (hierarchical: not)
     "ring-streaming": ("ring", {"MPICOLL_CHANNEL": "p2p", "MPICOLL_SEGMENT": "1K"}),  # final chunks past the caches
     "parallel": ("parallel", {}),
     "recursive_doubling": ("recursive_doubling", {}),
@@ -53,6 +53,8 @@ def comm(request, monkeypatch, mpi):
         monkeypatch.setenv(key, value)
     if request.param == "ring-streaming":  # at every test size, not only past the caches' size
         monkeypatch.setattr(ring, "STREAM_FROM", 0)
+    if request.param == "ring-shared":     # stores around the caches at every test size; the hierarchical
+        monkeypatch.setattr(ring_shared, "STREAM_FROM", 0)    # allreduce runs the same ring with cached stores
     if algorithm == "hierarchical":          # its own phases at every test size, not MPI's for small ones
         monkeypatch.setattr(hierarchical, "ACROSS_NODES_FROM", dict.fromkeys(hierarchical.ACROSS_NODES_FROM, 0))
     communicator = mpicoll.Communicator(mpi, algorithm=algorithm)

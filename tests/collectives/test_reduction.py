@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from mpicoll import ReductionError
-from mpicoll.compute import streaming_reducer
+from mpicoll.compute import copy_around_caches, streaming_reducer
 from mpicoll.collectives.reduction import Reduction, op_name
 
 
@@ -114,6 +114,27 @@ class TestStreaming:
             reduction.combine(left[view], right[view], plain)
             reduction.combine(left[view], right[view], streamed, streaming=True)
             assert np.array_equal(plain, streamed)
+
+    @pytest.mark.parametrize("code", ["f", "d", "B", "e", "?", "D"])
+    @pytest.mark.parametrize("count", [0, 1, 15, 63, 64, 65, 4099])
+    def test_a_copy_around_the_caches_copies_every_byte_at_every_alignment(self, code, count):
+        rng = np.random.default_rng()
+        for shift in (0, 1, 3, 17):            # the vector stores start after a scalar head, of bytes
+            source = rng.integers(0, 256, (count + shift) * np.dtype(code).itemsize, np.uint8).view(code)
+            out = np.full(source.nbytes, 7, np.uint8).view(code)
+            copy_around_caches(out[shift:], source[shift:])
+            assert out[shift:].tobytes() == source[shift:].tobytes()
+            assert set(out[:shift].tobytes()) <= {7}     # nothing before the output is touched
+
+    def test_a_copy_of_what_has_no_loop_is_a_plain_copy(self, monkeypatch):
+        source = np.arange(24.0).reshape(4, 6)
+        for out, part in ((np.zeros((4, 2)), source[:, ::3]), (np.zeros((4, 6), ">f8"), source)):  # strided, other type
+            copy_around_caches(out, part)
+            assert np.array_equal(out, part)
+        monkeypatch.setenv("MPICOLL_KERNELS", "numpy")
+        out = np.zeros_like(source)
+        copy_around_caches(out, source)
+        assert np.array_equal(out, source)
 
 
 def test_one_op_table_names_every_op_everywhere():
