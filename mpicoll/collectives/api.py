@@ -269,7 +269,8 @@ def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, comp
     ``compression``: "fp16" or "bf16" moves a floating-point sum or average as 16-bit floats, half the bytes
     of float32, within a documented error of the exact sum, the same on every rank; a
     :class:`~mpicoll.collectives.compression.Compression` with ``error_feedback=True`` carries each buffer's
-    rounding error (per ``key``) into its next call (:mod:`mpicoll.collectives.compression`).
+    rounding error (per ``key``) into its next call (:mod:`mpicoll.collectives.compression`).  A compressed
+    device array is rounded and summed on the host, and its result copied back to the device.
     """
     if compression is not None:
         return _compressed_allreduce(x, op, comm, algorithm, out, compression, key).run()
@@ -279,12 +280,14 @@ def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, comp
 class _CompressedCall(_Call):
     """A sum or average moved as 16-bit floats by the communicator's algorithm
     (:meth:`~mpicoll.collectives.algorithms.base.Algorithm.allreduce_compressed`); an overflow of float16 is
-    refused when it completes."""
+    refused when it completes.  ``staged``: for a device array, (the device array the host result is copied
+    into, the caller's ``out`` to copy that into or None)."""
 
     def __init__(self, communicator: Communicator, compression, key, source, result, copy_into, divide_by: int,
-                 finite: bool):
+                 finite: bool, staged: tuple | None = None):
         super().__init__(communicator, ALLREDUCE, (), result, copy_into, divide_by)
         self.compression, self.key, self.source, self.finite = compression, key, source, finite
+        self.staged = staged
 
     def _reduce(self, communicator: Communicator) -> None:
         communicator._allreduce_compressed(self.source, self.result, self.compression, self.key)
@@ -302,25 +305,38 @@ class _CompressedCall(_Call):
         if self.finite and not np.all(np.isfinite(self.result)):
             raise OverflowError(f"compression {self.compression.kind}: the sum overflowed the 16-bit type (float16 "
                                 "ends at 65504); use bf16, which has float32's range, or scale the values down")
-        return super()._finish()
+        result = super()._finish()
+        if self.staged is None:
+            return result
+        device, copy_into = self.staged
+        arrays.copy_into(device, result)
+        if copy_into is None:
+            return device
+        arrays.copy(device, copy_into)
+        return copy_into
 
 
 def _compressed_allreduce(x, op, comm, algorithm, out, compression, key) -> _CompressedCall:
     compression = resolve_compression(compression)
     communicator = _communicator(comm, algorithm)
     kind, x = _as_array(x)
-    if kind is not arrays.HOST:
-        raise NotImplementedError("compression: host (numpy) arrays only so far; copy a device array to the host")
     if np.dtype(x.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"compression moves float32 or float64 arrays as 16-bit floats, got {x.dtype}")
     op, divide_by = _average(op, x, communicator)
     if op != MPI.SUM:
         raise ValueError("compression: only sums and averages compress (op 'sum' or 'average')")
+    staged = None
+    if kind is not arrays.HOST:
+        # a device array is staged: copied to the host, rounded and summed there (the wire moves the 16-bit
+        # words; the copy over the GPU's bus moves x's own type), the result copied back
+        staged = _output(x if out is x else out, x.shape, x, kind)
+        x, kind = arrays.as_host(x), arrays.HOST
+        out = x                                  # the host copy is the call's own: reduced in place
     source = np.ascontiguousarray(x)
     compression.residual(key, source)            # a buffer of another shape under this key: refused here
     result, copy_into = _output(x if out is x else out, x.shape, x, kind)
     return _CompressedCall(communicator, compression, key, None if result is source else source, result, copy_into,
-                           divide_by, finite=bool(np.all(np.isfinite(x))))
+                           divide_by, finite=bool(np.all(np.isfinite(x))), staged=staged)
 
 
 def reduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):

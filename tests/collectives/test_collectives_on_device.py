@@ -68,6 +68,36 @@ def test_device_collectives_match_mpi_on_host_copies(algorithm):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_a_compressed_allreduce_of_a_device_array_gives_the_host_arrays_bits(kind):
+    """Staged: the device array's values go through the host's compressed allreduce, and the result comes back
+    to the device, the same bits as the host call (residuals too), whatever the output."""
+    cuda = numba_cuda_or_skip()
+    seed = shared_seed()
+    rng = np.random.default_rng([seed, RANK])
+    problems = []
+    on_device, on_host = (mpicoll.Compression(kind, error_feedback=True) for _ in range(2))
+    for step, (n, dtype, op) in enumerate([(0, np.float32, "sum"), (1, np.float32, "sum"), (P + 1, np.float64, "sum"),
+                                           (1001, np.float32, "average"), (1001, np.float32, "average")]):
+        x = (rng.standard_normal(n) * 3).astype(dtype)
+        want = mpicoll.allreduce(x, op, compression=on_host, key=n)
+        got = mpicoll.allreduce(cuda.to_device(x), op, compression=on_device, key=n)
+        in_place = cuda.to_device(x)
+        mpicoll.allreduce(in_place, op, out=in_place, compression=kind)
+        into = cuda.device_array(n, dtype)
+        returned = mpicoll.iallreduce(cuda.to_device(x), op, out=into, compression=kind).wait()
+        plain = mpicoll.allreduce(x, op, compression=kind)
+        if not (arrays.is_device(got) and np.array_equal(got.copy_to_host(), want)):
+            problems.append(f"step {step}: a new device array")
+        if not (np.array_equal(in_place.copy_to_host(), plain) and returned is into
+                and np.array_equal(into.copy_to_host(), plain)):
+            problems.append(f"step {step}: in place or into out")
+        if not np.array_equal(on_device.residual(n, x), on_host.residual(n, x)):
+            problems.append(f"step {step}: the residuals differ")
+    everywhere(not problems, f"seed {seed}: {problems}")
+
+
+@pytest.mark.mpi
 def test_device_errors_are_explained():
     cuda = numba_cuda_or_skip()
     problems = []
