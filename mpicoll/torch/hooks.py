@@ -50,8 +50,9 @@ def allreduce_hook(state, bucket):
 
     shapes = tuple(tuple(g.shape) for g in bucket.gradients())
     key = (bucket.index(), shapes)             # a rebuilt bucket is another buffer
-    wide = tensor.dtype in (torch.float32, torch.float64) and not tensor.is_cuda
-    if isinstance(state.compression, PowerSGD) and wide:
+    wide = tensor.dtype in (torch.float32, torch.float64)          # what 16-bit words can carry
+    low_rank = isinstance(state.compression, PowerSGD)             # host arrays only
+    if low_rank and wide and not tensor.is_cuda:
         flat, gradients, offset = as_array(tensor), [], 0
         for shape in shapes:
             size = int(torch.Size(shape).numel())
@@ -60,7 +61,7 @@ def allreduce_hook(state, bucket):
         request = state.compression.start(gradients, comm=state.comm, algorithm=state.algorithm, key=key)
     else:
         request = allreduce_async(tensor, "average", comm=state.comm, algorithm=state.algorithm, out=tensor,
-                                  compression=state.compression if wide else None, key=key)
+                                  compression=state.compression if wide and not low_rank else None, key=key)
     request.add_done_callback(settle)
     return future
 

@@ -55,8 +55,9 @@ class _Bucket:
                 self.flat[self.elements + index] = p.grad is not None
                 offset += size
         array = as_array(self.flat)
-        wide = self.flat.dtype in (torch.float32, torch.float64) and not self.flat.is_cuda
-        if isinstance(compression, PowerSGD) and wide:
+        wide = self.flat.dtype in (torch.float32, torch.float64)     # what 16-bit words can carry
+        low_rank = isinstance(compression, PowerSGD)                 # host arrays only
+        if low_rank and wide and not self.flat.is_cuda:
             gradients, offset = [], 0
             for p, size in zip(self.params, self.sizes):
                 gradients.append(array[offset:offset + size].reshape(p.shape))
@@ -65,7 +66,8 @@ class _Bucket:
             self.request = compression.start(gradients, comm=comm, algorithm=algorithm, key=self.index)
         else:
             self.request = api.iallreduce(array, "average", comm=comm, algorithm=algorithm, out=array,
-                                          compression=compression if wide else None, key=self.index)
+                                          compression=compression if wide and not low_rank else None,
+                                          key=self.index)
 
     def finish(self) -> None:
         """Wait for the average, and give it to each parameter that had a gradient anywhere."""
@@ -108,8 +110,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
       :mod:`mpicoll.collectives.compression`), a :class:`~mpicoll.Compression`
       with ``error_feedback=True`` carries each bucket's rounding into its next
       step, and a :class:`~mpicoll.PowerSGD` sends each weight matrix's rank-r
-      factors (its warm-up steps exact; one state per bucket).  Buckets of other
-      dtypes travel as they are.
+      factors (its warm-up steps exact; one state per bucket; CPU buckets).
+      Buckets of other dtypes, and CUDA buckets under PowerSGD, travel as
+      they are; CUDA buckets under fp16/bf16 are staged through the host.
     - ``synchronize()`` averages without stepping (e.g. to clip the averaged
       gradients), then ``with optimizer.skip_synchronize(): optimizer.step()``.
 

@@ -44,7 +44,7 @@ __all__ = ["shared_reduce_scatter"]
 _NOTHING = np.empty(0, np.uint8)
 
 # Bytes of buffer from which stores go around the caches.  Measured (docs/benchmarks.md), the CPU time of
-# all ranks summed, interleaved in one run, 4 ranks on 2 cores, float32: 1 MiB 1.00x, 4 MiB 0.92x,
+# all ranks summed, interleaved in one run, 4 ranks on 2 cores, float32: 1 MiB 1.03x (A/A 1.04), 4 MiB 0.92x,
 # 16 MiB 0.87x, 64 MiB 0.79x of the cached stores' (at 2 ranks, MPICOLL_CHANNEL=shared: 16 and 64 MiB 0.74x
 # and 0.82x).
 STREAM_FROM = 4 << 20
