@@ -55,7 +55,7 @@ class Reduction:
         self.dtype = np.dtype(dtype)
         self.name = op_name(op)
         self.commutative = bool(op.Is_commutative())
-        self._streaming = _UNKNOWN
+        self._streaming = self._streaming_into_two = _UNKNOWN
         entry = ops.of_mpi(op) if op.is_predefined else None
         # device arrays are reduced by the kernel layer (the GPU), which has the table's kernel ops on its
         # types; others refuse them.  Host arrays: the op's ufunc, one pass, where MPI defines it for the kind
@@ -85,6 +85,13 @@ class Reduction:
                                if self._kernel is not None else None)
         return self._streaming
 
+    def _streaming_into_two_loop(self):
+        """The kernel layer's streaming loop storing into two arrays (looked up once; None if none)."""
+        if self._streaming_into_two is _UNKNOWN:
+            self._streaming_into_two = (compute.streaming_reducer(self._kernel, self.dtype, into_two=True)
+                                        if self._kernel is not None else None)
+        return self._streaming_into_two
+
     def check_device(self) -> None:
         """Refuse, before any message, a reduction the GPU kernels do not have."""
         if self._kernel is None:
@@ -92,14 +99,25 @@ class Reduction:
                             f"{', '.join(map(str, compute.REDUCIBLE))}, not {self.name} on {self.dtype}; "
                             "pass host (numpy) arrays for other ops")
 
-    def combine(self, left: np.ndarray, right: np.ndarray, out: np.ndarray, *, streaming: bool = False) -> None:
+    def combine(self, left: np.ndarray, right: np.ndarray, out: np.ndarray, *, streaming: bool = False,
+                also: np.ndarray | None = None) -> None:
         """Store ``left (op) right`` in ``out``; ``out`` may be either operand.
 
         ``streaming``: the result will not be read again soon, so write it
         around the caches where the kernel layer can
         (:func:`mpicoll.compute.streaming_reducer`; same bits either way).
+        ``also``: a second array (host, neither operand) that gets the result too, in the same pass
+        where the kernel layer can (streaming, contiguous arrays 16-byte aligned alike), else copied.
         Device arrays are reduced on their GPU by :func:`mpicoll.compute.reduce`.
         """
+        if also is not None:
+            if streaming and self._streaming_into_two_loop() is not None and _contiguous(out, left, right, also) \
+                    and type(out) is np.ndarray and (_address(also) - _address(out)) % 16 == 0:
+                self._streaming_into_two(out, also, left, right)
+                return
+            self.combine(left, right, out, streaming=streaming)
+            (compute.copy_around_caches if streaming else np.copyto)(also, out)
+            return
         if type(out) is not np.ndarray:
             self.check_device()
             compute.reduce(left, right, out=out, op=self._kernel)
@@ -141,5 +159,9 @@ def _contiguous(*arrays: np.ndarray) -> bool:
     return all(a.flags.c_contiguous for a in arrays)
 
 
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    return _address(a) == _address(b)

@@ -119,17 +119,20 @@ def set_threads(count: int) -> None:
         numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
 
 
-def streaming_reducer(op: str, dtype):
+def streaming_reducer(op: str, dtype, *, into_two: bool = False):
     """``f(out, a, b)`` storing ``a (op) b`` in ``out`` around the caches, or None where there is none.
 
     For results that are not read again soon (see :mod:`mpicoll.compute.streaming`):
     sum and prod on contiguous float32/64 and int32/64 host arrays, with Numba.
-    ``out`` may be ``a`` or ``b``.  ``MPICOLL_KERNELS=numpy`` turns it off.
+    ``out`` may be ``a`` or ``b``.  ``MPICOLL_KERNELS=numpy`` turns it off.  ``into_two``:
+    ``f(out, out2, a, b)`` stores the result in both in one pass; ``out`` and ``out2``
+    must lie the same distance from 16-byte boundaries.
     """
     if _forced_kernels() == "numpy" or _backend("numba") is None:
         return None
     from . import streaming                   # Numba loads (above), so this does
-    return streaming.LOOPS.get(op) if np.dtype(dtype) in streaming.DTYPES else None
+    loops = streaming.TWICE if into_two else streaming.LOOPS
+    return loops.get(op) if np.dtype(dtype) in streaming.DTYPES else None
 
 
 def copy_around_caches(out: np.ndarray, source: np.ndarray) -> None:

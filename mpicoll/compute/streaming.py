@@ -55,6 +55,30 @@ def _vector_store(combine):
     return store
 
 
+def _vector_store_twice(combine):
+    """An intrinsic: out[i:i+L] = out2[i:i+L] = combine(a[i:i+L], b[i:i+L]), in two 16-byte non-temporal
+    stores.  ``out + i`` and ``out2 + i`` must be 16-byte aligned (16 bytes, not 64: two buffers seldom share
+    their place in a cache line, numpy's large arrays begin 16 bytes into one)."""
+    @intrinsic
+    def store(typingctx, out, out2, a, b, i):
+        def codegen(context, builder, signature, args):
+            dtype = signature.args[0].dtype
+            width = dtype.bitwidth // 8
+            vector = ir.VectorType(context.get_data_type(dtype), 16 // width)
+            first, second, left, right = (
+                builder.bitcast(builder.gep(context.make_array(kind)(context, builder, array).data, [args[4]]),
+                                vector.as_pointer())
+                for kind, array in zip(signature.args[:4], args[:4]))
+            value = combine(builder, isinstance(dtype, types.Float),
+                            builder.load(left, align=width), builder.load(right, align=width))
+            hint = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+            for target in (first, second):
+                builder.store(value, target, align=16).set_metadata("nontemporal", hint)
+            return context.get_dummy_value()
+        return types.void(out, out2, a, b, i), codegen
+    return store
+
+
 @intrinsic
 def _drain(typingctx):
     """A full fence: the streamed lines reach memory before anyone is told they are there."""
@@ -120,4 +144,42 @@ def stream_copy(out, a):
     _drain()
 
 
+_add_twice = _vector_store_twice(lambda b, real, x, y: b.fadd(x, y) if real else b.add(x, y))
+_multiply_twice = _vector_store_twice(lambda b, real, x, y: b.fmul(x, y) if real else b.mul(x, y))
+
+
+@njit(nogil=True, cache=True)
+def stream_sum_twice(out, out2, a, b):
+    """out = out2 = a + b, stored around the caches; out and out2 lie the same distance from 16-byte
+    boundaries (the caller checks); either may be a or b."""
+    n, lanes, i = out.size, 16 // out.itemsize, 0
+    while i < n and (out.ctypes.data + i * out.itemsize) % 16:
+        out2[i] = out[i] = a[i] + b[i]
+        i += 1
+    while i + lanes <= n:
+        _add_twice(out, out2, a, b, i)
+        i += lanes
+    while i < n:
+        out2[i] = out[i] = a[i] + b[i]
+        i += 1
+    _drain()
+
+
+@njit(nogil=True, cache=True)
+def stream_prod_twice(out, out2, a, b):
+    """out = out2 = a * b, as :func:`stream_sum_twice`."""
+    n, lanes, i = out.size, 16 // out.itemsize, 0
+    while i < n and (out.ctypes.data + i * out.itemsize) % 16:
+        out2[i] = out[i] = a[i] * b[i]
+        i += 1
+    while i + lanes <= n:
+        _multiply_twice(out, out2, a, b, i)
+        i += lanes
+    while i < n:
+        out2[i] = out[i] = a[i] * b[i]
+        i += 1
+    _drain()
+
+
 LOOPS = {"sum": stream_sum, "prod": stream_prod}
+TWICE = {"sum": stream_sum_twice, "prod": stream_prod_twice}

@@ -115,6 +115,35 @@ class TestStreaming:
             reduction.combine(left[view], right[view], streamed, streaming=True)
             assert np.array_equal(plain, streamed)
 
+    @pytest.mark.parametrize("op, code", LOOPS)
+    @pytest.mark.parametrize("count", [0, 1, 3, 4, 5, 1000, 4099])
+    def test_each_loop_into_two_arrays_matches_numpy_at_every_alignment(self, op, code, count):
+        loop, numpy_op = streaming_reducer(op, code, into_two=True), {"sum": np.add, "prod": np.multiply}[op]
+        rng = np.random.default_rng()
+        width = 16 // np.dtype(code).itemsize          # elements per 16 bytes: both outputs shift alike
+        for shift, apart in ((0, 0), (1, width), (3, 2 * width), (width - 1, 5 * width)):
+            a, b = self.operands(code, count + shift, rng)
+            out, out2 = np.full_like(a, 7), np.full(count + shift + apart, 7, a.dtype)
+            loop(out[shift:], out2[shift + apart:], a[shift:], b[shift:])
+            expected = numpy_op(a[shift:], b[shift:])
+            assert np.array_equal(out[shift:], expected) and np.array_equal(out2[shift + apart:], expected)
+            assert np.all(out[:shift] == 7) and np.all(out2[:shift + apart] == 7)   # nothing else is touched
+
+    @pytest.mark.parametrize("op, code", [("SUM", "f"), ("PROD", "l"), ("MAX", "d"), ("SUM", "e")])
+    @pytest.mark.parametrize("streaming", [False, True])
+    def test_a_combine_into_a_second_array_gives_both_the_plain_ones_bits(self, op, code, streaming):
+        """In one pass where the loop exists and the two outputs are 16-byte aligned alike; else a copy."""
+        reduction = Reduction(getattr(MPI, op), MPI.Datatype.fromcode(code), np.dtype(code))
+        rng = np.random.default_rng()
+        left, right = ((rng.standard_normal(3001) * 10).astype(code) for _ in range(2))
+        plain = np.empty_like(left)
+        reduction.combine(left, right, plain)
+        for offset in (0, 1, 16 // left.itemsize):            # aligned unlike out, and alike
+            out, spare = np.zeros_like(left), np.zeros(left.size + offset, left.dtype)
+            reduction.combine(left, right, out, streaming=streaming, also=spare[offset:])
+            assert np.array_equal(out, plain) and np.array_equal(spare[offset:], plain)
+            assert np.all(spare[:offset] == 0)
+
     @pytest.mark.parametrize("code", ["f", "d", "B", "e", "?", "D"])
     @pytest.mark.parametrize("count", [0, 1, 15, 63, 64, 65, 4099])
     def test_a_copy_around_the_caches_copies_every_byte_at_every_alignment(self, code, count):

@@ -99,12 +99,15 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
         shared.sync()
 
     own = slice(bounds[r], bounds[r + 1])
-    # This rank's final chunk goes out segment by segment as it is reduced, while the segment is still in
-    # this core's cache, unless more work on it comes first.  Measured against one copy after the whole chunk
-    # (16 MiB float32, 4 ranks, interleaved in one run with an A/A control, two runs): 1.04x faster (A/A
-    # within 2%); at 2 ranks with MPICOLL_CHANNEL=shared within that run's noise (A/A 0.90-1.12).
-    out_early = then is None and not (cut and r < p - 1)
+    # This rank's final chunk goes to the output segment by segment in the pass that makes it final (the
+    # combine stores it twice), unless then() works on it first.  Measured, 4 ranks, float32, interleaved
+    # with an A/A control: a copy per segment was 1.04x faster than one copy after the whole chunk (16 MiB);
+    # storing twice instead of that copy, 0.96-0.98 of the CPU time at 16 MiB, 0.95-0.97 at 64 MiB.
+    out_early = then is None
     out, out_start = (gather_into, 0) if keep_into is None else (keep_into, bounds[r])
+
+    def output(s):                      # where segment s of this rank's own chunk goes in the output
+        return out[s.start - out_start: s.stop - out_start]
     first = (r - 1) % p
     for s in chunk_segments(first):
         copy(mine[s], send[s])
@@ -113,25 +116,26 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
         # Invariant: step k reduces chunk (r-k-2), reading the left neighbour's partial in place.
         c = (r - k - 2) % p
         for s in chunk_segments(c):
-            if starts_partials:
+            if starts_partials:             # (rank 0 of a cut ring, whose own chunk is final elsewhere)
                 copy(mine[s], send[s])
             else:
                 await_from(left, Tag.SHARED_READY)
-                # the final chunk stays in cache for then(), which works on it next
+                # the final chunk stays in cache for then(), which works on it next; otherwise, when it is,
+                # it goes to this rank's output in the same pass (out_early)
+                final = k == p - 2 and not (cut and r < p - 1)
                 reduction.combine(regions[left][s], send[s], out=mine[s],
-                                  streaming=streams and (k < p - 2 or then is None))
+                                  streaming=streams and (k < p - 2 or then is None),
+                                  also=output(s) if final and out_early else None)
             if k < p - 2:
                 ready(c)
-            elif out_early:
-                copy(out[s.start - out_start: s.stop - out_start], mine[s])
-    if cut and r < p - 1:
+    if cut and r < p - 1:                   # the chunk's high part, from rank p-1, makes it final
         for s in chunk_segments(r):
             await_from(p - 1, Tag.SHARED_HIGH)
-            reduction.combine(mine[s], regions[p - 1][s], out=mine[s], streaming=streams and then is None)
+            reduction.combine(mine[s], regions[p - 1][s], out=mine[s], streaming=streams and out_early,
+                              also=output(s) if out_early else None)
 
-    if then is not None:
-        then(mine[own])
     if not out_early:
+        then(mine[own])
         copy(out[own.start - out_start: own.stop - out_start], mine[own])
     if keep_into is None:
         shared.sync()
