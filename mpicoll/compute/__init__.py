@@ -128,9 +128,9 @@ def streaming_reducer(op: str, dtype, *, into_two: bool = False):
     ``f(out, out2, a, b)`` stores the result in both in one pass; ``out`` and ``out2``
     must lie the same distance from 16-byte boundaries.
     """
-    if _forced_kernels() == "numpy" or _backend("numba") is None:
+    streaming = _streaming()
+    if streaming is None:
         return None
-    from . import streaming                   # Numba loads (above), so this does
     loops = streaming.TWICE if into_two else streaming.LOOPS
     return loops.get(op) if np.dtype(dtype) in streaming.DTYPES else None
 
@@ -142,13 +142,21 @@ def copy_around_caches(out: np.ndarray, source: np.ndarray) -> None:
     shape and type; anything else (device arrays too), or ``MPICOLL_KERNELS=numpy``,
     is a plain copy.
     """
-    if type(out) is np.ndarray and type(source) is np.ndarray and out.flags.c_contiguous \
-            and source.flags.c_contiguous and out.dtype == source.dtype and out.shape == source.shape \
-            and _forced_kernels() != "numpy" and _backend("numba") is not None:
-        from . import streaming
+    streaming = _streaming()
+    if streaming is not None and type(out) is np.ndarray and type(source) is np.ndarray \
+            and out.flags.c_contiguous and source.flags.c_contiguous and out.dtype == source.dtype \
+            and out.shape == source.shape:
         streaming.stream_copy(out.reshape(-1).view(np.uint8), source.reshape(-1).view(np.uint8))
     else:
         out[...] = source
+
+
+def _streaming():
+    """:mod:`mpicoll.compute.streaming`, or None where Numba does not load or ``MPICOLL_KERNELS=numpy``."""
+    if _forced_kernels() == "numpy" or _backend("numba") is None:
+        return None
+    from . import streaming                   # Numba loads (above), so this does
+    return streaming
 
 
 NUMBA_FROM = 1 << 16     # elements: below this, a numpy pass beats waking Numba's threads (and its JIT)

@@ -50,10 +50,6 @@ _NOTHING = np.empty(0, np.uint8)
 STREAM_FROM = 4 << 20
 
 
-def _copy(out: np.ndarray, source: np.ndarray) -> None:
-    out[...] = source
-
-
 def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], reduction: Reduction, *,
                           gather_into: np.ndarray | None = None, keep_into: np.ndarray | None = None,
                           then=None) -> None:
@@ -78,7 +74,7 @@ def shared_reduce_scatter(ctx: Context, send: np.ndarray, bounds: list[int], red
     step = segment_elements(ctx.segment_bytes, send.itemsize)
     others = [(r + i) % p for i in range(1, p)]
     streams = send.nbytes >= STREAM_FROM
-    copy = compute.copy_around_caches if streams else _copy
+    copy = compute.copy_around_caches if streams else np.copyto
 
     def chunk_segments(c):
         return segments(bounds[c], bounds[c + 1], step)
