@@ -6,6 +6,16 @@ import re
 from setuptools import Extension, find_packages, setup
 
 HERE = pathlib.Path(__file__).parent
+
+
+def numpy_headers() -> str:
+    """numpy's C headers (for the optional extension; numpy is a build requirement in pyproject.toml)."""
+    try:
+        import numpy
+    except ImportError:           # a build without numpy: the extension then fails to compile, and is optional
+        return ""
+    return numpy.get_include()
+
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "mpicoll" / "__init__.py").read_text()).group(1)
 
 setup(
@@ -21,7 +31,9 @@ setup(
     package_data={"mpicoll.kernels": ["*.cu", "*.cuh"]},
     # auto's small-call fast path in C (mpicoll/collectives/_fastcall.c): optional, since a machine without
     # a C compiler installs mpicoll all the same and runs the same path in Python, ~0.1 us a call slower.
-    ext_modules=[Extension("mpicoll.collectives._fastcall", ["mpicoll/collectives/_fastcall.c"], optional=True)],
+    # It reads arrays through numpy's C API (pyproject.toml has numpy among the build's requirements).
+    ext_modules=[Extension("mpicoll.collectives._fastcall", ["mpicoll/collectives/_fastcall.c"], optional=True,
+                           include_dirs=[numpy_headers()])],
     install_requires=["mpi4py>=4.0", "numpy>=1.23", "threadpoolctl", "ml_dtypes"],     # ml_dtypes: bfloat16
     extras_require={
         # The MPICH wheel: an MPI for machines that have none.  On a cluster,

@@ -2,8 +2,9 @@
 
 In the manner of nccl-tests and the OSU benchmarks: for each message size,
 each algorithm runs ``warmup`` untimed calls, then timed calls interleaved
-with the other algorithms in a rotating order (so drift in the machine, and
-whatever one algorithm leaves behind for the next, hits all alike).  A call's
+with the other algorithms, in an order drawn afresh for each round (so drift in
+the machine, and whatever one algorithm leaves behind for the next, hits all
+alike: :func:`~mpicoll.benchmarks.common.interleaved_times`).  A call's
 time is the slowest rank's; the reported time is the median over calls.
 
     algbw = bytes / time
@@ -64,17 +65,18 @@ def _calls(comm: MPI.Intracomm, names: list[str], collective: Collective):
             wrapped = Communicator(comm, algorithm=algorithm)
             calls[name] = lambda s, r, c=wrapped, k=kind: allreduce(s, comm=c, out=r, compression=k)
         elif name == PEER:
-            target, raw = comm, getattr(MPI.Intracomm, collective.method)
-            calls[name] = ((lambda s, r, c=target, f=raw: f(c, r, 0)) if collective.rooted
-                           else (lambda s, r, c=target, f=raw: f(c, s, r)))
+            # spelled as user code spells it, as the others are: the method looked up on each call.  (Until
+            # November 2026 the peer was MPI's unbound method bound ahead, which no program writes; measured at 2
+            # ranks, 8 B-256 KiB, --algorithms auto: auto/mpi 0.97-0.99 then, 0.98-1.00 now.)
+            calls[name] = _own_call(MPI.Intracomm(comm), collective)
         else:
             calls[name] = _own_call(Communicator(comm, algorithm=name), collective)
     return calls
 
 
-def _own_call(wrapped: Communicator, collective: Collective):
-    """(send, recv) -> None on one of mpicoll's communicators.  The method is looked up per call, as user
-    code does (``comm.Allreduce(...)``: auto installs a faster method after its first call)."""
+def _own_call(wrapped: MPI.Intracomm, collective: Collective):
+    """(send, recv) -> None on a communicator, mpicoll's or MPI's own.  The method is looked up per call, as
+    user code does (``comm.Allreduce(...)``: auto installs a faster method after its first call)."""
     return {"Allreduce": lambda s, r: wrapped.Allreduce(s, r),
             "Reduce_scatter_block": lambda s, r: wrapped.Reduce_scatter_block(s, r),
             "Allgather": lambda s, r: wrapped.Allgather(s, r),
@@ -205,13 +207,12 @@ def python_overhead(comm: MPI.Intracomm, calls: int = 2000, rounds: int = 5) -> 
     fastest block of each kept: the difference is what the Python layer adds
     to every call, without the scheduling noise a barrier per call brings.
     """
-    wrapped = Communicator(comm)
+    wrapped, raw = Communicator(comm), MPI.Intracomm(comm)
     send, recv = np.ones(2, np.float32), np.empty(2, np.float32)
     wrapped.Allreduce(send, recv)
     best = {"mpi": float("inf"), "auto": float("inf")}
-    for _ in range(rounds):
-        for name, call in (("mpi", lambda: MPI.Intracomm.Allreduce(comm, send, recv, MPI.SUM)),
-                           ("auto", lambda: wrapped.Allreduce(send, recv))):
+    for _ in range(rounds):                     # both spelled as user code spells them
+        for name, call in (("mpi", lambda: raw.Allreduce(send, recv)), ("auto", lambda: wrapped.Allreduce(send, recv))):
             best[name] = min(best[name], _block_seconds(comm, call, calls))
     wrapped.close()
     return best["mpi"], best["auto"]
@@ -286,7 +287,7 @@ def fingerprint_costs(comm: MPI.Intracomm, names: list[str], sizes: list[int], d
     """What the cross-rank fingerprint adds to each own algorithm's calls, timed in the same run.
 
     For every size from ``FINGERPRINT_FROM`` elements, three calls on one
-    communicator rotate: with the fingerprint, without it, and without it
+    communicator take turns: with the fingerprint, without it, and without it
     again (an A/A control: this machine's noise floor), a barrier before
     each, for about ``seconds`` per size and algorithm (20 rounds at least,
     1000 at most).  One communicator, its threshold switched per call, so the

@@ -8,7 +8,7 @@ gloo's ``all_reduce``, MPI's own ``Allreduce`` on the tensor's memory
 (mpi4py, ``MPI.IN_PLACE``), ``dist.all_reduce`` over the "mpicoll" group
 (``dist``), and ``mpicoll.torch.allreduce(t, "sum", out=t)``
 for each ``--algorithms``; every peer's result is first checked against the
-exact sum.  The peers then take turns in a rotating order, a barrier before
+exact sum.  The peers then take turns in an order drawn afresh each round, a barrier before
 each call; a call's time is the slowest rank's, and the median over
 ``--iters`` rounds is reported, with each column's speed against gloo's and
 MPI's.  Multi-node runs need gloo's
