@@ -368,7 +368,7 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
     # What _OneCall does, and the overlap check, inlined (each call into Python costs ~20 ns, a lock's acquire
     # and release ~110 ns against ~25 ns for the turn's pop and append), and the watchdog's deadline kept
     # without a time stamp (watch_calls_of): this path's cost over mpi4py's own call is about 0.1 us
-    # (docs/failures.md).  Two arrays that own their memory
+    # (docs/failures.md; the compiled path's, less).  Two arrays that own their memory
     # (``base`` None) are apart unless they are one; other pairs take ``apart``, and overlapping ones the
     # checked path, which refuses them in one line (MPICH aborts the job on them).
     name = collective.method
