@@ -85,8 +85,11 @@ def debug() -> bool:
     return _switch("MPICOLL_DEBUG", False)
 
 
+DEFAULT_TIMEOUT = 300.0     # seconds, where MPICOLL_TIMEOUT is not set
+
+
 def timeout() -> float:
-    text = os.environ.get("MPICOLL_TIMEOUT", "300")
+    text = os.environ.get("MPICOLL_TIMEOUT", f"{DEFAULT_TIMEOUT:g}")
     try:
         value = float(text)
     except ValueError:

@@ -218,7 +218,7 @@ def _watch() -> None:
                 if not started:
                     continue
                 context = watch.owner.context()
-                limit = context.timeout if context is not None else config.timeout()
+                limit = _deadline(context)
                 if limit and now - started > limit and watch.started == started:      # still the same call
                     _expired(watch.owner, context, watch.collective, limit)
             if _fast_paths or _numbered:
@@ -226,6 +226,18 @@ def _watch() -> None:
         except Exception as error:  # noqa: BLE001 - the watchdog must outlive anything it sees
             print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()}: watchdog: {type(error).__name__}: {error}",
                   file=sys.stderr, flush=True)
+
+
+def _deadline(context) -> float:
+    """Seconds a call in flight may take: its context's timeout, else MPICOLL_TIMEOUT's.  A malformed setting
+    is the calling thread's to report (it raises there, once, naming the setting): here it is the default's,
+    where reading it every look would print the same error ten times a second."""
+    if context is not None:
+        return context.timeout
+    try:
+        return config.timeout()
+    except ValueError:
+        return config.DEFAULT_TIMEOUT
 
 
 def _fast_calls_seen(before: dict, now: float) -> dict:
@@ -248,7 +260,7 @@ def _fast_calls_seen(before: dict, now: float) -> dict:
             seen[caller, number] = before.get((caller, number)) or (now, caller.owner, caller.collective)
     for first, owner, collective in seen.values():
         context = owner.context()
-        limit = context.timeout if context is not None else config.timeout()
+        limit = _deadline(context)
         if limit and now - first > limit:
             _expired(owner, context, collective, limit)
     return seen
