@@ -31,6 +31,27 @@ __all__ = ["LOOPS", "DTYPES"]
 DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
 
 
+def _stored_combined(combine, width: int):
+    """The code of an intrinsic ``(*outs, a, b, i)``: every ``out[i:i+L] = combine(a[i:i+L], b[i:i+L])``, the
+    L elements of ``width`` bytes computed once and stored in one non-temporal store per output, each
+    ``out + i`` aligned to ``width`` (``a`` and ``b`` need not be)."""
+    def codegen(context, builder, signature, args):
+        dtype = signature.args[0].dtype
+        size = dtype.bitwidth // 8
+        vector = ir.VectorType(context.get_data_type(dtype), width // size)
+        *targets, left, right = (
+            builder.bitcast(builder.gep(context.make_array(kind)(context, builder, array).data, [args[-1]]),
+                            vector.as_pointer())
+            for kind, array in zip(signature.args[:-1], args[:-1]))
+        value = combine(builder, isinstance(dtype, types.Float),
+                        builder.load(left, align=size), builder.load(right, align=size))
+        hint = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        for target in targets:
+            builder.store(value, target, align=width).set_metadata("nontemporal", hint)
+        return context.get_dummy_value()
+    return codegen
+
+
 def _vector_store(combine):
     """An intrinsic: out[i:i+L] = combine(a[i:i+L], b[i:i+L]) in one 64-byte non-temporal store.
 
@@ -38,20 +59,7 @@ def _vector_store(combine):
     """
     @intrinsic
     def store(typingctx, out, a, b, i):
-        def codegen(context, builder, signature, args):
-            dtype = signature.args[0].dtype
-            width = dtype.bitwidth // 8
-            vector = ir.VectorType(context.get_data_type(dtype), 64 // width)
-            target, left, right = (
-                builder.bitcast(builder.gep(context.make_array(kind)(context, builder, array).data, [args[3]]),
-                                vector.as_pointer())
-                for kind, array in zip(signature.args[:3], args[:3]))
-            value = combine(builder, isinstance(dtype, types.Float),
-                            builder.load(left, align=width), builder.load(right, align=width))
-            stored = builder.store(value, target, align=64)
-            stored.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-            return context.get_dummy_value()
-        return types.void(out, a, b, i), codegen
+        return types.void(out, a, b, i), _stored_combined(combine, 64)
     return store
 
 
@@ -61,21 +69,7 @@ def _vector_store_twice(combine):
     their place in a cache line, numpy's large arrays begin 16 bytes into one)."""
     @intrinsic
     def store(typingctx, out, out2, a, b, i):
-        def codegen(context, builder, signature, args):
-            dtype = signature.args[0].dtype
-            width = dtype.bitwidth // 8
-            vector = ir.VectorType(context.get_data_type(dtype), 16 // width)
-            first, second, left, right = (
-                builder.bitcast(builder.gep(context.make_array(kind)(context, builder, array).data, [args[4]]),
-                                vector.as_pointer())
-                for kind, array in zip(signature.args[:4], args[:4]))
-            value = combine(builder, isinstance(dtype, types.Float),
-                            builder.load(left, align=width), builder.load(right, align=width))
-            hint = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-            for target in (first, second):
-                builder.store(value, target, align=16).set_metadata("nontemporal", hint)
-            return context.get_dummy_value()
-        return types.void(out, out2, a, b, i), codegen
+        return types.void(out, out2, a, b, i), _stored_combined(combine, 16)
     return store
 
 
