@@ -37,7 +37,7 @@ from mpi4py import MPI
 
 from . import config, timeline
 
-__all__ = ["end_job", "end_at_exit", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge",
+__all__ = ["end_job", "end_at_exit", "tell_others_with", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge",
            "meet_survivors", "revoke", "revoke_and_shrink", "outlived_a_death", "end_after_losing"]
 
 EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
@@ -45,12 +45,21 @@ _SETTLE_S = 2.0
 _FORWARD_S = 0.3
 _ABORT_TURN_S = 0.5     # under fault tolerance, between one rank's MPI_Abort and the next rank's (end_job)
 _ABORT_TURNS = 8        # at most this many turns: later ranks abort together at the last
+_TOLD_S = 1.0           # after telling the other ranks why (end_job): time for them to print it
 _reasons: list[str] = []
+_lost: set[int] = set()  # the world ranks that end_at_exit's reasons name as lost: no last word goes to them
+_tell_others = None     # tell(note, lost): what mpicoll.channel.watchdog.guard_job sets (tell_others_with)
 
 
-def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0) -> None:
+def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0, note: str | None = None) -> None:
     """Print ``reason`` (naming this rank) and end every rank of the job with ``MPI_Abort``, ``settle``
     seconds later (time for other ranks to print their own reasons).
+
+    Where the job is guarded (:func:`mpicoll.guard_job`), every other rank is first told why, and prints it
+    (``note``, default "ends the job: <reason>"): a rank still computing, or whose own wait began seconds
+    later, would otherwise be ended before it could say what was lost.  Not told: the ranks MPI knows dead
+    and those :func:`end_at_exit` was told are lost (dropped workers); a rank merely silent (hung, cut off,
+    or computing still) is told, for it may be alive.
 
     Under fault tolerance the ranks abort one at a time, the lowest living rank first and each next one
     :data:`_ABORT_TURN_S` later: Open MPI's launcher started with ``--with-ft ulfm`` hangs, with every rank
@@ -60,9 +69,13 @@ def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0) -> None:
     sys.stdout.flush()
     print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} ends the job: {reason}", file=sys.stderr, flush=True)
     timeline.write_own()            # MPI_Abort skips the exit hooks that would write the whole trace
+    try:
+        told = _tell_others is not None and _tell_others(note or f"ends the job: {reason}", _lost)
+    except Exception:  # noqa: BLE001 - the job ends whatever telling the others met (a dead peer, a broken channel)
+        told = False
     # The launcher tears its output forwarding down as it ends the job: give the line time to get through
     # (once in a CI run of tests/train/test_faults.py, a job ended by MPI_Abort had printed nothing on stderr).
-    time.sleep(max(settle, _FORWARD_S))
+    time.sleep(max(settle, _TOLD_S if told else _FORWARD_S))
     if fault_tolerant():
         time.sleep(_abort_turn() * _ABORT_TURN_S)
     MPI.COMM_WORLD.Abort(code)
@@ -75,8 +88,17 @@ def _abort_turn() -> int:
     return min(sum(1 for rank in range(world.Get_rank()) if rank not in dead), _ABORT_TURNS)
 
 
-def end_at_exit(reason: str) -> None:
-    """End the job when this process exits, unless turned off by ``MPICOLL_END_BROKEN_JOBS=0``."""
+def tell_others_with(tell) -> None:
+    """From now on :func:`end_job` first calls ``tell(note, lost)``, which sends ``note`` to every other rank
+    of the job but the world ranks ``lost`` and answers whether it sent any (the watchdog's guard channel:
+    :mod:`mpicoll.channel.watchdog`, a layer above this one)."""
+    global _tell_others
+    _tell_others = tell
+
+
+def end_at_exit(reason: str, lost=()) -> None:
+    """End the job when this process exits, unless turned off by ``MPICOLL_END_BROKEN_JOBS=0``; ``lost``: the
+    world ranks the reason names as lost (:func:`end_job` tells them nothing)."""
     try:
         wanted = config.end_broken_jobs()
     except ValueError as error:         # on the way out of another error: say so, never replace that error
@@ -87,6 +109,7 @@ def end_at_exit(reason: str) -> None:
     if not _reasons:
         atexit.register(_at_exit)          # after mpi4py's own hook: runs before MPI_Finalize
     _reasons.append(reason)
+    _lost.update(lost)
 
 
 def _at_exit() -> None:
@@ -268,14 +291,15 @@ def outlived_a_death() -> None:
     _outlived = True
 
 
-def end_after_losing(reason: str) -> None:
+def end_after_losing(reason: str, lost=()) -> None:
     """A process that finished its part of a job that lost ranks: under ULFM, leave at exit without
     ``MPI_Finalize`` (:func:`outlived_a_death`) with its own status; without fault tolerance ``MPI_Finalize``
-    would wait for the dead forever, so end the whole job at exit, saying ``reason`` (:func:`end_at_exit`)."""
+    would wait for the dead forever, so end the whole job at exit, saying ``reason`` (:func:`end_at_exit`, told
+    the world ranks ``lost``)."""
     if fault_tolerant():
         outlived_a_death()
     else:
-        end_at_exit(reason)
+        end_at_exit(reason, lost)
 
 
 def _leave_without_finalize() -> None:

@@ -457,6 +457,21 @@ class Context:
             failure.outlived_a_death()
         return error
 
+    def world_ranks(self, names) -> list[int]:
+        """``names`` (ranks as this context's errors name them: :attr:`names`) as ranks of ``MPI.COMM_WORLD``."""
+        top = self
+        while top.parent is not None:
+            top = top.parent
+        if top.comm == MPI.COMM_NULL or not names:
+            return []
+        group, world = top.comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            return [rank for rank in MPI.Group.Translate_ranks(group, [int(name) for name in names], world)
+                    if rank != MPI.UNDEFINED]
+        finally:
+            group.Free()
+            world.Free()
+
     def raise_if_ranks_lost(self, error: MPI.Exception) -> bool:
         """If ``error`` is MPI's fault tolerance reporting a dead peer (or a survivor's revoke), raise the
         :class:`RanksLost` every survivor raises; otherwise (no fault tolerance, another error) return.

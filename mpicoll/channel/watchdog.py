@@ -12,9 +12,11 @@ This module's thread watches both from outside the stuck call:
   holds the roll call on the communicator's private channel (``Context``), names the ranks that never
   answered, and ends the job with ``MPI_Abort``: the stuck call cannot return, so it cannot raise.
 - :func:`guard_job` (what ``mpicoll train`` and the benchmarks call first, on every rank) opens a side
-  channel on which :func:`job_failed` tells every other rank why this one stopped; each rank's thread
-  prints that reason, and the failing rank ends the job a moment later, so a rank's ``ZeroDivisionError``
-  is seen in seconds on every rank instead of as a 300 s timeout blaming it for being "dead or hung".
+  channel on which a rank that ends the job tells every other rank why; each rank's thread prints that
+  reason, and the telling rank ends the job a moment later.  So a rank's ``ZeroDivisionError``
+  (:func:`job_failed`) is seen in seconds on every rank instead of as a 300 s timeout blaming it for being
+  "dead or hung", and a rank that timed out on a lost peer (:func:`mpicoll.base.failure.end_job`) has the
+  others say what was lost, the ones still computing or whose own wait began later included.
 
 The thread polls (every 0.1 s): a thread blocked in an MPI call would hold MPICH's progress lock.  It asks
 MPI nothing unless the guard is on or a deadline passed, and it needs ``MPI_THREAD_MULTIPLE`` (mpi4py's
@@ -145,6 +147,7 @@ def guard_job(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
     global _guard
     if _guard is None and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         _guard = comm.Dup()
+        failure.tell_others_with(_tell_the_others)       # a rank that ends the job says why to the others
     start()
 
 
@@ -154,16 +157,26 @@ def job_failed(error: BaseException) -> None:
     reason = _one_line(error)
     traceback.print_exception(error, file=sys.stderr)
     rank = MPI.COMM_WORLD.Get_rank()
+    failure.end_job(f"{reason} (an uncaught error on rank {rank}; its traceback is above)", FAILED_EXIT_CODE,
+                    settle=_SETTLE_S, note=f"failed: {reason}")
+
+
+def _tell_the_others(note: str, lost) -> bool:
+    """Send ``note`` on the guard channel to every other rank but the world ranks ``lost`` and those the MPI
+    library knows dead (a send to a dead rank on another node crashes MPICH's UCX transport: failure.failed_ranks),
+    and wait for the sends, at most :data:`_SETTLE_S`; each rank's thread prints it (:func:`_hear_failures`).
+    Answers whether there was anyone to tell."""
     guard = _guard
-    if guard is not None:
-        note = np.frombuffer(reason.encode()[:_NOTE_BYTES], np.uint8)
-        sent = [guard.Isend([note, MPI.BYTE], peer, Tag.JOB_FAILED)
-                for peer in range(guard.Get_size()) if peer != guard.Get_rank()]
-        deadline = time.monotonic() + _SETTLE_S
-        while time.monotonic() < deadline and not MPI.Request.Testall(sent):
-            time.sleep(0.01)
-        time.sleep(max(0.0, deadline - time.monotonic()))      # let the others print before the abort
-    failure.end_job(f"{reason} (an uncaught error on rank {rank}; its traceback is above)", FAILED_EXIT_CODE)
+    if guard is None:
+        return False
+    lost = MPI.Group.Translate_ranks(MPI.COMM_WORLD.Get_group(), sorted(lost), guard.Get_group()) if lost else []
+    spared = {guard.Get_rank(), *lost, *failure.failed_ranks(guard)}
+    data = np.frombuffer(note.encode()[:_NOTE_BYTES], np.uint8)
+    sent = [guard.Isend([data, MPI.BYTE], peer, Tag.JOB_FAILED) for peer in range(guard.Get_size()) if peer not in spared]
+    deadline = time.monotonic() + _SETTLE_S
+    while time.monotonic() < deadline and not MPI.Request.Testall(sent):
+        time.sleep(0.01)
+    return bool(sent)
 
 
 def end_job_on_uncaught_errors() -> None:
@@ -279,8 +292,8 @@ def _hear_failures() -> None:
     note = np.empty(status.Get_count(MPI.BYTE), np.uint8)
     _guard.Recv([note, MPI.BYTE], status.Get_source(), Tag.JOB_FAILED)
     sys.stdout.flush()
-    print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} stops: rank {status.Get_source()} failed: "
-          f"{note.tobytes().decode(errors='replace')}", file=sys.stderr, flush=True)
+    print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} stops: rank {status.Get_source()} "     # "failed: <error>",
+          f"{note.tobytes().decode(errors='replace')}", file=sys.stderr, flush=True)    # "ends the job: <why>"
     time.sleep(5 * _SETTLE_S)        # the failing rank ends the job meanwhile; if it cannot, this one does
     MPI.COMM_WORLD.Abort(FAILED_EXIT_CODE)
 
@@ -292,7 +305,7 @@ def _expired(owner, context, collective: str, limit: float) -> None:
         missing, sure = context.missing(context.others())
         reason = str(context.broken_by(CollectiveTimeout(
             f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=not sure,
-            also_silent=context.silent_seen)))
+            also_silent=context.silent_seen)))          # and, through end_at_exit, the ranks to tell nothing
     else:
         comm = getattr(owner, "comm", None)
         dead = failure.failed_ranks(comm) if comm is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE else []

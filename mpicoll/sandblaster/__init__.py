@@ -159,7 +159,8 @@ def run(comm: MPI.Intracomm, init: np.ndarray, loss_and_gradient: Callable, *, s
     if failure.fault_tolerant() and failure.meet_survivors(ctx.comm, bool(lost)):
         failure.outlived_a_death()          # every survivor, the workers that never heard of it too
     elif lost:
-        failure.end_at_exit(f"Sandblaster worker rank(s) {lost} were lost during training; the others finished")
+        failure.end_at_exit(f"Sandblaster worker rank(s) {lost} were lost during training; the others finished",
+                            ctx.world_ranks(lost))
     ctx.free(abandon=bool(lost))
     return result
 

@@ -150,7 +150,8 @@ class ParameterServers(Family):
         if server.lost and rank not in server.lost:
             # MPI_Finalize would wait for the lost ranks: once the result is out, every survivor leaves without
             # it under ULFM, or ends the job (one alone may not reach the others when a node is cut off)
-            failure.end_after_losing(f"worker rank(s) {server.lost} were lost during training; the others finished")
+            failure.end_after_losing(f"worker rank(s) {server.lost} were lost during training; the others finished",
+                                     server.context.world_ranks(server.lost))
             if workers[0] in server.lost and rank == min(set(workers) - set(server.lost), default=None):
                 reporter = Reporter.take_over(options, model, data, xp, size, started)     # the log's writer died
         if reporter:

@@ -437,6 +437,45 @@ def test_a_training_rank_killed_mid_run_is_named_and_the_job_ends(tmp_path, meth
     assert not left, f"processes left behind: {left}"
 
 
+_ONE_FAR_BEHIND = """
+import os, sys, time, numpy as np
+from mpi4py import MPI
+import mpicoll
+world = MPI.COMM_WORLD
+mpicoll.guard_job()
+with mpicoll.Communicator(world, algorithm="ring") as comm:
+    comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))
+    if world.rank == 2:
+        os._exit(3)
+    if world.rank == 1:
+        time.sleep(float(sys.argv[1]))      # computing: its own wait begins long after rank 0 ends the job
+    try:
+        comm.Allreduce(MPI.IN_PLACE, np.ones(1024, np.float32))   # eager sends: rank 0 waits for rank 2 alone
+    except mpicoll.CollectiveTimeout as error:
+        print(f"rank {world.rank}: {error}", flush=True)          # and the job ends at exit, as mpicoll train's
+"""
+
+
+def test_a_survivor_still_computing_when_another_ends_the_job_says_what_was_lost(tmp_path):
+    """Rank 2 of 3 dies; rank 0 times out on it and ends the job while rank 1 is still computing (seen in CI
+    under load: a survivor ended before its own wait could expire, having said nothing).  Rank 0 tells rank 1
+    why on the guard channel (mpicoll.guard_job) before MPI_Abort, and rank 1 prints it: every survivor names
+    the lost rank, long before rank 1's own wait would have begun."""
+    script = tmp_path / "behind.py"
+    script.write_text(_ONE_FAR_BEHIND)
+    start = time.perf_counter()
+    result = launch(3, str(script), "60", timeout=90, keep_going=True,
+                    env={"MPICOLL_TIMEOUT": "2", "MPICOLL_END_BROKEN_JOBS": "1"})
+    seconds = time.perf_counter() - start
+    assert result.returncode == 70 and seconds < 40, (result.returncode, seconds, result.stderr[-2000:])
+    lost = r"Allreduce: rank 0 waited 2 s for rank\(s\) 2, which never took part"
+    assert re.search(rf"mpicoll: rank 0 ends the job: {lost}", result.stderr), result.stderr[-2000:]
+    assert re.search(rf"mpicoll: rank 1 stops: rank 0 ends the job: {lost}", result.stderr), result.stderr[-2000:]
+    assert "Segmentation" not in result.stderr, result.stderr[-2000:]
+    left = left_behind(str(script))
+    assert not left, f"processes left behind: {left}"
+
+
 _FAULT = '''
 import json
 import os
