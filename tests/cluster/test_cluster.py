@@ -292,7 +292,8 @@ def test_a_worker_lost_on_its_node_during_async_training_is_dropped_and_the_othe
     assert re.search(rf"\[server rank 0\] worker rank 2 {why}: dropped", stderr), stderr[-3000:]
     assert "worker rank(s) [2] were lost during training; the others finished" in stderr, stderr[-3000:]
     summary = json.loads(log.read_text().splitlines()[-1])
-    assert job.returncode == 70 and summary["summary"] and summary["final_accuracy"] > 0.8, (job.returncode, summary)
+    assert job.returncode == 70 and summary["summary"] and summary["final_accuracy"] > 0.8, \
+        (job.returncode, summary, stderr[-3000:])
     if how == "cut":
         assert mpicoll_cluster("heal", "node2").returncode == 0
     assert not still_running(("node0", "node1", "node2")), "processes left behind"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -110,7 +111,7 @@ def test_a_callback_may_start_a_call_and_wait_for_it_which_runs_next_on_every_ra
 @pytest.mark.mpi
 def test_calls_progress_while_the_caller_is_elsewhere():
     """Rank 0 starts half a second late: the others' starts return at once, and their calls complete
-    while they sleep (outside MPI), with no Wait or Test until after."""
+    while they wait outside MPI (on an event the call's completion sets), with no Wait or Test until after."""
     comm = mpicoll.Communicator(WORLD, algorithm="ring")
     with comm:
         data = np.ones(1 << 20, np.float32)
@@ -121,8 +122,9 @@ def test_calls_progress_while_the_caller_is_elsewhere():
         started = time.perf_counter()
         request = comm.Iallreduce(MPI.IN_PLACE, data)
         took = time.perf_counter() - started
-        time.sleep(3.0)
-        done = request.Test()
+        completed = threading.Event()
+        request.add_done_callback(lambda _: completed.set())
+        done = completed.wait(3.0)               # no MPI call here: only the worker can complete it
         request.Wait()
         everywhere(RANK == 0 or took < 0.25, f"starting took {took:.2f} s: the call ran before returning")
         everywhere(done, "the call had not completed after 3 s although every rank had started it")
