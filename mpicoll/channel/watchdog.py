@@ -289,13 +289,14 @@ def _hear_failures() -> None:
             raise
         _guard.Ack_failed()
         return
-    note = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-    _guard.Recv([note, MPI.BYTE], status.Get_source(), Tag.JOB_FAILED)
+    data = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+    _guard.Recv([data, MPI.BYTE], status.Get_source(), Tag.JOB_FAILED)
+    note = data.tobytes().decode(errors="replace")      # "failed: <error>" or "ends the job: <why>"
     sys.stdout.flush()
-    print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} stops: rank {status.Get_source()} "     # "failed: <error>",
-          f"{note.tobytes().decode(errors='replace')}", file=sys.stderr, flush=True)    # "ends the job: <why>"
-    time.sleep(5 * _SETTLE_S)        # the failing rank ends the job meanwhile; if it cannot, this one does
-    MPI.COMM_WORLD.Abort(FAILED_EXIT_CODE)
+    print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} stops: rank {status.Get_source()} {note}", file=sys.stderr,
+          flush=True)
+    time.sleep(5 * _SETTLE_S)        # the telling rank ends the job meanwhile; if it cannot, this one does
+    MPI.COMM_WORLD.Abort(FAILED_EXIT_CODE if note.startswith("failed:") else failure.EXIT_CODE)
 
 
 def _expired(owner, context, collective: str, limit: float) -> None:
