@@ -458,13 +458,14 @@ class Context:
         return error
 
     def world_ranks(self, names) -> list[int]:
-        """``names`` (ranks as this context's errors name them: :attr:`names`) as ranks of ``MPI.COMM_WORLD``."""
+        """``names`` (ranks as this context's errors name them: :attr:`names`) as ranks of ``MPI.COMM_WORLD``;
+        after the context is freed too (through the communicator it duplicated, which the caller owns)."""
         top = self
         while top.parent is not None:
             top = top.parent
-        if top.comm == MPI.COMM_NULL or not names:
+        if top.origin == MPI.COMM_NULL or not names:
             return []
-        group, world = top.comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        group, world = top.origin.Get_group(), MPI.COMM_WORLD.Get_group()
         try:
             return [rank for rank in MPI.Group.Translate_ranks(group, [int(name) for name in names], world)
                     if rank != MPI.UNDEFINED]

