@@ -121,7 +121,7 @@ def test_bad_gradients_and_layouts_are_refused():
 def test_a_silent_worker_is_dropped_and_training_goes_on(transport, monkeypatch):
     """The silent worker, dropped, still gets the result where it shares the server's node; on another node
     (every rank on a node of its own) it is sent nothing and raises CollectiveTimeout (gather_weights says why)."""
-    monkeypatch.setenv("MPICOLL_TIMEOUT", "3")     # what a silent worker on another node waits twice for
+    monkeypatch.setenv("MPICOLL_TIMEOUT", "2")     # what a silent worker on another node waits twice for
     seed = shared_seed()
     X, y, optimum = least_squares(seed)
     server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Async(lr=0.05), servers=1, transport=transport)
