@@ -21,7 +21,7 @@ from .. import arrays
 from ..base import config, failure, launcher
 from . import watchdog
 from ..base.errors import CollectiveTimeout, MismatchError, PeerFailed, RanksLost
-from .nodes import ranks_on_this_node
+from .nodes import node_members
 from .shared import SharedRegions
 from ..base.tags import Tag
 
@@ -79,7 +79,8 @@ class Context:
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
         self.segment_bytes = config.segment_bytes()
-        local = ranks_on_this_node(self.comm)
+        self.on_this_node = node_members(self.comm)     # the ranks sharing this rank's memory
+        local = len(self.on_this_node)
         self.spans_nodes = local < self.size          # the same answer on every rank
         oversubscribed = local > config.cores()
         # Oversubscribed ranks yield the core while they wait: the peer they

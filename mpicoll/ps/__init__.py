@@ -28,7 +28,6 @@ from ..base import failure
 from ..base.errors import PartFailed
 from ..channel import notices
 from ..channel.context import Context
-from ..channel.nodes import node_members
 from ..base.tags import Tag
 from .client import Client, Schedule
 from .layout import Layout
@@ -58,8 +57,6 @@ class ParameterServer:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.layout = Layout.split(comm, init.size, servers)
         self.context = Context(comm)
-        # the ranks that share this rank's memory: the only lost workers a server still sends the result to
-        self.on_my_node = node_members(self.context.comm)
         self.context.on_death = "acknowledge"      # under ULFM a dead worker is dropped, as without it
         self.rule = rule
         self.transport = transport
@@ -150,7 +147,7 @@ class ParameterServer:
         if self.is_server:
             mine = notes[layout.rank]
             for rank in ctx.living(ctx.others()):
-                if mine[rank] and rank not in self.on_my_node:
+                if mine[rank] and rank not in ctx.on_this_node:
                     continue              # a lost worker on another node: its link may be down (see above)
                 sends = [ctx.isend(mine, rank, Tag.PS_FINAL), ctx.isend(self.weights, rank, Tag.PS_FINAL)]
                 if not mine[rank]:        # to a lost worker on this node: sent in case it lives, never waited for

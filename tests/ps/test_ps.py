@@ -124,7 +124,7 @@ def test_a_silent_worker_is_dropped_and_training_goes_on(transport):
     seed = shared_seed()
     X, y, optimum = least_squares(seed)
     server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Async(lr=0.05), servers=1, transport=transport)
-    near = WORLD.bcast(server.on_my_node if server.is_server else None, root=server.layout.servers[0])
+    near = WORLD.bcast(server.context.on_this_node if server.is_server else None, root=server.layout.servers[0])
     silent = max([worker for worker in server.layout.workers if worker in near] or server.layout.workers)
     if RANK == silent and silent not in near:
         server.context.timeout = 2.0     # it waits twice this for the result it is not sent; the others keep theirs
