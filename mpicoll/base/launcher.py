@@ -86,7 +86,7 @@ _LOCAL_RANKS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_P
 def ranks_started_here() -> int:
     """How many ranks the launcher started on this node (MPICH, Open MPI or Slurm say so); 1 if unknown.
     What the launcher said, before MPI starts and without a collective (the kernels' thread budget);
-    :func:`mpicoll.channel.nodes.ranks_on_this_node` asks MPI, collectively."""
+    :func:`mpicoll.channel.nodes.node_members` asks MPI, collectively."""
     for variable in _LOCAL_RANKS:
         value = os.environ.get(variable, "").split("(")[0]
         if value.isdigit() and int(value) > 0:

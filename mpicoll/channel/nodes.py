@@ -12,16 +12,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["NodeLayout", "node_layout", "ranks_on_this_node", "node_members", "node_count"]
-
-
-def ranks_on_this_node(comm: MPI.Intracomm) -> int:
-    """How many of ``comm``'s ranks share this rank's node (its memory); collective."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return local.Get_size()
-    finally:
-        local.Free()
+__all__ = ["NodeLayout", "node_layout", "node_members", "node_count"]
 
 
 def node_members(comm: MPI.Intracomm) -> set[int]:

@@ -306,7 +306,7 @@ def _expired(owner, context, collective: str, limit: float) -> None:
         missing, sure = context.missing(context.others())
         reason = str(context.broken_by(CollectiveTimeout(
             f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=not sure,
-            also_silent=context.silent_seen)))          # and, through end_at_exit, the ranks to tell nothing
+            also_silent=context.silent_seen)))
     else:
         comm = getattr(owner, "comm", None)
         dead = failure.failed_ranks(comm) if comm is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE else []
