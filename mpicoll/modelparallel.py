@@ -64,8 +64,7 @@ class Pipeline:
 
     def __init__(self, comm: MPI.Intracomm, model, *, bounds: list[tuple[int, int]] | None = None,
                  micro_batches: int = 1):
-        self.ctx = Context(comm, "model-parallel")
-        self.model, self.stage, self.stages = model, self.ctx.rank, self.ctx.size
+        self.model, self.stage, self.stages = model, comm.Get_rank(), comm.Get_size()
         layers = [a * b + b for a, b in model.shapes]
         self.bounds = bounds or split(layers, self.stages)
         if len(self.bounds) != self.stages or [b[0] for b in self.bounds[1:]] != [b[1] for b in self.bounds[:-1]] \
@@ -75,6 +74,7 @@ class Pipeline:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
         self.micro_batches = micro_batches
+        self.ctx = Context(comm, "model-parallel")      # once the arguments hold: a refusal leaves nothing behind
         first, end = self.bounds[self.stage]
         offsets = np.cumsum([0, *layers])
         self.slice = slice(int(offsets[first]), int(offsets[end]))     # this stage's part of the flat vector

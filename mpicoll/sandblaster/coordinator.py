@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from mpi4py import MPI
 
 from ..base.chunks import balanced_bounds
 from ..channel.context import Context
@@ -218,8 +219,11 @@ class RemoteVectors:
         if index is None:
             return None, None
         worker = workers[index]
+        if self._done[worker][0] < 0:        # a goodbye: nothing more comes (a receive left posted would keep the
+            self._requests[worker] = MPI.REQUEST_NULL     # communicator, and its context id, alive after its free)
+            return worker, None
         self._requests[worker] = self.ctx.irecv(self._done[worker], worker, Tag.SANDBLASTER_DONE)
-        return worker, (self.busy.pop(worker, (-1, -1, time.perf_counter())) if self._done[worker][0] >= 0 else None)
+        return worker, self.busy.pop(worker, (-1, -1, time.perf_counter()))
 
     def _take_from_silent(self) -> list[int]:
         """Count workers silent on one portion for the timeout, or dead by MPI's account, as lost; the

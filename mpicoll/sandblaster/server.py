@@ -101,7 +101,10 @@ class Shard:
                 continue
             if index == 0:
                 command = self._command.copy()
-                self._command_request = self.ctx.irecv(self._command, coordinator, Tag.SANDBLASTER_COMMAND)
+                # none after the last: a receive left posted keeps the communicator, and its context id, after
+                # its free (MPICH runs out of them after about 2000 runs in one process)
+                self._command_request = (MPI.REQUEST_NULL if Op(int(command[0])) is Op.FINISH else
+                                         self.ctx.irecv(self._command, coordinator, Tag.SANDBLASTER_COMMAND))
                 return command
             self._take_gradient(peers[index])
 

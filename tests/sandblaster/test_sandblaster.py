@@ -166,17 +166,24 @@ def distributed(problem, iterations, **options):
 @pytest.mark.parametrize("servers, portions", [(1, None), (1, 5), (2, 7)])
 def test_sandblaster_takes_the_single_process_lbfgs_steps(kind, servers, portions):
     """41 parameters over 1 or 2 shards, 103 rows in 4 per worker, 5 or 7 portions: every iteration's loss
-    and step, and the final parameters, as one process computes them (1e-8)."""
+    (1e-12) and step length (1e-6), and the final parameters (1e-10), as one process computes them.
+
+    The sums come in another order than one process adds them, so they differ in their last bits; a step
+    length the line search interpolates between two nearly equal losses magnifies that: over 3,600 runs
+    (600 seeds, 4 ranks) the losses differed by at most 3.3e-16, the final parameters by 1.5e-12, and the
+    step lengths by 8.9e-9 (1.05e-8 once in CI, which failed the 1e-8 this test once asked of them)."""
     if P < servers + 2:
         pytest.skip(f"{servers} shard(s) need {servers + 2} ranks")
-    problem = Problem(shared_seed(), kind, lam=0.05)
+    seed = shared_seed()
+    problem = Problem(seed, kind, lam=0.05)
     steps, finals, _ = distributed(problem, 12, servers=servers, portions=portions, history=5)
     x, reference, _ = sandblaster.minimize_locally(np.zeros(41), problem.full, history=5, iterations=12)
-    everywhere(len(steps) == len(reference) == 12, f"{len(steps)} iterations against {len(reference)}")
-    worst = max(max(abs(a.loss - b.loss), abs(a.step - b.step)) for a, b in zip(steps, reference))
-    everywhere(worst < 1e-8, f"iterates differ by {worst:.2e}")
-    everywhere(len(finals) == P - 1 - servers and all(np.abs(w - x).max() < 1e-8 for w in finals),
-               "every worker must end with the single-process parameters")
+    everywhere(len(steps) == len(reference) == 12, f"seed {seed}: {len(steps)} iterations against {len(reference)}")
+    losses = max(abs(a.loss - b.loss) for a, b in zip(steps, reference))
+    lengths = max(abs(a.step - b.step) for a, b in zip(steps, reference))
+    everywhere(losses < 1e-12 and lengths < 1e-6, f"seed {seed}: losses differ by {losses:.2e}, steps by {lengths:.2e}")
+    everywhere(len(finals) == P - 1 - servers and all(np.abs(w - x).max() < 1e-10 for w in finals),
+               f"seed {seed}: every worker must end with the single-process parameters")
 
 
 @pytest.mark.mpi(min_size=3)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-__all__ = ["WORLD", "P", "RANK", "everywhere", "shared_seed", "ranks_share_one_node", "require_one_node"]
+__all__ = ["WORLD", "P", "RANK", "everywhere", "shared_seed", "ranks_share_one_node", "require_one_node",
+           "communicators_left"]
 
 WORLD = MPI.COMM_WORLD
 P = WORLD.Get_size()          # the ranks of this run
@@ -40,3 +41,18 @@ def require_one_node(channel: str | None = "shared") -> None:
     """Skip a test that forces the shared-memory channel when the ranks span several nodes."""
     if channel == "shared" and not ranks_share_one_node():
         pytest.skip("the shared-memory channel needs every rank on one node")
+
+
+def communicators_left(comm: MPI.Intracomm = MPI.COMM_WORLD, most: int = 4096) -> int:
+    """How many more communicators this process can make (up to ``most``): duplicates of ``comm`` are made
+    until MPI refuses, then freed.  MPICH has about 2,000 communicator ids a process, so a job that leaves
+    one behind each run stops a long sweep; Open MPI's many more make the count reach ``most``.  Collective."""
+    made = []
+    try:
+        while len(made) < most:
+            made.append(comm.Dup())
+    except MPI.Exception:
+        pass
+    for each in made:
+        each.Free()
+    return len(made)

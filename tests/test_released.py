@@ -1,0 +1,79 @@
+"""A job run again and again in one process (a sweep, a notebook, a test suite) leaves no communicator behind:
+MPICH gives a process about 2,000 communicator ids, and a job that keeps one alive each run (a receive left
+posted on its private communicator keeps it after its free) stops the sweep after about 2,000 runs with
+"Too many communicators".  Each job kind runs three times, finishing normally; the count of communicators this
+process can still make (tests.support.mpi.communicators_left) must not fall.  Jobs that end on an error
+abandon their communicators on purpose (docs/failures.md): not these."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpicoll import gossip, ps, sandblaster
+from mpicoll.modelparallel import Pipeline
+from mpicoll.models.dense import MLP
+from tests.support.mpi import P, RANK, WORLD, communicators_left, everywhere, shared_seed
+from tests.support.parameter_servers import run_roles, sgd_on_my_rows
+from tests.support.problems import least_squares
+
+pytestmark = pytest.mark.mpi
+
+RUNS = 3
+
+
+def sandblaster_job(seed):
+    rng = np.random.default_rng(seed)
+    A, b = rng.standard_normal((30, 5)), rng.standard_normal(30)
+
+    def loss_and_gradient(w, rows):
+        r = A[rows] @ w - b[rows]
+        return 0.5 * r @ r / len(rows), A[rows].T @ r / len(rows)
+
+    sandblaster.run(WORLD, np.zeros(5), lambda w, batch: loss_and_gradient(w, np.arange(30)), samples=30,
+                    iterations=2)
+
+
+def parameter_server_job(seed, transport):
+    X, y, _ = least_squares(seed)
+    server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.Sync(lr=0.1), servers=1, transport=transport)
+    run_roles(server, sgd_on_my_rows(server, X, y, steps=3, seed=seed))
+
+
+def gossip_job(seed, mailbox):
+    pushsum = gossip.PushSum(WORLD, np.full(4, float(RANK)), mailbox=mailbox)
+    pushsum.mix()
+    pushsum.drain()
+    pushsum.close()
+
+
+def refused_pipeline(seed):
+    with pytest.raises(ValueError, match="consecutive"):
+        Pipeline(WORLD, MLP(4, 2, [3] * P, dtype=np.float64), bounds=[(0, 1)] * P)
+
+
+JOBS = {
+    "sandblaster": (3, sandblaster_job),
+    "parameter-server-p2p": (2, lambda seed: parameter_server_job(seed, "p2p")),
+    "parameter-server-onesided": (2, lambda seed: parameter_server_job(seed, "onesided")),
+    "gossip-p2p": (1, lambda seed: gossip_job(seed, "p2p")),
+    "gossip-onesided": (1, lambda seed: gossip_job(seed, "onesided")),
+    "refused-pipeline": (1, refused_pipeline),
+}
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_a_job_run_again_leaves_no_communicator_behind(job):
+    least, run = JOBS[job]
+    if P < least:
+        pytest.skip(f"needs at least {least} ranks (runs in the tiers that have them)")
+    if "MPICH" not in MPI.Get_library_version():
+        pytest.skip("counts MPICH's communicator ids (Open MPI has far more than the count reaches)")
+    seed = shared_seed()
+    run(seed)                              # what a first run sets up once (and keeps) is not counted
+    before = communicators_left()
+    for _ in range(RUNS):
+        run(seed)
+    after = communicators_left()
+    everywhere(after == before, f"{RUNS} runs of {job} left {before - after} communicator(s) behind")
