@@ -22,7 +22,9 @@ SIZES = sorted({0, 1, max(P - 1, 0), P + 1, 1000, 70001})
 @pytest.mark.mpi
 @pytest.mark.parametrize("comm", ["ring-p2p", "parallel", "mpi", "auto"], indirect=True)
 def test_many_started_calls_match_mpi(comm, mpi):
-    """Every call is started before any is waited for; then the results are compared with MPI's."""
+    """Every call is started before any is waited for; then the results are compared with MPI's.  The largest
+    size (segments and pipelining: 70,001 elements in 1 KiB segments) in float32 only, the others in every
+    dtype (a third of the test's time before: 5-6 s a variant at 4 ranks)."""
     cases = Cases(mpi)
     p, rank = mpi.Get_size(), mpi.Get_rank()
     rng = cases.rng
@@ -30,7 +32,7 @@ def test_many_started_calls_match_mpi(comm, mpi):
     for dtype, op_name in [("float32", "SUM"), ("float64", "MAX"), ("int32", "BXOR"), ("complex128", "SUM"),
                            ("float16", "SUM")]:
         op = getattr(MPI, op_name)
-        for count in SIZES:
+        for count in SIZES if dtype == "float32" else SIZES[:-1]:
             send = make(rng, dtype, count, op_name)
             reference = np.empty_like(send)
             mpi.Allreduce(send, reference, op)
