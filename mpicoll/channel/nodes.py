@@ -35,8 +35,8 @@ def node_count(comm: MPI.Intracomm) -> int:
 class NodeLayout:
     """The node layout of ``ctx``'s communicator.
 
-    ``nodes``: how many; ``per_node``: ranks on this rank's node, ``members``
-    their ranks in the communicator; ``uniform``:
+    ``nodes``: how many; ``per_node``: ranks on this rank's node (which ones: the
+    context's ``on_this_node``); ``uniform``:
     every node has as many; ``contiguous``: every node holds consecutive ranks
     (so node-then-cross order is rank order, which non-commutative ops need).
     ``local`` and ``cross`` exist where the layout is :attr:`layered`.
@@ -48,7 +48,6 @@ class NodeLayout:
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
         self.local_rank, self.per_node = local.Get_rank(), local.Get_size()
         members = local.allgather(ctx.rank)
-        self.members = frozenset(members)
         mine = (self.local_rank == 0, self.per_node, members == list(range(members[0], members[0] + self.per_node)))
         everyone = comm.allgather(mine)
         self.nodes = sum(first for first, _, _ in everyone)

@@ -34,7 +34,6 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..channel.context import Context
-from ..channel.nodes import node_layout
 from ..base.tags import Tag
 from .topology import Graph
 
@@ -213,7 +212,7 @@ class PointToPointMailbox:
         self.sends: list[tuple[list, list]] = [([], []) for _ in range(slots)]
         self.incoming = [_Packets.allocate(count, dtype, 1) for _ in range(slots)]
         self.receiving: dict[int, tuple] = {}       # round -> its posted receives, and the peer behind each
-        self.on_my_node = node_layout(ctx).members  # packets to these go whole
+        self.on_my_node = ctx.on_this_node         # packets to these go whole
 
     def expect(self, round: int) -> None:
         """Post the receives of ``round`` (before our own sends, so packets land in place)."""

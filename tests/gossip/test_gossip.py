@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -91,12 +90,12 @@ def test_p2p_packets_cut_into_pieces_arrive_whole(graph_name, piece, monkeypatch
 
     Only packets to other nodes are cut: every peer is made to look remote here."""
     monkeypatch.setattr(gossip.mailbox, "PIECE_BYTES", piece)
-    monkeypatch.setattr(gossip.mailbox, "node_layout", lambda ctx: SimpleNamespace(members=frozenset([ctx.rank])))
     seed = shared_seed()
     everyone = np.random.default_rng(seed).standard_normal((P, 37))
     graph, mixing = graph_and_mixing(graph_name, seed)
     history, _, _ = simulate(graph, mixing, everyone, 6, tau=1)
     pushsum = gossip.PushSum(WORLD, everyone[RANK], graph=graph, tau=1, mailbox="p2p")
+    pushsum.mailbox.on_my_node = {RANK}
     worst = max(np.abs(pushsum.mix() - history[k][RANK]).max() for k in range(6))
     pushsum.drain()
     pushsum.close()
