@@ -19,7 +19,8 @@ Compression (``compression=`` of :func:`allreduce`, :class:`DistributedOptimizer
 and :class:`HookState`): "fp16", "bf16", :class:`mpicoll.Compression` with error
 feedback, or :class:`mpicoll.PowerSGD`.
 
-Importing this module also registers torch.distributed's ``"mpicoll"`` backend
+Importing this module gives torch this rank's share of the node's cores (:mod:`mpicoll.torch.threads`: under
+a launcher torch would take one) and registers torch.distributed's ``"mpicoll"`` backend
 (:mod:`mpicoll.torch.backend`): ``dist.init_process_group("mpicoll")`` under
 mpiexec, with nothing else set, and DDP or any ``dist`` collective runs over
 mpicoll.
@@ -33,10 +34,12 @@ from .collectives import OPS, allgather, allreduce, allreduce_async, broadcast
 from .functions import FlatParameters, broadcast_optimizer_state, broadcast_parameters, init_process_group
 from .hooks import HookState, allreduce_hook
 from .optimizer import DistributedOptimizer
+from .threads import share_the_node
 
 __all__ = ["allreduce", "allreduce_async", "allgather", "broadcast", "broadcast_parameters",
            "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "HookState", "init_process_group",
            "FlatParameters", "point_at", "OPS", "ProcessGroupMpicoll"]
 
+share_the_node()         # before the program's own torch.set_num_threads, which wins
 backend.register()       # dist.init_process_group("mpicoll"), and env:// from MPI without MASTER_ADDR
 ProcessGroupMpicoll = backend.ProcessGroupMpicoll

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from mpicoll.base.config import cores
 from tests.support.jobs import ROOT, launch
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
@@ -19,8 +20,17 @@ import torch, torch.distributed as dist, mpicoll.torch
 dist.init_process_group("mpicoll")
 t = torch.full((3,), float(dist.get_rank() + 1))
 dist.all_reduce(t)
-print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.tolist()}", flush=True)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.tolist()} on {torch.get_num_threads()} threads", flush=True)
 dist.destroy_process_group()
+"""
+
+# torch's threads after importing Horovod's API (mpicoll.torch with it), and after the program's own choice
+THREADS = """
+import sys, torch, mpicoll.torch.horovod as hvd
+print(f"threads {torch.get_num_threads()}", flush=True)
+torch.set_num_threads(1)
+hvd.init()
+print(f"then {torch.get_num_threads()}", flush=True)
 """
 
 
@@ -31,18 +41,37 @@ def clean_environment(**extra) -> dict:
 
 
 def test_under_mpiexec_with_nothing_set():
+    """And each of the 3 ranks on this node runs torch on its share of the cores (mpicoll.torch.threads)."""
     result = launch(3, "-c", SCRIPT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     # (the launcher may glue two ranks' lines together)
-    reports = sorted(re.findall(r"rank (\d) of (\d): (\[[^]]*\])", result.stdout))
-    assert reports == [(str(r), "3", "[6.0, 6.0, 6.0]") for r in range(3)], result.stdout
+    reports = sorted(re.findall(r"rank (\d) of (\d): (\[[^]]*\]) on (\d+) threads", result.stdout))
+    threads = str(max(1, cores() // 3))
+    assert reports == [(str(r), "3", "[6.0, 6.0, 6.0]", threads) for r in range(3)], result.stdout
+
+
+@pytest.mark.skipif("OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ,
+                    reason="the user chose torch's threads here")
+def test_one_rank_on_a_node_computes_on_all_its_cores():
+    """Under a launcher torch alone would take one thread (mpicoll.torch.threads); the program's own
+    torch.set_num_threads wins."""
+    result = launch(1, "-c", THREADS, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.findall(r"(threads|then) (\d+)", result.stdout) == [("threads", str(cores())), ("then", "1")], \
+        result.stdout
+
+
+def test_torch_threads_the_user_chose_are_kept():
+    result = launch(2, "-c", THREADS, env={"OMP_NUM_THREADS": "2"}, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.findall(r"threads (\d+)", result.stdout) == ["2", "2"], result.stdout
 
 
 def test_one_process_without_a_launcher():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
                             env=clean_environment(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "rank 0 of 1: [1.0, 1.0, 1.0]"
+    assert result.stdout.startswith("rank 0 of 1: [1.0, 1.0, 1.0] on "), result.stdout
 
 
 def test_a_torch_world_that_is_not_mpis_is_refused_before_any_work():
