@@ -39,7 +39,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--master", help="host for gloo's rendezvous (default: rank 0's; 127.0.0.1 on one node)")
     bench.add_argument("--timeout", type=float, default=60, help="seconds for gloo's set-up and calls")
     bench.add_argument("--output", metavar="FILE.json", help="write one record per size")
-    bench.add_argument("--threads", type=int, help="torch threads per rank (default: this rank's share of the node's cores, mpicoll.torch.threads)")
+    bench.add_argument("--threads", type=int,
+                       help="torch threads per rank (default: this rank's share of the node's cores, as "
+                            "mpicoll.torch gives it)")
     training = bench.add_argument_group(
         "training", "--training times whole training steps instead: DistributedOptimizer against DDP on gloo")
     training.add_argument("--training", action="store_true", help="time training steps of an MLP")

@@ -20,7 +20,8 @@ import torch, torch.distributed as dist, mpicoll.torch
 dist.init_process_group("mpicoll")
 t = torch.full((3,), float(dist.get_rank() + 1))
 dist.all_reduce(t)
-print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.tolist()} on {torch.get_num_threads()} threads", flush=True)
+threads = torch.get_num_threads()
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.tolist()} on {threads} threads", flush=True)
 dist.destroy_process_group()
 """
 
