@@ -20,16 +20,16 @@ from tests.support.problems import least_squares
 
 pytestmark = pytest.mark.mpi
 
+
 def sandblaster_job(seed):
     rng = np.random.default_rng(seed)
     A, b = rng.standard_normal((30, 5)), rng.standard_normal(30)
 
-    def loss_and_gradient(w, rows):
-        r = A[rows] @ w - b[rows]
-        return 0.5 * r @ r / len(rows), A[rows].T @ r / len(rows)
+    def least_squares_loss(w, batch):
+        r = A @ w - b
+        return 0.5 * r @ r / len(b), A.T @ r / len(b)
 
-    sandblaster.run(WORLD, np.zeros(5), lambda w, batch: loss_and_gradient(w, np.arange(30)), samples=30,
-                    iterations=2)
+    sandblaster.run(WORLD, np.zeros(5), least_squares_loss, samples=30, iterations=2)
 
 
 def parameter_server_job(seed, transport):

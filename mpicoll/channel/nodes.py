@@ -47,7 +47,7 @@ class NodeLayout:
         ctx.rendezvous()                              # the splits below block until every rank is here
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
         self.local_rank, self.per_node = local.Get_rank(), local.Get_size()
-        members = local.allgather(ctx.rank)
+        members = sorted(ctx.on_this_node)          # local's ranks, in local rank order (key=ctx.rank)
         mine = (self.local_rank == 0, self.per_node, members == list(range(members[0], members[0] + self.per_node)))
         everyone = comm.allgather(mine)
         self.nodes = sum(first for first, _, _ in everyone)
