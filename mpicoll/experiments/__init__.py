@@ -90,7 +90,7 @@ def add_reproduce_parser(commands) -> None:
                            help="larger data: train on a fixed random subset of this many samples (default 4000; "
                            "the test set is cut to a quarter of it), so the claims keep to minutes")
     reproduce.add_argument("--quick", action="store_true",
-                           help="the pipeline on a small setting, for CI: 2 seeds, M = 4, 6 epochs, no cluster")
+                           help="the pipeline on a small setting, for CI: 2 seeds, M = 2, 6 epochs, no cluster")
 
 
 def reproduce_main(args) -> int:
