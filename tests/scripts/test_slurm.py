@@ -95,7 +95,7 @@ def slurm(tmp_path_factory):
               f"--log-file={where}/munged.log", f"--pid-file={where}/munged.pid", f"--seed-file={where}/munged.seed")
         start("slurmctld")
         start("slurmd")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60        # (beside the other single-process tests: 2 cores busy)
         while (state := subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True,
                                        text=True).stdout.strip()) != "idle":
             if time.monotonic() > deadline:
