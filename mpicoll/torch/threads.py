@@ -12,8 +12,6 @@ does for numpy's BLAS and torch), unless ``OMP_NUM_THREADS`` or ``MKL_NUM_THREAD
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import compute
@@ -27,5 +25,5 @@ def share_the_node() -> None:
     Never ``torch.get_num_threads()`` here: asked at import, before Numba's kernels load, it made the 2-rank test
     tier 3x slower (97 s against 34 s; a sequential CNN's training 34 s against 1.3 s), where setting the count
     alone did not: the question starts torch's OpenMP pool, which then meets Numba's."""
-    if not any(variable in os.environ for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
-        torch.set_num_threads(compute.share_of_cores())
+    if (threads := compute.torch_threads()) is not None:
+        torch.set_num_threads(threads)

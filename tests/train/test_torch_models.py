@@ -170,3 +170,23 @@ def test_model_parallel_trains_a_torch_sequential(method):
     losses = [s["final_loss"] for s in WORLD.allgather(summary) if s]
     everywhere(len(losses) == 1 and abs(losses[0] - expected) < 1e-3 * abs(expected),
                f"final loss {losses}, single process {expected!r}")
+
+
+@pytest.mark.parametrize("chosen", [None, "OMP_NUM_THREADS", "MKL_NUM_THREADS"])
+def test_train_gives_torch_the_ranks_share_of_the_cores_unless_the_environment_chose(monkeypatch, chosen):
+    """``mpicoll train``'s torch models follow ``import mpicoll.torch``'s rule (one rule,
+    :func:`mpicoll.compute.torch_threads`): where the user set a thread variable, torch keeps what it made of it."""
+    from types import SimpleNamespace
+    from mpicoll import compute
+    from mpicoll.train import _torch_model
+    before = torch.get_num_threads()
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(variable, raising=False)
+    if chosen:
+        monkeypatch.setenv(chosen, "7")
+    try:
+        torch.set_num_threads(7)                    # what torch made of the variable (or a program chose)
+        _torch_model(SimpleNamespace(model="mlp"), SimpleNamespace(features=4, classes=2, shape=()), [3], np)
+        assert torch.get_num_threads() == (7 if chosen else compute.share_of_cores()), chosen
+    finally:
+        torch.set_num_threads(before)
