@@ -269,8 +269,6 @@ class TorchStage:
         return stage_init(self.model, self.pipe.stages, self.pipe.stage, seed)
 
     def _tensors(self, X, y):
-        if self.torch.get_num_threads() != self.model.threads:   # as TorchModel: Numba may have reset it
-            self.torch.set_num_threads(self.model.threads)
         return self.torch.as_tensor(np.asarray(X)), self.torch.as_tensor(np.asarray(y))
 
     def loss_and_gradient(self, params, X, y):

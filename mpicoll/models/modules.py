@@ -62,10 +62,6 @@ class TorchModel(Model):
         self.module = build().float()
         self.parameters = list(self.module.parameters())
         self.size = sum(p.numel() for p in self.parameters)
-        # Numba's OpenMP pool (mpicoll's update kernels, loaded when training starts) shares libgomp with
-        # torch and resets its thread count to Numba's (measured: 2 threads per rank where 1 was set, and a
-        # 4-rank CNN run on 2 cores 4x slower); every call restores the count in force now.
-        self.threads = torch.get_num_threads()
 
     def parameter_shapes(self) -> list[tuple]:
         return [tuple(p.shape) for p in self.parameters]
@@ -85,9 +81,7 @@ class TorchModel(Model):
         return torch.as_tensor(array)
 
     def _ready(self, params):
-        """``params`` as torch may view them (a copy of read-only memory), this model's threads set."""
-        if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+        """``params`` as torch may view them (a copy of read-only memory)."""
         if isinstance(params, np.ndarray) and not params.flags.writeable:
             params = params.copy()
         return params

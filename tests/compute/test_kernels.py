@@ -287,3 +287,32 @@ def test_float16_by_its_bits_is_numpys_float16_bit_for_bit(backend, monkeypatch)
         assert np.array_equal(words, sent.view(np.uint16))
         finite_ones = np.isfinite(sent)
         assert np.array_equal(residual[finite_ones], (carried - sent.astype(np.float32))[finite_ones])
+
+
+KEEPS_TORCHS_THREADS = """
+import torch
+torch.get_num_threads()           # asked once before Numba's pool starts (a DataLoader or a library does)
+torch.set_num_threads(1)
+import numpy as np
+from mpicoll import compute
+a = np.ones(1 << 20, np.float32)
+compute.reduce(a, a.copy(), op="sum")    # above NUMBA_FROM: Numba's pool starts here, with every core
+print(torch.get_num_threads())
+"""
+
+
+def test_starting_numbas_threads_leaves_torchs_thread_count_as_it_was():
+    """Numba's OpenMP layer starts its pool with every core as the starting thread's OpenMP count, which torch
+    shares where both load one libgomp: without the reset in compute, torch went from 1 thread to 2 here."""
+    import os
+    import sys
+    pytest.importorskip("torch")
+    pytest.importorskip("numba")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: Numba's pool and torch's count are both 1")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "MPI_LOCALNRANKS",
+                                                           "OMPI_COMM_WORLD_LOCAL_SIZE", "MPICOLL_KERNELS")}
+    result = subprocess.run([sys.executable, "-c", KEEPS_TORCHS_THREADS], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"], result.stdout + result.stderr[-2000:]
