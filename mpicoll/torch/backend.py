@@ -189,6 +189,16 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    # torch names each group it makes (``_set_group_name``) and reads the name back to forget the group
+    # (``destroy_process_group(group)``); its C++ class keeps the name in its backends, which a group written in
+    # Python has none of ("ProcessGroup name not set"): kept here instead.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
     def __repr__(self) -> str:
         return f"<mpicoll ProcessGroup rank {self._rank} of {self._size}>"
 

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpicoll.channel.nodes import node_members
+
 __all__ = ["WORLD", "P", "RANK", "everywhere", "shared_seed", "ranks_share_one_node", "require_one_node",
            "communicators_left"]
 
@@ -30,11 +32,7 @@ def shared_seed(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
 
 def ranks_share_one_node(comm: MPI.Intracomm = MPI.COMM_WORLD) -> bool:
     """True when every rank of ``comm`` runs on this node (shared memory reaches them all)."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return local.Get_size() == comm.Get_size()
-    finally:
-        local.Free()
+    return len(node_members(comm)) == comm.Get_size()
 
 
 def require_one_node(channel: str | None = "shared") -> None:
