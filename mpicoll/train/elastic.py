@@ -136,17 +136,12 @@ class Survivors:
         while True:
             try:
                 channel = channel.shrink()
-            except Exception as error:  # noqa: BLE001 - only a further death is recovered from here
-                if not is_loss(error):
-                    raise
-                continue
-            try:
                 survivors = channel.allgather(me)
                 positions = channel.allgather(position)
                 confirm(channel)
                 break
-            except Exception as error:  # noqa: BLE001 - a further death (or what it garbled) is recovered from
-                if not is_loss(error, channel):        # (on the shrunk channel: a new death, not the old one)
+            except Exception as error:  # noqa: BLE001 - only a further death is recovered from here
+                if not is_loss(error, channel):
                     raise
         agreed = min(positions)
         replicas = [self.members[i:i + stages] for i in range(0, len(self.members), stages)]
