@@ -209,16 +209,14 @@ class Allreduce(Family):
                         loss, grad = replicas.loss_and_gradient(params, X[batch], y[batch])
                     epoch_losses.append(loss)
                     summed(replicas.stage, grad, average)
-                    elastic.confirm(channel)            # no sum is used before the survivors agree it is whole
                     before[...] = params
                     with timeline.span("update", "train"):
                         params -= (rate(plan.progress(epoch, done, options.epochs)) / count) * average
                     done, samples = done + 1, samples + count * len(batch)
                 stop_if_diverged(channel, params, [(epoch, epoch_losses)], f"after epoch {epoch + 1}")
                 score = replicas.test_score(params, data)
-                elastic.confirm(channel)
             except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised
-                if not elastic.is_loss(error, channel):
+                if not elastic.is_loss(error):
                     raise
                 replicas.revoke()        # no rank of another replica waits on in a pipeline or a stage's allreduce
                 channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done), stages=k)

@@ -138,10 +138,9 @@ class Survivors:
                 channel = channel.shrink()
                 survivors = channel.allgather(me)
                 positions = channel.allgather(position)
-                confirm(channel)
                 break
             except Exception as error:  # noqa: BLE001 - only a further death is recovered from here
-                if not is_loss(error, channel):
+                if not is_loss(error):
                     raise
         agreed = min(positions)
         replicas = [self.members[i:i + stages] for i in range(0, len(self.members), stages)]
@@ -200,23 +199,7 @@ def _quorum(survivors: list[int], members: list[int]) -> bool:
     return 2 * len(survivors) > len(members) or (2 * len(survivors) == len(members) and members[0] in survivors)
 
 
-def is_loss(error: BaseException, channel: MPI.Comm | None = None) -> bool:
+def is_loss(error: BaseException) -> bool:
     """Whether ``error`` says ranks died: mpicoll's :class:`RanksLost`, or MPI's own process failure from a call
-    made without mpicoll (an mpi4py collective on the same communicator); with ``channel``, also any error met
-    while the MPI library knows a rank of ``channel`` to have failed (a collective of MPI's own that returned
-    wrong data across a cut link: see :func:`confirm`)."""
-    if isinstance(error, RanksLost) or failure.is_process_failure(error):
-        return True
-    return channel is not None and bool(failure.failed_ranks(channel))
-
-
-def confirm(channel: MPI.Comm) -> None:
-    """Raise MPI's process failure on every survivor of ``channel`` if any of them met one since the last
-    confirmation (ULFM's agreement, ``MPI_Comm_agree``); collective.
-
-    Across a cut link, under Open MPI 5.0's fault tolerance, MPI's own collectives returned *success* with wrong
-    data on the ranks that went on (an ``Allgather``'s output left untouched on every survivor, an object
-    ``allgather`` unpickling garbage; 3 of 3 runs on 2 emulated nodes), where the agreement that followed raised
-    ``MPI_ERR_PROC_FAILED`` on each of them: so an elastic run uses no step's result before this.  (A killed
-    rank, and point-to-point calls across the same cut, gave the error itself; docs/elastic.md.)"""
-    channel.Agree(1)
+    made without mpicoll (an mpi4py collective on the same communicator)."""
+    return isinstance(error, RanksLost) or failure.is_process_failure(error)
