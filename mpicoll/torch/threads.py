@@ -22,8 +22,8 @@ __all__ = ["share_the_node"]
 def share_the_node() -> None:
     """Give torch this rank's share of the node's cores, unless the environment chose.
 
-    Never ``torch.get_num_threads()`` here: asked at import, before Numba's kernels load, it made the 2-rank test
-    tier 3x slower (97 s against 34 s; a sequential CNN's training 34 s against 1.3 s), where setting the count
-    alone did not: the question starts torch's OpenMP pool, which then meets Numba's."""
+    Sets, never asks: a ``torch.get_num_threads()`` here, before Numba's pool starts, let that start change torch's
+    count (1 thread became 2 a rank; the 2-rank test tier 97 s against 34 s); :func:`mpicoll.compute`'s
+    ``_start_numba_threads`` now puts the count back whoever asked (docs/torch.md)."""
     if (threads := compute.torch_threads()) is not None:
         torch.set_num_threads(threads)
