@@ -127,10 +127,13 @@ _UNDER_MPIEXEC = {"train", "bench", "bench-ps", "bench-gossip", "bench-torch", "
 
 
 def _guarded(run, args) -> int:
+    import faulthandler
+
     from mpi4py import MPI
 
     from .base import launcher
     from .channel import watchdog
+    faulthandler.enable()       # a crash inside MPI (a segmentation fault) prints where each Python thread was
     try:
         launcher.check_this_launch()
     except launcher.LaunchMismatch as error:    # every process is a job of its own: each says it, once

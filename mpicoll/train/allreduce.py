@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from .. import arrays
 from ..base import checkpoint, failure, timeline
+from ..base.errors import RanksLost
 from ..base.straggler import Straggler
 from ..channel.checks import load_checkpoint_set
 from ..channel.watchdog import bounded
@@ -179,9 +180,9 @@ class Allreduce(Family):
 
     def _run_elastic(self, comm, options, model, data, xp, run):
         """Allreduce SGD that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as
-        :meth:`run` while nobody is lost; after a loss the survivors step back to the last step all of them
-        completed (the parameters before the last update are kept for it), take the rest of the epoch's rows
-        between them, and train the later epochs as a run of that many ranks would.  With ``--model-parallel
+        :meth:`run` while nobody is lost, each step's sum used only once every member has agreed it is whole
+        (:func:`~mpicoll.train.elastic.agreed`, one ``MPI_Comm_agree`` a step); after a loss the survivors, all at
+        the step none of them took, take the rest of the epoch's rows between them, and train the later epochs as a run of that many ranks would.  With ``--model-parallel
         K`` the members are replicas of K stages: a replica that lost a stage stops, and the whole ones go on."""
         X, y = xp.asarray(data.X), xp.asarray(data.y)
         slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
@@ -190,10 +191,11 @@ class Allreduce(Family):
         if options.resume:       # the compression's state is not kept: ranks are renumbered after a loss
             params, epoch = self._resume(comm, options, run, xp, _CompressionState(options, compressor, None))
         channel = Communicator(comm.Dup(), algorithm=self.algorithm)     # revoked, not the job's, after a loss
+        channel.on_death = "revoke"             # the survivors shrink it together, after a step's agreement
         replicas = _Replicas(channel, k, model, options, self.algorithm)
         if params is None:
             params = xp.asarray(replicas.init(options.seed))
-        average, before = xp.empty_like(params), xp.empty_like(params)
+        average = xp.empty_like(params)
         summed = _summer(model, self.algorithm, compressor)
         samples = elastic.samples_before(epoch, len(y), replicas.count, options.batch)     # 0 unless resumed
         survivors = elastic.Survivors(comm, options, model, data, xp)
@@ -205,27 +207,22 @@ class Allreduce(Family):
             try:
                 while done < plan.steps:
                     batch = plan.batches[me][done]
-                    with slow, timeline.span("gradient", "train"):
-                        loss, grad = replicas.loss_and_gradient(params, X[batch], y[batch])
+                    with elastic.agreed(channel, revoke=replicas.revoke):  # no sum is used before all say it is whole
+                        with slow, timeline.span("gradient", "train"):
+                            loss, grad = replicas.loss_and_gradient(params, X[batch], y[batch])
+                        summed(replicas.stage, grad, average)
                     epoch_losses.append(loss)
-                    summed(replicas.stage, grad, average)
-                    before[...] = params
                     with timeline.span("update", "train"):
                         params -= (rate(plan.progress(epoch, done, options.epochs)) / count) * average
                     done, samples = done + 1, samples + count * len(batch)
-                stop_if_diverged(channel, params, [(epoch, epoch_losses)], f"after epoch {epoch + 1}")
-                score = replicas.test_score(params, data)
-            except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised
-                if not elastic.is_loss(error):
-                    raise
-                replicas.revoke()        # no rank of another replica waits on in a pipeline or a stage's allreduce
+                with elastic.agreed(channel, revoke=replicas.revoke):
+                    stop_if_diverged(channel, params, [(epoch, epoch_losses)], f"after epoch {epoch + 1}")
+                    score = replicas.test_score(params, data)
+            except RanksLost:           # on every survivor alike, at the same step (the agreement's)
                 channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done), stages=k)
                 if channel is None:
                     return None                                 # this rank's replica lost a stage
                 replicas = _Replicas(channel, k, model, options, self.algorithm)
-                if done > agreed:
-                    params[...] = before                        # one step ahead of the slowest survivor
-                    samples -= count * options.batch
                 plan, done = plan.rest(agreed, replicas.count, options.batch), 0
                 continue
             if options.checkpoint and replicas.index == 0:     # written by the ranks left (a resume reshards)
@@ -236,7 +233,16 @@ class Allreduce(Family):
                 survivors.reporter.evaluate(params if k == 1 else None, epoch + 1, samples, measured=score)
             epoch += 1
             plan, done = elastic.Plan.epoch(len(y), replicas.count, options.batch, options.seed, epoch), 0
-        crcs = channel.allgather((channel.Get_rank() % k, zlib.crc32(arrays.as_host(params).tobytes())))
+        while True:                             # a loss now: the survivors compare theirs
+            try:
+                with elastic.agreed(channel):
+                    crcs = channel.allgather((channel.Get_rank() % k, zlib.crc32(arrays.as_host(params).tobytes())))
+                break
+            except RanksLost:
+                channel, _, loss = survivors.recover(channel, (epoch, 0), stages=k)
+                if channel is None:
+                    return None
+                replicas = _Replicas(channel, k, model, options, self.algorithm)
         same = len(set(crcs)) == k              # one value per stage: every replica holds the same
         summary = survivors.finish(params if k == 1 else None, replicas_identical=same,
                                    measured=replicas.test_score(params, data))

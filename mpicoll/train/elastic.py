@@ -2,9 +2,9 @@
 plan of an epoch's batches over the current members, and the recovery after a loss.
 
 A synchronous method cannot take a step without every member, so when ranks die the survivors (each raised
-:class:`mpicoll.RanksLost`) shrink their communicator, agree on the last step all of them completed (one of them
-may have failed a call the others finished: it is then one step behind, and those ahead step back to it,
-from the parameters they kept before their last update), and go on.  The data the lost ranks had not reached in
+:class:`mpicoll.RanksLost`) shrink their communicator, agree on the last step all of them completed, and go on.
+The allreduce methods use no step's sum before every member has said it is whole (:func:`agreed`), so the
+survivors all stand at the same step; push-sum's ranks may be a step apart, and take the earliest.  The data the lost ranks had not reached in
 this epoch is not dropped: an epoch's :class:`Plan` names every member's batches as rows of the whole training
 set, so the rows every member had yet to take, the lost ones' included, are divided among the survivors
 (:meth:`Plan.rest`); later epochs divide the training set among the survivors as a run of that many ranks
@@ -14,6 +14,7 @@ would.  Every survivor computes the same plans from the same agreed facts; nothi
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +25,7 @@ from ..base.errors import MpicollError, RanksLost
 from .common import batches, steps_per_epoch
 from .report import Reporter
 
-__all__ = ["Plan", "Loss", "Survivors", "is_loss", "check_fault_tolerance", "samples_before"]
+__all__ = ["Plan", "Loss", "Survivors", "is_loss", "agreed", "check_fault_tolerance", "samples_before"]
 
 
 def check_fault_tolerance() -> None:
@@ -133,20 +134,26 @@ class Survivors:
         ``stages`` consecutive members; only the replicas with every stage left go on, and a survivor of
         another gets None for the communicator: it stops (a pipeline without a part computes nothing)."""
         me = MPI.COMM_WORLD.Get_rank()
-        while True:
+        while True:             # every survivor goes round as often as the others: the agreement ends each round
             try:
                 channel = channel.shrink()
-                survivors = channel.allgather(me)
-                positions = channel.allgather(position)
-                break
             except Exception as error:  # noqa: BLE001 - only a further death is recovered from here
                 if not is_loss(error):
                     raise
-        agreed = min(positions)
+                continue
+            channel.on_death = "revoke"         # its calls leave the shrinking to this loop, after the agreement
+            try:
+                with agreed(channel):
+                    survivors = channel.allgather(me)
+                    positions = channel.allgather(position)
+                break
+            except RanksLost:           # a further death, on every survivor alike
+                continue
+        reached = min(positions)
         replicas = [self.members[i:i + stages] for i in range(0, len(self.members), stages)]
         going_on = [rank for replica in replicas if set(replica) <= set(survivors) for rank in replica]
-        loss = Loss(sorted(set(self.members) - set(survivors)), agreed[0] + 1, agreed[1], len(going_on),
-                    int(max(positions) > agreed), round(time.perf_counter() - self.started, 3),
+        loss = Loss(sorted(set(self.members) - set(survivors)), reached[0] + 1, reached[1], len(going_on),
+                    int(max(positions) > reached), round(time.perf_counter() - self.started, 3),
                     [rank for rank in survivors if rank not in going_on])
         if not _quorum(survivors, self.members):
             raise MpicollError(f"cut off from the rest of the job: {len(survivors)} of its {len(self.members)} ranks "
@@ -164,8 +171,9 @@ class Survivors:
             part = channel.Split(0 if me in going_on else MPI.UNDEFINED, channel.Get_rank())
             channel.close(abandon=True)
             if part == MPI.COMM_NULL:
-                return None, agreed, loss
+                return None, reached, loss
             channel = type(channel)(part, algorithm=channel.algorithm)
+            channel.on_death = "revoke"
         if channel.Get_rank() == 0:
             if self.reporter is None:
                 self.reporter = Reporter.take_over(self.options, self.model, self.data, self.xp, loss.ranks,
@@ -173,7 +181,7 @@ class Survivors:
             self.reporter.ranks_lost(loss)
         if loss.ranks < self.options.min_ranks:
             raise self._below_floor(loss)
-        return channel, agreed, loss
+        return channel, reached, loss
 
     def finish(self, params, **summary):
         """The summary (on the reporting rank; None elsewhere), with the losses."""
@@ -199,7 +207,48 @@ def _quorum(survivors: list[int], members: list[int]) -> bool:
     return 2 * len(survivors) > len(members) or (2 * len(survivors) == len(members) and members[0] in survivors)
 
 
-def is_loss(error: BaseException) -> bool:
+def is_loss(error: BaseException, channel: MPI.Comm | None = None) -> bool:
     """Whether ``error`` says ranks died: mpicoll's :class:`RanksLost`, or MPI's own process failure from a call
-    made without mpicoll (an mpi4py collective on the same communicator)."""
-    return isinstance(error, RanksLost) or failure.is_process_failure(error)
+    made without mpicoll (an mpi4py collective on the same communicator); with ``channel``, also any error met
+    while the MPI library knows a rank of ``channel`` dead (what a collective of MPI's own garbled across a cut
+    link: see :func:`agreed`)."""
+    if isinstance(error, RanksLost) or failure.is_process_failure(error):
+        return True
+    return channel is not None and bool(failure.failed_ranks(channel))
+
+
+@contextmanager
+def agreed(channel: MPI.Comm, revoke=lambda: None):
+    """Run the block on every member of ``channel``, then agree with all of them (ULFM's ``MPI_Comm_agree``)
+    whether each finished it whole: if one did not, every one raises :class:`RanksLost`, so nothing the block
+    computed is used anywhere.  Collective; every member passes through exactly one agreement per block.
+
+    Why: across a cut link, under Open MPI 5.0's fault tolerance, MPI's own collectives returned *success* with
+    wrong data on the ranks that went on (an ``Allgather``'s output left untouched, an object ``allgather``
+    unpickling garbage; 3 of 3 runs on 2 emulated nodes), while the agreement that followed raised
+    ``MPI_ERR_PROC_FAILED`` on each of them (docs/elastic.md).  A member that meets a loss inside the block
+    calls ``revoke`` (so that no member still waits on it in another communicator: a pipeline, a stage) and
+    joins the same agreement with "not whole", rather than shrinking at once: a shrink is an agreement of its
+    own, and met with this one it aborted Open MPI.  ``channel``'s own calls must leave the shrinking to the
+    caller (``on_death = "revoke"``); :meth:`Survivors.recover` shrinks after it."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - a loss joins the agreement; anything else is raised as it is
+        if not is_loss(error, channel):
+            raise
+        revoke()
+        _agree(channel, False)
+        raise (error if isinstance(error, RanksLost) else
+               RanksLost("a step", channel.Get_rank(), failure.failed_ranks(channel))) from error
+    if not _agree(channel, True):
+        raise RanksLost("the agreement after a step", channel.Get_rank(), failure.failed_ranks(channel))
+
+
+def _agree(channel: MPI.Comm, whole: bool) -> bool:
+    """Whether every member of ``channel`` says ``whole`` and none died meanwhile: the same answer on all."""
+    try:
+        return bool(channel.Agree(int(whole)))
+    except MPI.Exception as error:      # raised on every member alike (ULFM): a member died before it agreed
+        if not failure.is_process_failure(error):
+            raise
+        return False
