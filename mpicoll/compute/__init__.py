@@ -109,15 +109,15 @@ def share_of_cores() -> int:
     return max(1, config.cores() // launcher.ranks_started_here())
 
 
-def torch_threads() -> int | None:
-    """The intra-op threads torch should have in this rank: its share of the node's cores, or None where
+def share_torch_threads(torch) -> None:
+    """Give ``torch`` (the module) this rank's share of the node's cores as intra-op threads, unless
     ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` is set (torch reads those itself; the user chose).
 
     One rule for ``import mpicoll.torch`` and ``mpicoll train``'s torch models (see
-    :mod:`mpicoll.torch.threads` for why torch's own default is wrong under a launcher)."""
-    if any(variable in os.environ for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
-        return None
-    return share_of_cores()
+    :mod:`mpicoll.torch.threads` for why torch's own default is wrong under a launcher); the module is passed
+    in because this layer never imports torch."""
+    if not any(variable in os.environ for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        torch.set_num_threads(share_of_cores())
 
 
 def limit_blas_threads() -> int | None:

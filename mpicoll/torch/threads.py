@@ -25,5 +25,4 @@ def share_the_node() -> None:
     Sets, never asks: a ``torch.get_num_threads()`` here, before Numba's pool starts, let that start change torch's
     count (1 thread became 2 a rank; the 2-rank test tier 97 s against 34 s); :func:`mpicoll.compute`'s
     ``_start_numba_threads`` now puts the count back whoever asked (docs/torch.md)."""
-    if (threads := compute.torch_threads()) is not None:
-        torch.set_num_threads(threads)
+    compute.share_torch_threads(torch)

@@ -49,8 +49,7 @@ def _torch_model(args, data, hidden, xp):
         raise SystemExit("mpicoll train: --framework torch needs PyTorch: pip install -e '.[torch]'") from None
     from .. import compute
     from ..models.modules import make
-    if (threads := compute.torch_threads()) is not None:   # as for BLAS: this rank's share of the node,
-        torch.set_num_threads(threads)                       # unless OMP_NUM_THREADS / MKL_NUM_THREADS chose
+    compute.share_torch_threads(torch)      # as for BLAS: this rank's share of the node, unless the user chose
     return make(args.model, data.features, data.classes, hidden, data.shape, xp)
 
 

@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from .. import gossip
 from ..base import checkpoint, timeline
+from ..base.errors import RanksLost
 from ..base.straggler import Straggler
 from ..channel.checks import load_checkpoint_set
 from ..collectives.communicator import Communicator
@@ -116,6 +117,7 @@ class Sgp(Family):
         slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
         epoch, samples = 0, 0
         channel = Communicator(comm.Dup(), algorithm="auto")    # revoked, not the job's, after a loss
+        channel.on_death = "revoke"             # the survivors shrink it together (elastic.Survivors.recover)
 
         def gossip_from(z) -> tuple:
             pushsum = gossip.PushSum(channel, z, graph=options.graph, tau=options.tau, mailbox=options.transport)
@@ -134,22 +136,24 @@ class Sgp(Family):
             me, count = channel.Get_rank(), channel.Get_size()
             history.append((epoch, []))
             try:
-                while done < plan.steps:
-                    batch = plan.batches[me][done]
-                    sgp.lr = rate(plan.progress(epoch, done, options.epochs))
-                    with slow, timeline.span("gradient", "train"):
-                        loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
-                    history[-1][1].append(loss)
-                    with timeline.span("push-sum step", "train"):
-                        z = xp.asarray(sgp.step(grad))
-                    done, samples = done + 1, samples + count * len(batch)
+                # one agreement an epoch: every rank, the ones that met a loss included, passes through it before
+                # any shrinks (push-sum's ranks are not in lockstep; a shrink met by an agreement aborts Open MPI)
+                with elastic.agreed(channel):
+                    while done < plan.steps:
+                        batch = plan.batches[me][done]
+                        sgp.lr = rate(plan.progress(epoch, done, options.epochs))
+                        with slow, timeline.span("gradient", "train"):
+                            loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
+                        history[-1][1].append(loss)
+                        with timeline.span("push-sum step", "train"):
+                            z = xp.asarray(sgp.step(grad))
+                        done, samples = done + 1, samples + count * len(batch)
+                    if options.checkpoint:
+                        pushsum.drain()
                 if options.checkpoint:           # the ranks left write theirs; a resume reads as many files
-                    pushsum.drain()
                     checkpoint.save(self.checkpoint_file(options, me), {**run, "ranks": count}, epoch + 1,
                                     epoch=epoch + 1, **pushsum.state())
-            except Exception as error:  # noqa: BLE001 - a loss is recovered from; anything else is raised
-                if not elastic.is_loss(error):
-                    raise
+            except RanksLost:           # on every survivor, after the epoch's agreement
                 restart = np.array(pushsum.debiased(), copy=True)
                 pushsum.close()
                 channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done))
@@ -162,12 +166,21 @@ class Sgp(Family):
                 survivors.reporter.evaluate(z, epoch + 1, samples)
             epoch += 1
             plan, done = elastic.Plan.epoch(len(y), channel.Get_size(), options.batch, options.seed, epoch), 0
-        pushsum.drain()
-        consensus = np.empty_like(pushsum.x)                 # the model one would deploy: the survivors' average
-        channel.Allreduce(pushsum.debiased(), consensus)
-        consensus /= channel.Get_size()
+        while True:         # the model one would deploy: the survivors' average, used once all agree it is whole
+            try:
+                with elastic.agreed(channel):
+                    pushsum.drain()
+                    consensus = np.empty_like(pushsum.x)
+                    channel.Allreduce(pushsum.debiased(), consensus)
+                    consensus /= channel.Get_size()
+                    stop_if_diverged(channel, consensus, history, "at the end (the average of the ranks' parameters)")
+                break
+            except RanksLost:   # a loss now: the survivors average theirs
+                restart = np.array(pushsum.debiased(), copy=True)
+                pushsum.close()
+                channel, _, loss = survivors.recover(channel, (epoch, 0))
+                pushsum, sgp = gossip_from(restart)
         pushsum.close()
-        stop_if_diverged(channel, consensus, history, "at the end (the average of the ranks' parameters)")
         summary = survivors.finish(xp.asarray(consensus))
         channel.close(abandon=bool(survivors.losses))
         return summary

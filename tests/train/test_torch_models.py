@@ -175,7 +175,7 @@ def test_model_parallel_trains_a_torch_sequential(method):
 @pytest.mark.parametrize("chosen", [None, "OMP_NUM_THREADS", "MKL_NUM_THREADS"])
 def test_train_gives_torch_the_ranks_share_of_the_cores_unless_the_environment_chose(monkeypatch, chosen):
     """``mpicoll train``'s torch models follow ``import mpicoll.torch``'s rule (one rule,
-    :func:`mpicoll.compute.torch_threads`): where the user set a thread variable, torch keeps what it made of it."""
+    :func:`mpicoll.compute.share_torch_threads`): where the user set a thread variable, torch keeps what it made of it."""
     from types import SimpleNamespace
     from mpicoll import compute
     from mpicoll.train import _torch_model
