@@ -307,11 +307,13 @@ def test_under_elastic_training_a_cut_node_stops_and_the_other_finishes(fresh, t
     """2 nodes x 2 ranks of ``mpicoll train --elastic`` under Open MPI's fault tolerance (``mpicoll cluster run
     --elastic``); node1's link cut once epoch 2 is logged.  Each side takes the other for dead (the heartbeat detector):
     node0, with rank 0 and half the ranks, goes on; node1 stops, saying it was cut off, and never writes.
-    ``allreduce-auto`` sends the large gradient by mpicoll's ring and hands the small ones to MPI's own allreduce,
-    which across the cut returned success with its buffer untouched on node0's ranks: without the agreement after
-    each step (mpicoll.train.elastic.agreed) the two went on from different sums (replicas not identical)."""
+    ``allreduce-auto``, told to hand the small gradients to MPI's own allreduce as it does without fault
+    tolerance (MPICOLL_AUTO_ALLREDUCE), sends the large one by mpicoll's ring: across the cut MPI's own returned
+    success with its buffer untouched on node0's ranks, and without the agreement after each step
+    (mpicoll.train.elastic.agreed) the two went on from different sums (replicas not identical)."""
     _, env = fault_tolerant(4)
-    env = {**env, "OMPI_MCA_mpi_ft_detector_period": "1", "OMPI_MCA_mpi_ft_detector_timeout": "3"}   # seconds
+    env = {**env, "OMPI_MCA_mpi_ft_detector_period": "1", "OMPI_MCA_mpi_ft_detector_timeout": "3",   # seconds
+           "MPICOLL_AUTO_ALLREDUCE": "mpi:4M,hierarchical"}
     python = str(OPENMPI_VENV / "bin" / "python")
     assert mpicoll_cluster("up", "--nodes", "2").returncode == 0
     log, output = tmp_path / "run.jsonl", tmp_path / "output.txt"

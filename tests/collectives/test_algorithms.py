@@ -26,6 +26,19 @@ class TestAuto:
         monkeypatch.setenv("MPICOLL_AUTO_ALLGATHER", "ring")            # a rule set by hand holds everywhere
         assert auto.choose("allgather", 8, 4, across_nodes=True) == "ring"
 
+    def test_under_fault_tolerance_nothing_goes_to_mpis_own_collectives(self, monkeypatch):
+        """Across a cut link Open MPI's own collectives under ULFM returned success with wrong data, where the
+        point-to-point calls of mpicoll's algorithms reported the failure (docs/elastic.md)."""
+        monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "true")
+        chosen = {auto.choose(collective, nbytes, 4, across_nodes=across) for collective in auto.DEFAULT_RULES
+                  for nbytes in (0, 8, 1 << 16, 3 << 20, 64 << 20) for across in (False, True)}
+        assert "mpi" not in chosen and "recursive_doubling" in chosen
+        assert auto.choose("allreduce", 8, 4) == "recursive_doubling"
+        assert auto.choose("allreduce", 64 << 20, 4) == "hierarchical"
+        assert auto.choose("allreduce", 8, 1) == "mpi"                          # one rank: no peer to lose
+        monkeypatch.setenv("MPICOLL_AUTO_BCAST", "mpi")                          # a rule set by hand holds
+        assert auto.choose("bcast", 8, 4) == "mpi"
+
     def test_environment_overrides(self, monkeypatch):
         monkeypatch.setenv("MPICOLL_AUTO_ALLREDUCE", "recursive_doubling:4K, parallel:1M, ring")
         assert [auto.choose("allreduce", n, 4) for n in (8, 4096, 1 << 20)] == \

@@ -26,6 +26,10 @@ Override a rule with the environment variable ``MPICOLL_AUTO_<COLLECTIVE>``
 Non-commutative ops go to ``mpi`` unless the rule was set by hand: MPI's
 library reduces them in rank order without the ring's cut detour.
 
+Under MPI's fault tolerance (ULFM) the default rules hand nothing to MPI: its share goes to
+``recursive_doubling`` (``FAULT_TOLERANT_RULES``), because across a cut link MPI's own collectives
+returned success with wrong data where point-to-point calls reported the failure (docs/elastic.md).
+
 Device (GPU) arrays follow ``DEVICE_RULES`` (``MPICOLL_AUTO_DEVICE_<COLLECTIVE>``
 to override), whose names must serve device arrays: ``direct`` reduces on the
 GPU; ``mpi`` would reduce on the host (staged) or leave it to a CUDA-aware MPI.
@@ -37,10 +41,11 @@ from __future__ import annotations
 import functools
 import os
 
+from ...base import failure
 from ...base.collectives import COLLECTIVES
 from ...base.config import parse_bytes
 
-__all__ = ["choose", "rule", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES"]
+__all__ = ["choose", "rule", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES", "FAULT_TOLERANT_RULES"]
 
 DEFAULT_RULES = {
     "allreduce": "mpi:2M,hierarchical",
@@ -63,6 +68,19 @@ ACROSS_NODES_RULES = {
 DEVICE_RULES = dict.fromkeys(DEFAULT_RULES, "direct")
 
 
+def _point_to_point(rules: dict[str, str]) -> dict[str, str]:
+    return {collective: ",".join("recursive_doubling" + part[3:] if part.split(":")[0] == "mpi" else part
+                                 for part in text.split(",")) for collective, text in rules.items()}
+
+
+# Under MPI's fault tolerance (ULFM: Open MPI's ``--with-ft ulfm``) the calls the rules above hand to MPI go to
+# recursive doubling instead: across a cut link Open MPI 5.0's own collectives returned *success* with wrong data
+# on the ranks that went on, where point-to-point calls, which mpicoll's algorithms are made of, reported the
+# failure (docs/elastic.md).  One rank, non-commutative ops and a rule set by hand still go to MPI.
+FAULT_TOLERANT_RULES = _point_to_point(DEFAULT_RULES)
+FAULT_TOLERANT_ACROSS_NODES_RULES = _point_to_point(ACROSS_NODES_RULES)
+
+
 def _variable(collective: str, device: bool) -> str:
     return f"MPICOLL_AUTO_{'DEVICE_' if device else ''}{collective.upper()}"
 
@@ -70,7 +88,13 @@ def _variable(collective: str, device: bool) -> str:
 def rule(collective: str, device: bool = False, across_nodes: bool = False) -> list[tuple[str, float]]:
     """The rule in force for ``collective``: [(algorithm, exclusive byte limit), ...].  ``across_nodes``:
     the communicator spans nodes of several ranks each, consecutive ranks per node."""
-    default = (DEVICE_RULES if device else ACROSS_NODES_RULES if across_nodes else DEFAULT_RULES)[collective]
+    if device:
+        rules = DEVICE_RULES
+    elif failure.fault_tolerant():
+        rules = FAULT_TOLERANT_ACROSS_NODES_RULES if across_nodes else FAULT_TOLERANT_RULES
+    else:
+        rules = ACROSS_NODES_RULES if across_nodes else DEFAULT_RULES
+    default = rules[collective]
     return _parse(_variable(collective, device), os.environ.get(_variable(collective, device), default), device)
 
 
