@@ -182,8 +182,9 @@ class Allreduce(Family):
         """Allreduce SGD that goes on without ranks that die (:mod:`mpicoll.train.elastic`): the same steps as
         :meth:`run` while nobody is lost, each step's sum used only once every member has agreed it is whole
         (:func:`~mpicoll.train.elastic.agreed`, one ``MPI_Comm_agree`` a step); after a loss the survivors, all at
-        the step none of them took, take the rest of the epoch's rows between them, and train the later epochs as a run of that many ranks would.  With ``--model-parallel
-        K`` the members are replicas of K stages: a replica that lost a stage stops, and the whole ones go on."""
+        the step none of them took, take the rest of the epoch's rows between them, and train the later epochs
+        as a run of that many ranks would.  With ``--model-parallel K`` the members are replicas of K stages: a
+        replica that lost a stage stops, and the whole ones go on."""
         X, y = xp.asarray(data.X), xp.asarray(data.y)
         slow = Straggler.for_rank(comm.Get_rank(), options.straggler, options.delay, options.seed)
         k, epoch, params = options.model_parallel, 0, None

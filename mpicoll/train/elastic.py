@@ -4,11 +4,12 @@ plan of an epoch's batches over the current members, and the recovery after a lo
 A synchronous method cannot take a step without every member, so when ranks die the survivors (each raised
 :class:`mpicoll.RanksLost`) shrink their communicator, agree on the last step all of them completed, and go on.
 The allreduce methods use no step's sum before every member has said it is whole (:func:`agreed`), so the
-survivors all stand at the same step; push-sum's ranks may be a step apart, and take the earliest.  The data the lost ranks had not reached in
-this epoch is not dropped: an epoch's :class:`Plan` names every member's batches as rows of the whole training
-set, so the rows every member had yet to take, the lost ones' included, are divided among the survivors
-(:meth:`Plan.rest`); later epochs divide the training set among the survivors as a run of that many ranks
-would.  Every survivor computes the same plans from the same agreed facts; nothing is sent but the position.
+survivors all stand at the same step; push-sum's ranks may stand apart, and take the earliest.  The data the
+lost ranks had not reached in this epoch is not dropped: an epoch's :class:`Plan` names every member's batches
+as rows of the whole training set, so the rows every member had yet to take, the lost ones' included, are
+divided among the survivors (:meth:`Plan.rest`); later epochs divide the training set among the survivors as a
+run of that many ranks would.  Every survivor computes the same plans from the same agreed facts; nothing is
+sent but the position.
 """
 
 from __future__ import annotations
@@ -238,8 +239,9 @@ def agreed(channel: MPI.Comm, revoke=lambda: None):
             raise
         revoke()
         _agree(channel, False)
-        raise (error if isinstance(error, RanksLost) else
-               RanksLost("a step", channel.Get_rank(), failure.failed_ranks(channel))) from error
+        if isinstance(error, RanksLost):
+            raise
+        raise RanksLost("a step", channel.Get_rank(), failure.failed_ranks(channel)) from error
     if not _agree(channel, True):
         raise RanksLost("the agreement after a step", channel.Get_rank(), failure.failed_ranks(channel))
 
