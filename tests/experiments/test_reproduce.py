@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -181,9 +182,9 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
     assert records["b"]["reproduced"] == expected, records["b"]
     killed = records["d"]["figures"]
     assert killed["workers killed mid-run"] == killed["killed runs that finished"] == "2 of 2", records["d"]
-    for output in sorted((out / "runs").glob("d-downpour-killed-*.out")):
-        assert "worker rank 2 died (the MPI library reports its process gone): dropped" in output.read_text(), \
-            output.read_text()[-2000:]
+    for output in sorted((out / "runs").glob("d-downpour-killed-*.out")):    # between messages, or inside one
+        assert re.search(r"worker rank 2 died (in the middle of [a-z ]+ )?\(the MPI library reports its process "
+                         r"gone\): dropped", output.read_text()), output.read_text()[-2000:]
     report = (out / "report.md").read_text()
     assert "the claims use a fixed random 500 and 125 of them" in report
     assert all(f"## {record['claim']}" in report for record in records.values())
