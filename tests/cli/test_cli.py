@@ -51,3 +51,17 @@ def test_one_option_chooses_how_ranks_exchange_for_parameter_servers_and_gossip(
                                                                                     "onesided")]:
         options = Options.from_args(parse(["train", "--method", "sgp", *words]))
         assert options.transport == expected and not hasattr(options, "mailbox"), words
+
+
+def test_a_crash_inside_a_command_under_mpiexec_prints_where_python_was():
+    """A segmentation fault in native code (MPICH's UCX transport crashed a parameter server once in CI, leaving only
+    the shell's "Segmentation fault") prints each Python thread's stack, the function that crashed in it."""
+    crash = ("import argparse, ctypes\n"
+             "from mpicoll import cli\n"
+             "def read_address_zero(args):\n"
+             "    return ctypes.string_at(0)\n"
+             "cli._guarded(read_address_zero, argparse.Namespace(command='train'))\n")
+    result = launch(1, "-c", crash, env={"MPICOLL_END_BROKEN_JOBS": "0"})
+    assert result.returncode != 0
+    assert "Fatal Python error: Segmentation fault" in result.stderr and "read_address_zero" in result.stderr, \
+        result.stderr[-2000:]
