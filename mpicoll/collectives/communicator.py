@@ -108,8 +108,8 @@ class Communicator(MPI.Intracomm):
 
     def shrink(self) -> "Communicator":
         """A communicator of the survivors, after ranks died under MPI's fault tolerance (ULFM), with this
-        one's algorithm; this one is released (abandoned).  mpicoll's private channel, shared memory, node
-        layout and progress thread are set up anew on the new one's first call.
+        one's algorithm and :attr:`on_death`; this one is released (abandoned).  mpicoll's private channel,
+        shared memory, node layout and progress thread are set up anew on the new one's first call.
 
         Collective over the survivors.  After a :class:`~mpicoll.RanksLost` it is the communicator the
         survivors agreed on then; called without one (a survivor that heard nothing yet, or a program
@@ -128,7 +128,9 @@ class Communicator(MPI.Intracomm):
             survivors = shrunk[0]
             failure.outlived_a_death()
         self.close(abandon=True)
-        return Communicator(survivors, algorithm=self.algorithm)
+        shrunk = Communicator(survivors, algorithm=self.algorithm)
+        shrunk.on_death = self.on_death     # a part of a larger whole stays one
+        return shrunk
 
     def _raise_if_ranks_lost(self, error: MPI.Exception) -> None:
         """A dead peer reported by MPI's own call (a fast path): :class:`~mpicoll.RanksLost`, as everywhere."""

@@ -202,48 +202,41 @@ class Allreduce(Family):
         survivors = elastic.Survivors(comm, options, model, data, xp)
         rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
         plan, done = elastic.Plan.epoch(len(y), replicas.count, options.batch, options.seed, epoch), 0
-        while epoch < options.epochs:
-            me, count = replicas.index, replicas.count
-            epoch_losses = []
+        while True:
             try:
-                while done < plan.steps:
-                    batch = plan.batches[me][done]
-                    with elastic.agreed(channel, revoke=replicas.revoke):  # no sum is used before all say it is whole
-                        with slow, timeline.span("gradient", "train"):
-                            loss, grad = replicas.loss_and_gradient(params, X[batch], y[batch])
-                        summed(replicas.stage, grad, average)
-                    epoch_losses.append(loss)
-                    with timeline.span("update", "train"):
-                        params -= (rate(plan.progress(epoch, done, options.epochs)) / count) * average
-                    done, samples = done + 1, samples + count * len(batch)
-                with elastic.agreed(channel, revoke=replicas.revoke):
-                    stop_if_diverged(channel, params, [(epoch, epoch_losses)], f"after epoch {epoch + 1}")
-                    score = replicas.test_score(params, data)
+                while epoch < options.epochs:
+                    me, count = replicas.index, replicas.count
+                    epoch_losses = []
+                    while done < plan.steps:
+                        batch = plan.batches[me][done]
+                        with elastic.agreed(channel, revoke=replicas.revoke):  # no sum is used before all say whole
+                            with slow, timeline.span("gradient", "train"):
+                                loss, grad = replicas.loss_and_gradient(params, X[batch], y[batch])
+                            summed(replicas.stage, grad, average)
+                        epoch_losses.append(loss)
+                        with timeline.span("update", "train"):
+                            params -= (rate(plan.progress(epoch, done, options.epochs)) / count) * average
+                        done, samples = done + 1, samples + count * len(batch)
+                    with elastic.agreed(channel, revoke=replicas.revoke):
+                        stop_if_diverged(channel, params, [(epoch, epoch_losses)], f"after epoch {epoch + 1}")
+                        score = replicas.test_score(params, data)
+                    if options.checkpoint and replicas.index == 0:     # written by the ranks left (a resume reshards)
+                        checkpoint.save(self.checkpoint_file(options, channel.Get_rank()),
+                                        {**run, "ranks": channel.Get_size()}, epoch + 1,
+                                        params=arrays.as_host(params), epoch=epoch + 1)
+                    if survivors.reporter:
+                        survivors.reporter.evaluate(params if k == 1 else None, epoch + 1, samples, measured=score)
+                    epoch += 1
+                    plan, done = elastic.Plan.epoch(len(y), replicas.count, options.batch, options.seed, epoch), 0
+                with elastic.agreed(channel):   # the survivors compare their replicas
+                    crcs = channel.allgather((channel.Get_rank() % k, zlib.crc32(arrays.as_host(params).tobytes())))
+                break
             except RanksLost:           # on every survivor alike, at the same step (the agreement's)
-                channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done), stages=k)
+                channel, (epoch, agreed), _ = survivors.recover(channel, (epoch, done), stages=k)
                 if channel is None:
                     return None                                 # this rank's replica lost a stage
                 replicas = _Replicas(channel, k, model, options, self.algorithm)
                 plan, done = plan.rest(agreed, replicas.count, options.batch), 0
-                continue
-            if options.checkpoint and replicas.index == 0:     # written by the ranks left (a resume reshards)
-                checkpoint.save(self.checkpoint_file(options, channel.Get_rank()),
-                                {**run, "ranks": channel.Get_size()}, epoch + 1, params=arrays.as_host(params),
-                                epoch=epoch + 1)
-            if survivors.reporter:
-                survivors.reporter.evaluate(params if k == 1 else None, epoch + 1, samples, measured=score)
-            epoch += 1
-            plan, done = elastic.Plan.epoch(len(y), replicas.count, options.batch, options.seed, epoch), 0
-        while True:                             # a loss now: the survivors compare theirs
-            try:
-                with elastic.agreed(channel):
-                    crcs = channel.allgather((channel.Get_rank() % k, zlib.crc32(arrays.as_host(params).tobytes())))
-                break
-            except RanksLost:
-                channel, _, loss = survivors.recover(channel, (epoch, 0), stages=k)
-                if channel is None:
-                    return None
-                replicas = _Replicas(channel, k, model, options, self.algorithm)
         same = len(set(crcs)) == k              # one value per stage: every replica holds the same
         summary = survivors.finish(params if k == 1 else None, replicas_identical=same,
                                    measured=replicas.test_score(params, data))

@@ -137,12 +137,11 @@ class Survivors:
         me = MPI.COMM_WORLD.Get_rank()
         while True:             # every survivor goes round as often as the others: the agreement ends each round
             try:
-                channel = channel.shrink()
+                channel = channel.shrink()      # keeps on_death "revoke": the shrinking stays this loop's
             except Exception as error:  # noqa: BLE001 - only a further death is recovered from here
                 if not is_loss(error):
                     raise
                 continue
-            channel.on_death = "revoke"         # its calls leave the shrinking to this loop, after the agreement
             try:
                 with agreed(channel):
                     survivors = channel.allgather(me)
@@ -174,7 +173,7 @@ class Survivors:
             if part == MPI.COMM_NULL:
                 return None, reached, loss
             channel = type(channel)(part, algorithm=channel.algorithm)
-            channel.on_death = "revoke"
+            channel.on_death = "revoke"         # as the shrunk one's: the shrinking stays this loop's
         if channel.Get_rank() == 0:
             if self.reporter is None:
                 self.reporter = Reporter.take_over(self.options, self.model, self.data, self.xp, loss.ranks,

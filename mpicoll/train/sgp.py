@@ -132,42 +132,35 @@ class Sgp(Family):
         rate = schedules.parse(options.lr_schedule, options.lr)     # over the budget's progress (Plan.progress)
         plan, done = elastic.Plan.epoch(len(y), comm.Get_size(), options.batch, options.seed, epoch), 0
         history = []                             # (epoch, its losses): where the parameters went bad, if they do
-        while epoch < options.epochs:
-            me, count = channel.Get_rank(), channel.Get_size()
-            history.append((epoch, []))
+        count = channel.Get_size()              # the ranks that took the steps a loss takes back
+        while True:
             try:
-                # one agreement an epoch: every rank, the ones that met a loss included, passes through it before
-                # any shrinks (push-sum's ranks are not in lockstep; a shrink met by an agreement aborts Open MPI)
-                with elastic.agreed(channel):
-                    while done < plan.steps:
-                        batch = plan.batches[me][done]
-                        sgp.lr = rate(plan.progress(epoch, done, options.epochs))
-                        with slow, timeline.span("gradient", "train"):
-                            loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
-                        history[-1][1].append(loss)
-                        with timeline.span("push-sum step", "train"):
-                            z = xp.asarray(sgp.step(grad))
-                        done, samples = done + 1, samples + count * len(batch)
-                    if options.checkpoint:
-                        pushsum.drain()
-                if options.checkpoint:           # the ranks left write theirs; a resume reads as many files
-                    checkpoint.save(self.checkpoint_file(options, me), {**run, "ranks": count}, epoch + 1,
-                                    epoch=epoch + 1, **pushsum.state())
-            except RanksLost:           # on every survivor, after the epoch's agreement
-                restart = np.array(pushsum.debiased(), copy=True)
-                pushsum.close()
-                channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done))
-                samples -= (done - agreed) * count * options.batch
-                plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
-                pushsum, sgp = gossip_from(restart)
-                z = xp.asarray(sgp.parameters)
-                continue
-            if survivors.reporter:
-                survivors.reporter.evaluate(z, epoch + 1, samples)
-            epoch += 1
-            plan, done = elastic.Plan.epoch(len(y), channel.Get_size(), options.batch, options.seed, epoch), 0
-        while True:         # the model one would deploy: the survivors' average, used once all agree it is whole
-            try:
+                while epoch < options.epochs:
+                    me, count = channel.Get_rank(), channel.Get_size()
+                    history.append((epoch, []))
+                    # one agreement an epoch: every rank, the ones that met a loss included, passes through it
+                    # before any shrinks (push-sum's ranks are not in lockstep; a shrink met by an agreement
+                    # aborts Open MPI)
+                    with elastic.agreed(channel):
+                        while done < plan.steps:
+                            batch = plan.batches[me][done]
+                            sgp.lr = rate(plan.progress(epoch, done, options.epochs))
+                            with slow, timeline.span("gradient", "train"):
+                                loss, grad = model.loss_and_gradient(z, X[batch], y[batch])
+                            history[-1][1].append(loss)
+                            with timeline.span("push-sum step", "train"):
+                                z = xp.asarray(sgp.step(grad))
+                            done, samples = done + 1, samples + count * len(batch)
+                        if options.checkpoint:
+                            pushsum.drain()
+                    if options.checkpoint:           # the ranks left write theirs; a resume reads as many files
+                        checkpoint.save(self.checkpoint_file(options, me), {**run, "ranks": count}, epoch + 1,
+                                        epoch=epoch + 1, **pushsum.state())
+                    if survivors.reporter:
+                        survivors.reporter.evaluate(z, epoch + 1, samples)
+                    epoch += 1
+                    plan, done = elastic.Plan.epoch(len(y), channel.Get_size(), options.batch, options.seed, epoch), 0
+                # the model one would deploy: the survivors' average, used once all agree it is whole
                 with elastic.agreed(channel):
                     pushsum.drain()
                     consensus = np.empty_like(pushsum.x)
@@ -175,11 +168,14 @@ class Sgp(Family):
                     consensus /= channel.Get_size()
                     stop_if_diverged(channel, consensus, history, "at the end (the average of the ranks' parameters)")
                 break
-            except RanksLost:   # a loss now: the survivors average theirs
+            except RanksLost:           # on every survivor, after the epoch's (or the average's) agreement
                 restart = np.array(pushsum.debiased(), copy=True)
                 pushsum.close()
-                channel, _, loss = survivors.recover(channel, (epoch, 0))
+                channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done))
+                samples -= (done - agreed) * count * options.batch
+                plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
                 pushsum, sgp = gossip_from(restart)
+                z = xp.asarray(sgp.parameters)
         pushsum.close()
         summary = survivors.finish(xp.asarray(consensus))
         channel.close(abandon=bool(survivors.losses))

@@ -20,7 +20,8 @@ from mpi4py import MPI
 import mpicoll
 from tests.support.jobs import ROOT, fault_tolerant
 
-# argv: algorithm, form (blocking, nonblocking, bcast), count, dtype, victim.  Every rank's data comes from a seed
+# argv: algorithm, form (blocking, nonblocking, bcast), count, dtype, victim, on_death (what the communicator does
+# on a death: "shrink", its default, or "revoke", which a shrunk one keeps).  Every rank's data comes from a seed
 # of its own, so each survivor computes the reference (float64, over the survivors) itself.  The victim dies
 # before its step 2; the survivors agree on the last step all of them completed (one of them may have failed a
 # call the others finished) and redo from there.  One JSON line per survivor.
@@ -33,6 +34,7 @@ algorithm, form, count, dtype, victim = sys.argv[1], sys.argv[2], int(sys.argv[3
 world = MPI.COMM_WORLD
 me = world.Get_rank()
 comm = mpicoll.Communicator(world, algorithm=algorithm)
+comm.on_death = sys.argv[6]
 def data(rank, step):
     return np.random.default_rng([rank, step]).integers(-50, 50, count).astype(dtype)
 lost, ranks, step, result = [], list(range(world.Get_size())), 0, None
@@ -57,7 +59,8 @@ while step < 5:
 expected = (data(ranks[0], step - 1) if form == "bcast"
             else sum(data(r, step - 1).astype(np.float64) for r in ranks))
 print(json.dumps({"rank": me, "lost": lost, "size": comm.Get_size(), "new_rank": comm.Get_rank(),
-                  "right": bool(np.array_equal(result.astype(np.float64), expected))}), flush=True)
+                  "right": bool(np.array_equal(result.astype(np.float64), expected)), "on_death": comm.on_death}),
+      flush=True)
 """
 
 
@@ -68,22 +71,24 @@ def elastic_job(tmp_path, *args, ranks: int = 4, timeout: float = 90) -> subproc
                           capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
-@pytest.mark.parametrize("algorithm, form, count, dtype", [
-    ("ring", "blocking", 1 << 18, "float64"),       # mpicoll's own algorithm, over its private channel
-    ("mpi", "blocking", 1 << 18, "float32"),        # MPI's own collective, called by the mpi algorithm
-    ("auto", "blocking", 3, "int64"),               # fewer elements than ranks: MPI's call on the user's communicator
-    ("ring", "nonblocking", 4099, "float64"),       # in the progress thread
-    ("auto", "bcast", 1 << 16, "int32"),
+@pytest.mark.parametrize("algorithm, form, count, dtype, on_death", [
+    ("ring", "blocking", 1 << 18, "float64", "shrink"),     # mpicoll's own algorithm, over its private channel
+    ("mpi", "blocking", 1 << 18, "float32", "shrink"),      # MPI's own collective, called by the mpi algorithm
+    ("auto", "blocking", 3, "int64", "shrink"),     # fewer elements than ranks: MPI's call on the user's communicator
+    ("ring", "nonblocking", 4099, "float64", "shrink"),     # in the progress thread
+    ("auto", "bcast", 1 << 16, "int32", "shrink"),
+    ("ring", "blocking", 4099, "int32", "revoke"),  # a part of a larger whole: raises, shrinks when told, stays one
 ])
-def test_survivors_name_the_dead_rank_shrink_and_go_on(tmp_path, algorithm, form, count, dtype):
+def test_survivors_name_the_dead_rank_shrink_and_go_on(tmp_path, algorithm, form, count, dtype, on_death):
     victim = 2
-    job = elastic_job(tmp_path, algorithm, form, count, dtype, victim)
+    job = elastic_job(tmp_path, algorithm, form, count, dtype, victim, on_death)
     said = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
     assert job.returncode == 0 and len(said) == 3, job.stdout + job.stderr[-3000:]
     assert sorted(s["rank"] for s in said) == [0, 1, 3]
     assert all(s["lost"] == [[victim]] for s in said), said
     assert sorted(s["new_rank"] for s in said) == [0, 1, 2] and {s["size"] for s in said} == {3}, said
     assert all(s["right"] for s in said), said
+    assert all(s["on_death"] == on_death for s in said), said
 
 
 def test_shrink_without_fault_tolerance_says_how_to_get_it():
