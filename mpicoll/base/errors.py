@@ -106,14 +106,18 @@ class RanksLost(PeerFailed):
     the survivors agreed on who is gone by shrinking it.  The communicator is
     unusable from then on; :meth:`mpicoll.Communicator.shrink` returns one of the
     survivors to go on with (mpicoll's own state set up anew on its first call).
+    A communicator whose ``on_death`` is "revoke" leaves the shrinking to its
+    owner: there ``lost`` is what MPI had named to this rank, empty on one that
+    learnt of the death from another survivor's revoke.
     """
 
     def __init__(self, collective: str, rank: int, lost):
         self.collective, self.rank = collective, rank
         self.lost = self.peers = sorted(set(lost))
-        MpicollError.__init__(self, f"{collective}: rank(s) {_ranks(self.lost)} died (MPI's fault tolerance told "
-                                    f"rank {rank}); this communicator is revoked on every survivor: go on with "
-                                    "comm.shrink(), a communicator of the survivors, or end the job")
+        who = (f"rank(s) {_ranks(self.lost)} died (MPI's fault tolerance told rank {rank})" if self.lost else
+               f"a rank died (rank {rank} learnt it from another survivor's revoke, before MPI named the dead to it)")
+        MpicollError.__init__(self, f"{collective}: {who}; this communicator is revoked on every survivor: go on "
+                                    "with comm.shrink(), a communicator of the survivors, or end the job")
 
 
 class Told(MpicollError):
