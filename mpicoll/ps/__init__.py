@@ -63,7 +63,7 @@ class ParameterServer:
         self.windows = None
         if transport == "onesided":
             self.context.rendezvous()                 # allocating windows blocks until every rank is here
-            self.windows = Windows(self.context.comm, self.layout, init.dtype)
+            self.windows = Windows(self.context, self.layout, init.dtype)
         self.is_server = self.layout.is_server
         self.weights = init[self.layout.shard(self.layout.rank)].copy() if self.is_server else None
         self.client = None if self.is_server else Client(self.context, self.layout, init.dtype, self.windows,

@@ -21,6 +21,12 @@ MPI.  So:
   worker got.
 
 All windows come from ``Win.Allocate`` (5-20x faster to use than ``Win.Create``).
+
+Under Open MPI's fault tolerance a transfer aimed at a rank whose node was cut off never returns (its
+one-sided modules are "not tested for post-failure operation", as it warns; a server stuck in
+``MPI_Win_unlock`` towards a cut-off worker, seen across emulated nodes): every transfer is watched
+(:mod:`mpicoll.channel.watchdog`), so that the job ends after the context's timeout naming the rank that
+did not answer, instead of hanging.  A dead rank on a reachable node fails the call at once, as it should.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..channel.watchdog import watch_of
 from .layout import Layout
 
 __all__ = ["Windows"]
@@ -43,8 +50,11 @@ class Windows:
     vector]``.  Each rank allocates nothing in the windows of the other role.
     """
 
-    def __init__(self, comm: MPI.Intracomm, layout: Layout, dtype):
+    def __init__(self, context, layout: Layout, dtype):
+        comm = context.comm
         self.comm, self.layout, self.dtype = comm, layout, np.dtype(dtype)
+        self._transfer = watch_of(context, "a parameter server's one-sided transfer (MPI_Win_unlock; a rank "
+                                  "cut off never answers it: --transport p2p drops such a rank and goes on)")
         item = self.dtype.itemsize
         shard = layout.shard(layout.rank).stop - layout.shard(layout.rank).start if layout.is_server else 0
         workers = len(layout.workers)
@@ -69,19 +79,21 @@ class Windows:
         slot = self.layout.workers.index(self.layout.rank)
         for server in self.layout.servers:
             part = gradient[self.layout.shard(server)]
-            self.inbox_win.Lock(server, MPI.LOCK_SHARED)
-            self.inbox_win.Put(part, server, slot * part.size)
-            self.inbox_win.Unlock(server)
+            with self._transfer:
+                self.inbox_win.Lock(server, MPI.LOCK_SHARED)
+                self.inbox_win.Put(part, server, slot * part.size)
+                self.inbox_win.Unlock(server)
 
     def get_live(self) -> None:
         """Read every server's current shard and version (no server involvement)."""
         item = self.dtype.itemsize
         for index, server in enumerate(self.layout.servers):
             part = self.weights[self.layout.shard(server)]
-            self.live_win.Lock(server, MPI.LOCK_SHARED)
-            self.live_win.Get(self.versions[index:index + 1].view(np.uint8), server, 0)
-            self.live_win.Get([part.view(np.uint8), part.size * item, MPI.BYTE], server, _VERSION)
-            self.live_win.Unlock(server)
+            with self._transfer:
+                self.live_win.Lock(server, MPI.LOCK_SHARED)
+                self.live_win.Get(self.versions[index:index + 1].view(np.uint8), server, 0)
+                self.live_win.Get([part.view(np.uint8), part.size * item, MPI.BYTE], server, _VERSION)
+                self.live_win.Unlock(server)
 
     def see_puts(self) -> None:
         """Make what the servers put into this rank's window visible to its own reads."""
@@ -103,10 +115,11 @@ class Windows:
         index = self.layout.servers.index(self.layout.rank)
         start = self.layout.shard(self.layout.rank).start
         base = len(self.layout.servers) * _VERSION + start * self.dtype.itemsize
-        self.mine_win.Lock(worker, MPI.LOCK_SHARED)
-        self.mine_win.Put(self.version.view(np.uint8), worker, index * _VERSION)
-        self.mine_win.Put([self.weights.view(np.uint8), MPI.BYTE], worker, base)
-        self.mine_win.Unlock(worker)
+        with self._transfer:
+            self.mine_win.Lock(worker, MPI.LOCK_SHARED)
+            self.mine_win.Put(self.version.view(np.uint8), worker, index * _VERSION)
+            self.mine_win.Put([self.weights.view(np.uint8), MPI.BYTE], worker, base)
+            self.mine_win.Unlock(worker)
 
     # -- both ---------------------------------------------------------------
 

@@ -65,3 +65,40 @@ def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transpor
     # Hydra reports the dead process: the server drops it at once, not after the worker timeout
     assert "worker rank 3 died (the MPI library reports its process gone): dropped" in result.stderr, \
         result.stderr[-2000:]
+
+
+# Rank 0 (the server's side of the windows) puts weights into rank 1's window while rank 1 sleeps outside MPI for
+# longer than the timeout: the put cannot complete before rank 1 enters MPI again (MPICH's passive target), as one
+# aimed at a rank cut off never does (Open MPI's fault tolerance, seen across emulated nodes).
+STUCK_PUT = """
+import time
+import numpy as np
+from mpi4py import MPI
+from mpicoll.channel.context import Context
+from mpicoll.ps.layout import Layout
+from mpicoll.ps.windows import Windows
+world = MPI.COMM_WORLD
+context = Context(world)
+layout = Layout.split(world, 16, 1)
+windows = Windows(context, layout, np.float32)
+world.Barrier()
+if world.Get_rank() == 0:
+    start = time.monotonic()
+    windows.put_weights(1)
+    print(f"rank 0: the put returned after {time.monotonic() - start:.1f} s", flush=True)
+else:
+    time.sleep(12)
+world.Barrier()
+"""
+
+
+def test_a_one_sided_transfer_to_a_rank_that_never_answers_ends_the_job_naming_it(tmp_path):
+    script = tmp_path / "stuck_put.py"
+    script.write_text(STUCK_PUT)
+    job = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "MPICOLL_TIMEOUT": "2"})
+    said = job.stdout + job.stderr
+    assert job.returncode != 0 and "the put returned" not in said, said[-3000:]
+    assert "rank 0 ends the job: a parameter server's one-sided transfer" in said and "for rank(s) 1" in said and \
+        "--transport p2p" in said, said[-3000:]
