@@ -34,6 +34,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..channel.context import Context
+from ..channel.watchdog import watch_of
 from ..base.tags import Tag
 from .topology import Graph
 
@@ -113,6 +114,10 @@ class OneSidedMailbox:
         self.freed = memory[self.acks_at:].view(np.float64)
         self.freed[:] = -1.0
         ctx.rendezvous()                          # every mailbox is ready before anyone writes
+        # a transfer aimed at a rank cut off never returns under Open MPI's fault tolerance (as the parameter
+        # servers' one-sided transport showed, mpicoll.ps.windows): the watchdog ends the job after the timeout
+        self._transfer = watch_of(ctx, "push-sum's one-sided transfer (MPI_Win_unlock; a rank cut off never "
+                                       "answers it)")
 
     def expect(self, round: int) -> None:
         """Nothing to post: packets land on their own."""
@@ -130,12 +135,13 @@ class OneSidedMailbox:
             self.outgoing.fill(0, share, x, weight, round)
             for peer in peers:
                 self._wait_for_free_slot(round, peer)
-                self.win.Lock(peer, MPI.LOCK_SHARED)
-                self.win.Accumulate(self.outgoing.headers[0], peer, (offset, HEADER, MPI.DOUBLE), MPI.SUM)
-                if self.outgoing.count:
-                    self.win.Accumulate(self.outgoing.payloads[0], peer,
-                                        (offset + _HEADER_BYTES, self.outgoing.count, self.mpi_type), MPI.SUM)
-                self.win.Unlock(peer)
+                with self._transfer:
+                    self.win.Lock(peer, MPI.LOCK_SHARED)
+                    self.win.Accumulate(self.outgoing.headers[0], peer, (offset, HEADER, MPI.DOUBLE), MPI.SUM)
+                    if self.outgoing.count:
+                        self.win.Accumulate(self.outgoing.payloads[0], peer,
+                                            (offset + _HEADER_BYTES, self.outgoing.count, self.mpi_type), MPI.SUM)
+                    self.win.Unlock(peer)
 
     def _wait_for_free_slot(self, round: int, peer: int) -> None:
         """``peer`` must have taken round - slots, the last user of this slot, from its mailbox."""
@@ -181,9 +187,10 @@ class OneSidedMailbox:
         self.win.Unlock(self.rank)
         marker = np.array([float(round)])
         for peer in self.graph.in_peers(self.rank, round + self.slots):
-            self.win.Lock(peer, MPI.LOCK_SHARED)
-            self.win.Put(marker, peer, (self.acks_at + self.rank * 8, 1, MPI.DOUBLE))
-            self.win.Unlock(peer)
+            with self._transfer:
+                self.win.Lock(peer, MPI.LOCK_SHARED)
+                self.win.Put(marker, peer, (self.acks_at + self.rank * 8, 1, MPI.DOUBLE))
+                self.win.Unlock(peer)
 
     def _see_own_window(self) -> None:
         self.win.Lock(self.rank, MPI.LOCK_SHARED)
