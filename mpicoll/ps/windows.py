@@ -26,7 +26,8 @@ Under Open MPI's fault tolerance a transfer aimed at a rank whose node was cut o
 one-sided modules are "not tested for post-failure operation", as it warns; a server stuck in
 ``MPI_Win_unlock`` towards a cut-off worker, seen across emulated nodes): every transfer is watched
 (:mod:`mpicoll.channel.watchdog`), so that the job ends after the context's timeout naming the rank that
-did not answer, instead of hanging.  A dead rank on a reachable node fails the call at once, as it should.
+did not answer, instead of hanging.  A worker killed on a reachable node is dropped as with the
+point-to-point transport (``tests/train/test_elastic.py``, dcasgd over this transport).
 """
 
 from __future__ import annotations
