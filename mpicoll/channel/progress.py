@@ -18,6 +18,8 @@ import warnings
 
 from mpi4py import MPI
 
+from ..base import failure
+
 __all__ = ["Progress"]
 
 
@@ -52,7 +54,14 @@ class Progress:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             if self._awake.is_set():
-                self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+                try:
+                    self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+                except MPI.Exception as error:
+                    # under MPI's fault tolerance a peer's death (or the revoke that follows) fails every probe
+                    # until the main thread, which meets it in its own calls, recovers and stops this thread:
+                    # the probe still turned the engine; anything else is this thread's end, said once
+                    if not failure.is_process_failure(error):
+                        raise
 
     def paused(self) -> "_Paused":
         """Hold the thread while this rank is inside MPI anyway (its polls then compete for MPI's lock)."""

@@ -74,15 +74,21 @@ def intact(tmp_path_factory, method: str, *extra: str, settings: dict | None = N
     return _intact[method, extra]
 
 
-# fp16 with error feedback through owners that round (hierarchical on one node, at every size)
-_COMPRESSED = (["--compression", "fp16", "--error-feedback"], {"MPICOLL_AUTO_ALLREDUCE": "hierarchical"})
+_VARIANTS = {
+    "plain": ([], None),
+    # fp16 with error feedback through owners that round (hierarchical on one node, at every size)
+    "compressed": (["--compression", "fp16", "--error-feedback"], {"MPICOLL_AUTO_ALLREDUCE": "hierarchical"}),
+    # push-sum through one-sided windows, whose progress thread meets the death too
+    "onesided": (["--transport", "onesided"], None),
+}
 
 
-@pytest.mark.parametrize("method, victim, compressed", [("allreduce-ring", 2, False), ("sgp", 0, False),
-                                                        ("allreduce-auto", 1, True)])   # a worker; the log's writer
+@pytest.mark.parametrize("method, victim, variant", [("allreduce-ring", 2, "plain"), ("sgp", 0, "plain"),
+                                                     ("allreduce-auto", 1, "compressed"),   # a worker; the log's writer
+                                                     ("sgp", 3, "onesided")])
 def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_run(tmp_path, tmp_path_factory,
-                                                                                 method, victim, compressed):
-    extra, settings = _COMPRESSED if compressed else ([], None)
+                                                                                 method, victim, variant):
+    extra, settings = _VARIANTS[variant]
     logged_intact = intact(tmp_path_factory, method, *extra, settings=settings)
     saved = ["--checkpoint", str(tmp_path / "ck")] if method == "sgp" else []      # the survivors' files
     killed, logged = train(tmp_path, "killed", "--method", method, "--elastic", *SLOW, *saved, *extra, kill=victim,
@@ -92,6 +98,7 @@ def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_ru
     assert len(events) == 1 and events[0]["lost"] == [victim] and events[0]["ranks"] == 3, events
     assert events[0]["epoch"] >= 3
     assert f"lost rank(s) {victim} in epoch" in killed.stderr_text
+    assert "Traceback" not in killed.stderr_text, killed.stderr_text[-3000:]      # not even from another thread
     summary, whole = summary_of(logged), summary_of(logged_intact)
     assert summary["ranks"] == 3 and summary["ranks_at_start"] == 4
     if method.startswith("allreduce"):           # SGP's ranks hold parameters of their own; its summary the average
