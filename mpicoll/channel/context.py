@@ -32,6 +32,7 @@ _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
 
 _ALARM_EVERY = 2e-3    # seconds between a lasting wait's looks for a reason to stop (Context.alarms)
+_DEAD_PEERS_EVERY = 0.05    # seconds between a window wait's questions to MPI about its peers (0.1 ms each)
 _DEATHS_EVERY = 0.1    # seconds between a roll call's questions to MPI about dead ranks
 
 
@@ -313,12 +314,36 @@ class Context:
     def wait_until(self, ready, peers: list[int]) -> None:
         """Poll ``ready()`` until it is true (spinning, then yielding the core), for
         waits that are not requests, such as data landing in a window; past the
-        deadline a :class:`CollectiveTimeout` names ``peers``."""
+        deadline a :class:`CollectiveTimeout` names ``peers``.
+
+        Under MPI's fault tolerance such a wait also asks MPI, every
+        :data:`_DEAD_PEERS_EVERY` seconds, whether one of ``peers`` died (or was cut
+        off: its detector's verdict), and meets that as a failed call would
+        (:meth:`raise_if_ranks_lost`): no request of it can fail to say so, and
+        push-sum over windows waited out its timeout for a rank cut off, then
+        ended the job, where the point-to-point mailbox went on without it."""
         def give_up():
             raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self.missing(peers)[0],
                                                    self.timeout, also_silent=self.silent_seen))
 
-        self._poll(lambda: True if ready() else None, give_up)
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        if not failure.fault_tolerant() or root.on_death == "acknowledge":    # (one that goes on with the living)
+            self._poll(lambda: True if ready() else None, give_up)
+            return
+        watched, next_look = set(peers), [time.perf_counter() + _DEAD_PEERS_EVERY]
+
+        def ready_or_lost():
+            if ready():
+                return True
+            if time.perf_counter() > next_look[0]:
+                next_look[0] = time.perf_counter() + _DEAD_PEERS_EVERY
+                if watched.intersection(failure.failed_ranks(self.comm)):
+                    raise MPI.Exception(MPI.ERR_PROC_FAILED)    # met below as MPI's own report of the death
+            return None
+
+        self._poll(ready_or_lost, give_up)
 
     def _wait_with_deadline(self, requests: list, peers, limit: float | None = None) -> None:
         self._poll(lambda: True if _all_done(requests) else None,

@@ -140,3 +140,40 @@ def test_a_rank_that_computes_long_without_mpi_is_not_taken_for_dead(tmp_path):
                          start_new_session=True)
     assert job.returncode == 0 and sorted(job.stdout.split("\n"))[1:] == [f"rank {r}: fine" for r in range(3)], \
         job.stdout + job.stderr[-2000:]
+
+
+# Every survivor waits for data from rank 2 that would land in a window (Context.wait_until: no request of its own
+# can fail to report the death); rank 2 is SIGKILLed.  One JSON line per survivor.
+WAIT_FOR_A_WINDOW = """
+import json, os, signal, time
+from mpi4py import MPI
+import mpicoll
+from mpicoll.channel.context import Context
+world = MPI.COMM_WORLD
+context = Context(world)
+world.Barrier()
+if world.Get_rank() == 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+start = time.monotonic()
+try:
+    context.wait_until(lambda: False, [2])
+    said = {"raised": None}
+except mpicoll.RanksLost as error:
+    said = {"raised": "RanksLost", "lost": error.lost}
+except mpicoll.CollectiveTimeout:
+    said = {"raised": "CollectiveTimeout"}
+print(json.dumps({"rank": world.Get_rank(), "after_s": round(time.monotonic() - start, 1), **said}), flush=True)
+"""
+
+
+def test_a_wait_for_a_window_meets_a_dead_peer_as_a_failed_call_would(tmp_path):
+    """Under MPI's fault tolerance a wait for one-sided data from a rank that died raises RanksLost on every
+    survivor within seconds, not a CollectiveTimeout after MPICOLL_TIMEOUT (20 s here): push-sum over windows
+    then recovers as over messages."""
+    start, env = fault_tolerant(4)
+    (tmp_path / "job.py").write_text(WAIT_FOR_A_WINDOW)
+    job = subprocess.run([*start, str(tmp_path / "job.py")], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                         env=env, start_new_session=True)
+    said = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
+    assert job.returncode == 0 and sorted(s["rank"] for s in said) == [0, 1, 3], job.stdout + job.stderr[-3000:]
+    assert all(s["raised"] == "RanksLost" and s["lost"] == [2] and s["after_s"] < 10 for s in said), said
