@@ -32,8 +32,7 @@ _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
 
 _ALARM_EVERY = 2e-3    # seconds between a lasting wait's looks for a reason to stop (Context.alarms)
-_DEAD_PEERS_EVERY = 0.05    # seconds between a window wait's questions to MPI about its peers (0.1 ms each)
-_DEATHS_EVERY = 0.1    # seconds between a roll call's questions to MPI about dead ranks
+_DEATHS_EVERY = 0.1    # seconds between a lasting wait's questions to MPI about dead ranks (Context.living)
 
 
 def _all_done(requests: list) -> bool:
@@ -316,31 +315,25 @@ class Context:
         waits that are not requests, such as data landing in a window; past the
         deadline a :class:`CollectiveTimeout` names ``peers``.
 
-        Under MPI's fault tolerance such a wait also asks MPI, every
-        :data:`_DEAD_PEERS_EVERY` seconds, whether one of ``peers`` died (or was cut
+        Under MPI's fault tolerance such a wait also asks MPI (:meth:`living`, every
+        :data:`_DEATHS_EVERY` seconds) whether one of ``peers`` died (or was cut
         off: its detector's verdict), and meets that as a failed call would
         (:meth:`raise_if_ranks_lost`): no request of it can fail to say so, and
-        push-sum over windows waited out its timeout for a rank cut off, then
-        ended the job, where the point-to-point mailbox went on without it."""
+        push-sum over windows waited out its timeout for a dead rank, then ended
+        the job, where the point-to-point mailbox went on without it."""
         def give_up():
             raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self.missing(peers)[0],
                                                    self.timeout, also_silent=self.silent_seen))
 
-        root = self
-        while root.parent is not None:
-            root = root.parent
-        if not failure.fault_tolerant() or root.on_death == "acknowledge":    # (one that goes on with the living)
+        if not failure.fault_tolerant() or self.top.on_death == "acknowledge":    # (goes on with the living)
             self._poll(lambda: True if ready() else None, give_up)
             return
-        watched, next_look = set(peers), [time.perf_counter() + _DEAD_PEERS_EVERY]
 
         def ready_or_lost():
             if ready():
                 return True
-            if time.perf_counter() > next_look[0]:
-                next_look[0] = time.perf_counter() + _DEAD_PEERS_EVERY
-                if watched.intersection(failure.failed_ranks(self.comm)):
-                    raise MPI.Exception(MPI.ERR_PROC_FAILED)    # met below as MPI's own report of the death
+            if len(self.living(peers, stale_after=_DEATHS_EVERY)) < len(peers):
+                raise MPI.Exception(MPI.ERR_PROC_FAILED)    # met below as MPI's own report of the death
             return None
 
         self._poll(ready_or_lost, give_up)
@@ -483,12 +476,18 @@ class Context:
             failure.outlived_a_death()
         return error
 
-    def world_ranks(self, names) -> list[int]:
-        """``names`` (ranks as this context's errors name them: :attr:`names`) as ranks of ``MPI.COMM_WORLD``;
-        after the context is freed too (through the communicator it duplicated, which the caller owns)."""
+    @property
+    def top(self) -> "Context":
+        """The context of the whole communicator this one is a part of (itself, where it is no part)."""
         top = self
         while top.parent is not None:
             top = top.parent
+        return top
+
+    def world_ranks(self, names) -> list[int]:
+        """``names`` (ranks as this context's errors name them: :attr:`names`) as ranks of ``MPI.COMM_WORLD``;
+        after the context is freed too (through the communicator it duplicated, which the caller owns)."""
+        top = self.top
         if top.origin == MPI.COMM_NULL or not names:
             return []
         group, world = top.origin.Get_group(), MPI.COMM_WORLD.Get_group()
@@ -512,9 +511,7 @@ class Context:
         (:meth:`living` answers without them) and returns True: its caller goes on with the living.  One whose
         :attr:`on_death` is "revoke" revokes and raises, and leaves the shrinking to the owner of a larger
         communicator it is part of."""
-        root = self
-        while root.parent is not None:
-            root = root.parent
+        root = self.top
         # several requests of which one met the dead fail as ERR_IN_STATUS, the death in that one's status
         if not (failure.is_process_failure(error) or error.Get_error_class() == MPI.ERR_IN_STATUS
                 and failure.failed_ranks(root.comm)):

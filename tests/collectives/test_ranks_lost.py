@@ -64,9 +64,10 @@ print(json.dumps({"rank": me, "lost": lost, "size": comm.Get_size(), "new_rank":
 """
 
 
-def elastic_job(tmp_path, *args, ranks: int = 4, timeout: float = 90) -> subprocess.CompletedProcess:
+def elastic_job(tmp_path, *args, script: str = DIE_AND_SHRINK, ranks: int = 4,
+                timeout: float = 90) -> subprocess.CompletedProcess:
     start, env = fault_tolerant(ranks)
-    (tmp_path / "job.py").write_text(DIE_AND_SHRINK)
+    (tmp_path / "job.py").write_text(script)
     return subprocess.run([*start, str(tmp_path / "job.py"), *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
@@ -170,10 +171,7 @@ def test_a_wait_for_a_window_meets_a_dead_peer_as_a_failed_call_would(tmp_path):
     """Under MPI's fault tolerance a wait for one-sided data from a rank that died raises RanksLost on every
     survivor within seconds, not a CollectiveTimeout after MPICOLL_TIMEOUT (20 s here): push-sum over windows
     then recovers as over messages."""
-    start, env = fault_tolerant(4)
-    (tmp_path / "job.py").write_text(WAIT_FOR_A_WINDOW)
-    job = subprocess.run([*start, str(tmp_path / "job.py")], cwd=ROOT, capture_output=True, text=True, timeout=90,
-                         env=env, start_new_session=True)
+    job = elastic_job(tmp_path, script=WAIT_FOR_A_WINDOW)
     said = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
     assert job.returncode == 0 and sorted(s["rank"] for s in said) == [0, 1, 3], job.stdout + job.stderr[-3000:]
     assert all(s["raised"] == "RanksLost" and s["lost"] == [2] and s["after_s"] < 10 for s in said), said

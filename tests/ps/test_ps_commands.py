@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from mpicoll import ps
-from tests.support.jobs import ROOT, mpiexec
+from tests.support.jobs import ROOT, launch, mpiexec
 
 
 @pytest.mark.parametrize("transport", ps.TRANSPORTS)
@@ -95,9 +95,7 @@ world.Barrier()
 def test_a_one_sided_transfer_to_a_rank_that_never_answers_ends_the_job_naming_it(tmp_path):
     script = tmp_path / "stuck_put.py"
     script.write_text(STUCK_PUT)
-    job = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "MPICOLL_TIMEOUT": "2"})
+    job = launch(2, str(script), env={"MPICOLL_TIMEOUT": "2"}, timeout=120)
     said = job.stdout + job.stderr
     assert job.returncode != 0 and "the put returned" not in said, said[-3000:]
     assert "rank 0 ends the job: a parameter server's one-sided transfer" in said and "for rank(s) 1" in said and \
