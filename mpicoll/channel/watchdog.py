@@ -241,6 +241,17 @@ def _watch() -> None:
                   file=sys.stderr, flush=True)
 
 
+def _missing(context) -> tuple[list[int], bool]:
+    """(the ranks a stuck call waits for, by the context's names; whether ``some_of`` them).  Those MPI's fault
+    tolerance names dead need no roll call, which a channel revoked for them fails (met here, the failure was
+    printed at every look and the job never ended: a one-sided unlock toward a rank cut off)."""
+    dead = failure.failed_ranks(context.comm)
+    if dead:
+        return [context.names[q] for q in dead], False
+    missing, sure = context.missing(context.others())
+    return missing, not sure
+
+
 def _deadline(context) -> float:
     """Seconds a call in flight may take: its context's timeout, else MPICOLL_TIMEOUT's.  A malformed setting
     is the calling thread's to report (it raises there, once, naming the setting): here it is the default's,
@@ -302,12 +313,16 @@ def _hear_failures() -> None:
 def _expired(owner, context, collective: str, limit: float) -> None:
     """A blocking MPI call outlived its deadline: name the missing ranks and end the job."""
     rank = MPI.COMM_WORLD.Get_rank()
+    reason = None
     if context is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-        missing, sure = context.missing(context.others())
-        reason = str(context.broken_by(CollectiveTimeout(
-            f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=not sure,
-            also_silent=context.silent_seen)))
-    else:
+        try:
+            missing, some_of = _missing(context)
+            reason = str(context.broken_by(CollectiveTimeout(
+                f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=some_of,
+                also_silent=context.silent_seen)))
+        except Exception:  # noqa: BLE001 - naming the missing must never keep the job from ending
+            pass
+    if reason is None:
         comm = getattr(owner, "comm", None)
         dead = failure.failed_ranks(comm) if comm is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE else []
         who = (f"rank(s) {', '.join(map(str, dead))}, which the MPI library reports dead" if dead else

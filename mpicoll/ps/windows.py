@@ -22,12 +22,12 @@ MPI.  So:
 
 All windows come from ``Win.Allocate`` (5-20x faster to use than ``Win.Create``).
 
-Under Open MPI's fault tolerance a transfer aimed at a rank whose node was cut off never returns (its
-one-sided modules are "not tested for post-failure operation", as it warns; a server stuck in
-``MPI_Win_unlock`` towards a cut-off worker, seen across emulated nodes): every transfer is watched
-(:mod:`mpicoll.channel.watchdog`), so that the job ends after the context's timeout naming the rank that
-did not answer, instead of hanging.  A worker killed on a reachable node is dropped as with the
-point-to-point transport (``tests/train/test_elastic.py``, dcasgd over this transport).
+Under Open MPI's fault tolerance an access aimed at a rank whose node was cut off never returns (a server
+stuck in ``MPI_Win_unlock`` towards a cut-off worker, seen across emulated nodes): every access, a lock on
+the rank's own window too, is watched (:mod:`mpicoll.channel.rma`), so that the job ends after the
+context's timeout naming the rank that did not answer, instead of hanging.  A worker killed on a reachable
+node is dropped as with the point-to-point transport (``tests/train/test_elastic.py``, dcasgd over this
+transport).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..channel.rma import locked, see_own
 from ..channel.watchdog import watch_of
 from .layout import Layout
 
@@ -54,8 +55,8 @@ class Windows:
     def __init__(self, context, layout: Layout, dtype):
         comm = context.comm
         self.comm, self.layout, self.dtype = comm, layout, np.dtype(dtype)
-        self._transfer = watch_of(context, "a parameter server's one-sided transfer (MPI_Win_unlock; a rank "
-                                  "cut off never answers it: --transport p2p drops such a rank and goes on)")
+        self._access = watch_of(context, "a parameter server's one-sided transfer (MPI_Win_lock/unlock; a rank "
+                                "cut off never answers it: --transport p2p drops such a rank and goes on)")
         item = self.dtype.itemsize
         shard = layout.shard(layout.rank).stop - layout.shard(layout.rank).start if layout.is_server else 0
         workers = len(layout.workers)
@@ -80,55 +81,43 @@ class Windows:
         slot = self.layout.workers.index(self.layout.rank)
         for server in self.layout.servers:
             part = gradient[self.layout.shard(server)]
-            with self._transfer:
-                self.inbox_win.Lock(server, MPI.LOCK_SHARED)
+            with locked(self.inbox_win, server, self._access):
                 self.inbox_win.Put(part, server, slot * part.size)
-                self.inbox_win.Unlock(server)
 
     def get_live(self) -> None:
         """Read every server's current shard and version (no server involvement)."""
         item = self.dtype.itemsize
         for index, server in enumerate(self.layout.servers):
             part = self.weights[self.layout.shard(server)]
-            with self._transfer:
-                self.live_win.Lock(server, MPI.LOCK_SHARED)
+            with locked(self.live_win, server, self._access):
                 self.live_win.Get(self.versions[index:index + 1].view(np.uint8), server, 0)
                 self.live_win.Get([part.view(np.uint8), part.size * item, MPI.BYTE], server, _VERSION)
-                self.live_win.Unlock(server)
 
     def see_puts(self) -> None:
         """Make what the servers put into this rank's window visible to its own reads."""
-        self._sync(self.mine_win)
+        see_own(self.mine_win, self.layout.rank, self._access)
 
     # -- the server's side --------------------------------------------------
 
     def inbox(self, worker: int) -> np.ndarray:
         """This server's slot for ``worker``, holding the gradient it announced."""
-        self._sync(self.inbox_win)
+        see_own(self.inbox_win, self.layout.rank, self._access)
         return self.inboxes[self.layout.workers.index(worker)]
 
     def updating(self):
         """Hold this while changing the live weights: pulls see before or after, never half."""
-        return _Exclusive(self.live_win, self.layout.rank)
+        return locked(self.live_win, self.layout.rank, self._access, exclusive=True)
 
     def put_weights(self, worker: int) -> None:
         """Write this server's shard and version into ``worker``'s window."""
         index = self.layout.servers.index(self.layout.rank)
         start = self.layout.shard(self.layout.rank).start
         base = len(self.layout.servers) * _VERSION + start * self.dtype.itemsize
-        with self._transfer:
-            self.mine_win.Lock(worker, MPI.LOCK_SHARED)
+        with locked(self.mine_win, worker, self._access):
             self.mine_win.Put(self.version.view(np.uint8), worker, index * _VERSION)
             self.mine_win.Put([self.weights.view(np.uint8), MPI.BYTE], worker, base)
-            self.mine_win.Unlock(worker)
 
     # -- both ---------------------------------------------------------------
-
-    def _sync(self, win: MPI.Win) -> None:
-        rank = self.layout.rank
-        win.Lock(rank, MPI.LOCK_SHARED)
-        win.Sync()
-        win.Unlock(rank)
 
     def free(self) -> None:
         """Free the windows (collective: every rank must call it).  As mpi4py frees its own objects: the handles
@@ -141,13 +130,3 @@ class Windows:
             if win != MPI.WIN_NULL:
                 win.Free()
 
-
-class _Exclusive:
-    def __init__(self, win: MPI.Win, rank: int):
-        self.win, self.rank = win, rank
-
-    def __enter__(self):
-        self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-
-    def __exit__(self, *exc):
-        self.win.Unlock(self.rank)

@@ -64,11 +64,12 @@ print(json.dumps({"rank": me, "lost": lost, "size": comm.Get_size(), "new_rank":
 """
 
 
-def elastic_job(tmp_path, *args, script: str = DIE_AND_SHRINK, ranks: int = 4,
-                timeout: float = 90) -> subprocess.CompletedProcess:
-    start, env = fault_tolerant(ranks)
+def elastic_job(tmp_path, *args, script: str = DIE_AND_SHRINK, ranks: int = 4, timeout: float = 90,
+                env: dict | None = None) -> subprocess.CompletedProcess:
+    start, environment = fault_tolerant(ranks)
     (tmp_path / "job.py").write_text(script)
-    return subprocess.run([*start, str(tmp_path / "job.py"), *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([*start, str(tmp_path / "job.py"), *map(str, args)], cwd=ROOT,
+                          env={**environment, **(env or {})},
                           capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
@@ -143,21 +144,28 @@ def test_a_rank_that_computes_long_without_mpi_is_not_taken_for_dead(tmp_path):
         job.stdout + job.stderr[-2000:]
 
 
-# Every survivor waits for data from rank 2 that would land in a window (Context.wait_until: no request of its own
-# can fail to report the death); rank 2 is SIGKILLed.  One JSON line per survivor.
-WAIT_FOR_A_WINDOW = """
+# Every rank makes a Context over the world, then the last rank SIGKILLs itself: the start of the jobs below.
+THE_LAST_RANK_DIES = """
 import json, os, signal, time
 from mpi4py import MPI
 import mpicoll
+from mpicoll.base import failure
 from mpicoll.channel.context import Context
+from mpicoll.channel.watchdog import watch_of
 world = MPI.COMM_WORLD
 context = Context(world)
+victim = world.Get_size() - 1
 world.Barrier()
-if world.Get_rank() == 2:
+if world.Get_rank() == victim:
     os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+# Every survivor waits for data from the victim that would land in a window (Context.wait_until: no request of its
+# own can fail to report the death).  One JSON line per survivor.
+WAIT_FOR_A_WINDOW = THE_LAST_RANK_DIES + """
 start = time.monotonic()
 try:
-    context.wait_until(lambda: False, [2])
+    context.wait_until(lambda: False, [victim])
     said = {"raised": None}
 except mpicoll.RanksLost as error:
     said = {"raised": "RanksLost", "lost": error.lost}
@@ -173,5 +181,30 @@ def test_a_wait_for_a_window_meets_a_dead_peer_as_a_failed_call_would(tmp_path):
     then recovers as over messages."""
     job = elastic_job(tmp_path, script=WAIT_FOR_A_WINDOW)
     said = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
-    assert job.returncode == 0 and sorted(s["rank"] for s in said) == [0, 1, 3], job.stdout + job.stderr[-3000:]
-    assert all(s["raised"] == "RanksLost" and s["lost"] == [2] and s["after_s"] < 10 for s in said), said
+    assert job.returncode == 0 and sorted(s["rank"] for s in said) == [0, 1, 2], job.stdout + job.stderr[-3000:]
+    assert all(s["raised"] == "RanksLost" and s["lost"] == [3] and s["after_s"] < 10 for s in said), said
+
+
+# Rank 0 is stuck past the timeout in a call MPI cannot interrupt (a sleep inside a watched block stands for a
+# one-sided unlock toward a rank cut off, which Open MPI's windows never return from) on a channel revoked for a
+# death: the victim, rank 1 of 2, died, and a survivor revoked the channel on meeting it.
+STUCK_ON_A_REVOKED_CHANNEL = THE_LAST_RANK_DIES + """
+while not failure.failed_ranks(context.comm):
+    time.sleep(0.05)
+failure.revoke(context.comm)
+with watch_of(context, "a transfer MPI cannot interrupt"):
+    time.sleep(60)
+print("the stuck call returned", flush=True)
+"""
+
+
+def test_a_call_stuck_on_a_channel_revoked_for_a_death_ends_the_job_naming_the_dead(tmp_path):
+    """Past MPICOLL_TIMEOUT (2 s here) the watchdog ends the job naming rank 1, which MPI reports dead, without
+    a roll call over the revoked channel: that roll call failed, the watchdog printed the failure every 0.1 s
+    and the job never ended (SGP over windows with a node cut off, on the emulated cluster).  The job's exit
+    status is not 0: Open MPI's launcher (``--with-ft ulfm``) reported 0 for the last living rank's MPI_Abort."""
+    job = elastic_job(tmp_path, script=STUCK_ON_A_REVOKED_CHANNEL, ranks=2, timeout=60, env={"MPICOLL_TIMEOUT": "2"})
+    said = job.stdout + job.stderr
+    assert job.returncode != 0 and "the stuck call returned" not in said, said[-3000:]
+    assert "a transfer MPI cannot interrupt (MPI's own): rank 0 waited 2 s for rank(s) 1," in said, said[-3000:]
+    assert "watchdog:" not in said, said[-3000:]

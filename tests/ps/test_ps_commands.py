@@ -67,11 +67,13 @@ def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transpor
         result.stderr[-2000:]
 
 
-# Rank 0 (the server's side of the windows) puts weights into rank 1's window while rank 1 sleeps outside MPI for
-# longer than the timeout: the put cannot complete before rank 1 enters MPI again (MPICH's passive target), as one
-# aimed at a rank cut off never does (Open MPI's fault tolerance, seen across emulated nodes).
-STUCK_PUT = """
-import time
+# Rank 0 is the server of the windows, rank 1 a worker; the access of one waits for the other, which sleeps
+# outside MPI for longer than the timeout, as a rank cut off never answers (Open MPI's fault tolerance, seen across
+# emulated nodes).  "put": rank 0 puts weights into rank 1's window, which cannot complete before rank 1 enters MPI
+# again (MPICH's passive target).  "update": rank 1 holds a shared lock on rank 0's live weights (a pull cut off
+# in the middle), and rank 0's exclusive lock on its own window, to update them, waits for it.
+STUCK_ACCESS = """
+import sys, time
 import numpy as np
 from mpi4py import MPI
 from mpicoll.channel.context import Context
@@ -81,22 +83,35 @@ world = MPI.COMM_WORLD
 context = Context(world)
 layout = Layout.split(world, 16, 1)
 windows = Windows(context, layout, np.float32)
+access = sys.argv[1]
 world.Barrier()
 if world.Get_rank() == 0:
     start = time.monotonic()
-    windows.put_weights(1)
-    print(f"rank 0: the put returned after {time.monotonic() - start:.1f} s", flush=True)
+    if access == "put":
+        windows.put_weights(1)
+    else:
+        time.sleep(0.5)
+        with windows.updating():
+            pass
+    print(f"rank 0: the {access} returned after {time.monotonic() - start:.1f} s", flush=True)
 else:
+    if access == "update":
+        windows.live_win.Lock(0, MPI.LOCK_SHARED)
+        windows.live_win.Get(windows.versions[:1].view(np.uint8), 0, 0)
+        windows.live_win.Flush(0)
     time.sleep(12)
+    if access == "update":
+        windows.live_win.Unlock(0)
 world.Barrier()
 """
 
 
-def test_a_one_sided_transfer_to_a_rank_that_never_answers_ends_the_job_naming_it(tmp_path):
-    script = tmp_path / "stuck_put.py"
-    script.write_text(STUCK_PUT)
-    job = launch(2, str(script), env={"MPICOLL_TIMEOUT": "2"}, timeout=120)
+@pytest.mark.parametrize("access", ["put", "update"])
+def test_a_one_sided_access_that_waits_on_a_rank_that_never_answers_ends_the_job_naming_it(tmp_path, access):
+    script = tmp_path / "stuck_access.py"
+    script.write_text(STUCK_ACCESS)
+    job = launch(2, str(script), access, env={"MPICOLL_TIMEOUT": "2"}, timeout=120)
     said = job.stdout + job.stderr
-    assert job.returncode != 0 and "the put returned" not in said, said[-3000:]
+    assert job.returncode != 0 and f"the {access} returned" not in said, said[-3000:]
     assert "rank 0 ends the job: a parameter server's one-sided transfer" in said and "for rank(s) 1" in said and \
         "--transport p2p" in said, said[-3000:]
