@@ -11,9 +11,10 @@ a window from ``Win.Allocate``; a sender accumulates its packet into slot
 ``round % slots`` of each out-peer under a shared lock, without the receiver
 posting anything.  MPICH completes such an operation only when the target
 enters MPI, so the receiver runs a progress thread (:mod:`mpicoll.channel.progress`)
-while it computes.  The receiver takes a slot under an exclusive lock on its
-own window, so it never sees half a packet, then tells the ranks that will next
-write into that slot that it is free (a ``Put`` into their window).
+while it computes.  The receiver looks for a round's packets under a shared lock
+on its own window, then takes the slot under an exclusive one, so it never sees
+half a packet, then tells the ranks that will next write into that slot that it
+is free (a ``Put`` into their window).
 
 ``PointToPointMailbox`` (the default): nonblocking sends, and receives posted
 when a round starts; messages between two ranks arrive in order, so packets
@@ -160,9 +161,9 @@ class OneSidedMailbox:
 
         def landed() -> bool:
             # looked for under a shared lock, which does not hold the senders' shared locks off (polled under
-            # an exclusive one, Open MPI's fault-tolerant windows gave senders their locks late: 12% slower
-            # runs, 3x the packets across emulated nodes); then the exclusive lock, once every sender's access
-            # has ended (its payload whole), kept until release() so that nobody writes into the slot meanwhile
+            # an exclusive one, Open MPI's fault-tolerant windows gave senders their locks late: a slower run
+            # with three times the packets, docs/elastic.md); then the exclusive lock, taken once every sender's
+            # access has ended (its payload whole) and kept until release(): nobody writes into the slot meanwhile
             see_own(self.win, self.rank, self._access)
             if header[1] < len(peers):
                 return False
