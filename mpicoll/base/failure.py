@@ -65,7 +65,9 @@ def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0, note: str |
     :data:`_ABORT_TURN_S` later: Open MPI's launcher started with ``--with-ft ulfm`` hangs, with every rank
     gone, in about 1 of 4 jobs whose ranks call ``MPI_Abort`` at the same moment (and returned 0 in some;
     measured here with 4 ranks, docs/elastic.md; MPICH and Open MPI without it never did).  The first
-    abort ends the others during their wait; a rank hung before it came here leaves the next its turn."""
+    abort ends the others during their wait; a rank hung before it came here leaves the next its turn.  The
+    last living rank (every other one known dead) leaves with ``code`` instead: its ``MPI_Abort`` ended the
+    job with status 0."""
     sys.stdout.flush()
     print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} ends the job: {reason}", file=sys.stderr, flush=True)
     timeline.write_own()            # MPI_Abort skips the exit hooks that would write the whole trace
