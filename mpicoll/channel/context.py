@@ -387,15 +387,21 @@ class Context:
         raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], missing, limit or self.timeout,
                                             some_of=not sure and collective_request, also_silent=self.silent_seen))
 
-    def missing(self, suspects) -> tuple[list[int], bool]:
-        """(the ranks to name as missing, by :attr:`names`; whether the roll call confirmed them).
+    def missing(self, suspects, trust_mpi: bool | None = None) -> tuple[list[int], bool]:
+        """(the ranks to name as missing, by :attr:`names`; whether the roll call, or MPI, confirmed them).
 
         Silent suspects first (a rank that finished its part and left is silent
         too, but was not waited for), else every silent rank (the suspect was a
         live neighbour waiting like us), else the suspects.
+
+        ``trust_mpi``: name the suspects the MPI library reports dead without a roll call.  By default only
+        in a context that acknowledges deaths (ULFM), whose survivors all ask MPI alike; the watchdog always
+        (its roll call would run beside a call stuck on a channel revoked for the death, and fail there).
         """
-        if self.on_death == "acknowledge" and (dead := sorted(set(suspects).difference(self.living(set(suspects))))):
-            return [self.names[peer] for peer in dead], True       # acknowledged dead (ULFM): no roll call needed
+        if trust_mpi is None:
+            trust_mpi = self.on_death == "acknowledge"
+        if trust_mpi and (dead := sorted(set(suspects).difference(self.living(set(suspects))))):
+            return [self.names[peer] for peer in dead], True       # reported dead: no roll call needed
         suspects = [self.names[peer] for peer in suspects]
         silent = self.silent_seen = self._silent()
         confirmed = [peer for peer in silent if peer in suspects] or silent

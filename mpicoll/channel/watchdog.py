@@ -241,17 +241,6 @@ def _watch() -> None:
                   file=sys.stderr, flush=True)
 
 
-def _missing(context) -> tuple[list[int], bool]:
-    """(the ranks a stuck call waits for, by the context's names; whether ``some_of`` them).  Those MPI's fault
-    tolerance names dead need no roll call, which a channel revoked for them fails (met here, the failure was
-    printed at every look and the job never ended: a one-sided unlock toward a rank cut off)."""
-    dead = failure.failed_ranks(context.comm)
-    if dead:
-        return [context.names[q] for q in dead], False
-    missing, sure = context.missing(context.others())
-    return missing, not sure
-
-
 def _deadline(context) -> float:
     """Seconds a call in flight may take: its context's timeout, else MPICOLL_TIMEOUT's.  A malformed setting
     is the calling thread's to report (it raises there, once, naming the setting): here it is the default's,
@@ -316,7 +305,10 @@ def _expired(owner, context, collective: str, limit: float) -> None:
     reason = None
     if context is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         try:
-            missing, some_of = _missing(context)
+            # MPI's dead are named without a roll call, which a channel revoked for them fails (met: the failure
+            # was printed at every look and the job never ended: a one-sided unlock toward a rank cut off)
+            missing, sure = context.missing(context.others(), trust_mpi=True)
+            some_of = not sure
             reason = str(context.broken_by(CollectiveTimeout(
                 f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=some_of,
                 also_silent=context.silent_seen)))
