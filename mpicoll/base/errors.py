@@ -62,7 +62,8 @@ class MismatchError(MpicollError, ValueError):
 class CollectiveTimeout(MpicollError, TimeoutError):
     """A peer did not take part in a collective within the timeout (dead, hung or desynchronised)."""
 
-    def __init__(self, collective: str, rank: int, peers, seconds: float, some_of: bool = False, also_silent=()):
+    def __init__(self, collective: str, rank: int, peers, seconds: float, some_of: bool = False, also_silent=(),
+                 causes: str | None = None):
         self.collective, self.rank, self.peers, self.seconds = collective, rank, sorted(set(peers)), seconds
         self.also_silent = sorted(set(also_silent) - set(self.peers))
         who = f"one or more of rank(s) {_ranks(self.peers)}" if some_of else f"rank(s) {_ranks(self.peers)}"
@@ -70,10 +71,14 @@ class CollectiveTimeout(MpicollError, TimeoutError):
                   f"{_ranks(self.also_silent)}." if self.also_silent else "")
         super().__init__(
             f"{collective}: rank {rank} waited {seconds:g} s for {who}, which never took part "
-            "(dead, hung, or calling a different collective, or this one with another count or type: "
-            "MPICOLL_DEBUG=1 compares every call across ranks). Raise MPICOLL_TIMEOUT if a peer "
+            f"({causes or COLLECTIVE_CAUSES}). Raise MPICOLL_TIMEOUT if a peer "
             f"is just slow; this communicator is no longer usable.{others}"
         )
+
+
+# What keeps a peer out of a collective; a wait that is not a collective (a one-sided access) says its own.
+COLLECTIVE_CAUSES = ("dead, hung, or calling a different collective, or this one with another count or type: "
+                     "MPICOLL_DEBUG=1 compares every call across ranks")
 
 
 class ConcurrentCall(MpicollError):

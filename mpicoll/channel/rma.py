@@ -15,9 +15,17 @@ from contextlib import contextmanager
 
 from mpi4py import MPI
 
-from .watchdog import watching
+from .watchdog import watch_of, watching
 
-__all__ = ["locked", "see_own"]
+__all__ = ["access_watch", "locked", "see_own"]
+
+
+def access_watch(owner, what: str, remedy: str = "") -> watching:
+    """The watch for ``owner``'s window accesses of one kind (``what``; made once per owner).  Past the timeout
+    the job ends with a message that names the ranks that never answered and what keeps a rank from answering
+    a one-sided access (not a collective's causes), then ``remedy``."""
+    causes = "dead, hung, or cut off: an access to a rank cut off never returns"
+    return watch_of(owner, what, causes=f"{causes}; {remedy}" if remedy else causes)
 
 
 @contextmanager

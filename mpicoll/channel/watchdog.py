@@ -63,10 +63,10 @@ class watching:
     (``time.monotonic()``, 0 when idle) itself, which is all ``with`` does.
     """
 
-    __slots__ = ("owner", "collective", "started", "__weakref__")
+    __slots__ = ("owner", "collective", "causes", "started", "__weakref__")
 
-    def __init__(self, owner, collective: str):
-        self.owner, self.collective, self.started = owner, collective, 0.0
+    def __init__(self, owner, collective: str, causes: str | None = None):
+        self.owner, self.collective, self.causes, self.started = owner, collective, causes, 0.0
         with _watches_lock:
             _watches.add(self)
 
@@ -87,13 +87,15 @@ def watch_numbered_calls_of(caller) -> None:
     start()
 
 
-def watch_of(owner, collective: str) -> watching:
+def watch_of(owner, collective: str, causes: str | None = None) -> watching:
     """``owner``'s :class:`watching` for ``collective``, made once and kept on the owner (a Communicator
-    or a Context): a call path that runs often reuses one instead of registering a new one per call."""
+    or a Context): a call path that runs often reuses one instead of registering a new one per call.
+    ``causes``: what may keep the peers from answering, for a call that is not a collective (the message
+    says so in place of a collective's causes)."""
     watches = owner.__dict__.setdefault("_watches", {})
     watch = watches.get(collective)
     if watch is None:
-        watch = watches[collective] = watching(owner, collective)
+        watch = watches[collective] = watching(owner, collective, causes)
     return watch
 
 
@@ -233,7 +235,7 @@ def _watch() -> None:
                 context = watch.owner.context()
                 limit = _deadline(context)
                 if limit and now - started > limit and watch.started == started:      # still the same call
-                    _expired(watch.owner, context, watch.collective, limit)
+                    _expired(watch.owner, context, watch.collective, limit, watch.causes)
             if _fast_paths or _numbered:
                 in_fast_calls = _fast_calls_seen(in_fast_calls, now)
         except Exception as error:  # noqa: BLE001 - the watchdog must outlive anything it sees
@@ -299,7 +301,7 @@ def _hear_failures() -> None:
     MPI.COMM_WORLD.Abort(FAILED_EXIT_CODE if note.startswith("failed:") else failure.EXIT_CODE)
 
 
-def _expired(owner, context, collective: str, limit: float) -> None:
+def _expired(owner, context, collective: str, limit: float, causes: str | None = None) -> None:
     """A blocking MPI call outlived its deadline: name the missing ranks and end the job."""
     rank = MPI.COMM_WORLD.Get_rank()
     reason = None
@@ -311,7 +313,7 @@ def _expired(owner, context, collective: str, limit: float) -> None:
             some_of = not sure
             reason = str(context.broken_by(CollectiveTimeout(
                 f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=some_of,
-                also_silent=context.silent_seen)))
+                also_silent=context.silent_seen, causes=causes)))
         except Exception:  # noqa: BLE001 - naming the missing must never keep the job from ending
             pass
     if reason is None:
@@ -319,6 +321,6 @@ def _expired(owner, context, collective: str, limit: float) -> None:
         dead = failure.failed_ranks(comm) if comm is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE else []
         who = (f"rank(s) {', '.join(map(str, dead))}, which the MPI library reports dead" if dead else
                "a peer that never took part (dead, hung, or stopped on an error of its own: see its output)")
-        reason = (f"{collective}: rank {rank} waited {limit:g} s in MPI's own blocking collective for {who}; "
+        reason = (f"{collective}: rank {rank} waited {limit:g} s in MPI's own blocking call for {who}; "
                   "raise MPICOLL_TIMEOUT if a peer is just slow")
     failure.end_job(f"{reason} (MPI's blocking call cannot be interrupted: the job ends)", settle=_SETTLE_S * 2)

@@ -35,8 +35,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..channel.context import Context
-from ..channel.rma import locked, see_own
-from ..channel.watchdog import watch_of
+from ..channel.rma import access_watch, locked, see_own
 from ..base.tags import Tag
 from .topology import Graph
 
@@ -118,8 +117,7 @@ class OneSidedMailbox:
         ctx.rendezvous()                          # every mailbox is ready before anyone writes
         # an access aimed at a rank cut off never returns under Open MPI's fault tolerance, nor does a lock on
         # this rank's window that one holds (mpicoll.channel.rma): the watchdog ends the job after the timeout
-        self._access = watch_of(ctx, "push-sum's one-sided transfer (MPI_Win_lock/unlock; a rank cut off never "
-                                     "answers it)")
+        self._access = access_watch(ctx, "push-sum's one-sided transfer (MPI_Win_lock/unlock)")
 
     def expect(self, round: int) -> None:
         """Nothing to post: packets land on their own."""

@@ -35,8 +35,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..channel.rma import locked, see_own
-from ..channel.watchdog import watch_of
+from ..channel.rma import access_watch, locked, see_own
 from .layout import Layout
 
 __all__ = ["Windows"]
@@ -55,8 +54,8 @@ class Windows:
     def __init__(self, context, layout: Layout, dtype):
         comm = context.comm
         self.comm, self.layout, self.dtype = comm, layout, np.dtype(dtype)
-        self._access = watch_of(context, "a parameter server's one-sided transfer (MPI_Win_lock/unlock; a rank "
-                                "cut off never answers it: --transport p2p drops such a rank and goes on)")
+        self._access = access_watch(context, "a parameter server's one-sided transfer (MPI_Win_lock/unlock)",
+                                    remedy="--transport p2p drops such a rank and goes on")
         item = self.dtype.itemsize
         shard = layout.shard(layout.rank).stop - layout.shard(layout.rank).start if layout.is_server else 0
         workers = len(layout.workers)
