@@ -189,7 +189,10 @@ def allgather_in_place(ctx: Context, buf: np.ndarray, bounds: list[int]) -> None
     if p == 1:
         return
     left, right = (r - 1) % p, (r + 1) % p
-    step = segment_elements(ctx.segment_bytes, buf.itemsize)
+    # Segments let a rank forward what it has while the rest still comes; at 2 ranks nothing is forwarded, and
+    # each segment is a rendezvous of its own: one message a chunk (64 MiB float32, interleaved with segments
+    # and an A/A control: 3-9% faster in 6 of 6 runs; 4-32 MiB within the runs' noise)
+    step = segment_elements(ctx.segment_bytes, buf.itemsize) if p > 2 else max(1, len(buf))
 
     def chunk_segments(c):
         return segments(bounds[c], bounds[c + 1], step)
