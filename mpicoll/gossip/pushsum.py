@@ -167,17 +167,18 @@ class PushSum:
         self.folded = self.round
         self.mailbox.restart_at(self.round)
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         """Release the mailbox and the private communicator (collective).
 
-        After a timeout (a peer lost) only the progress thread stops: freeing the
-        window would wait for the lost peer, and messages may still be on their way.
+        After a timeout or a death met here (a peer lost), or with ``abandon`` (a death met elsewhere, as by
+        the collective that averages push-sum's result), only the progress thread stops: freeing the window
+        would wait for the lost peer, and messages may still be on their way.
         """
         if self._progress is not None:
             self._progress.stop()
-        if not self.ctx.broken:
+        if not (abandon or self.ctx.broken):
             self.mailbox.close()
-        self.ctx.free()
+        self.ctx.free(abandon)
 
 
 class SGP:

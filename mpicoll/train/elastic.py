@@ -106,12 +106,16 @@ class Loss:
     def record(self) -> dict:
         return {"event": "ranks_lost", **self.__dict__}
 
-    def line(self) -> str:
+    def line(self, epochs: int) -> str:
+        """What the terminal says of it, in a run of ``epochs`` epochs: past the last one the run was ending (its
+        final average or agreement), and ``epoch`` is one more than the run has."""
         redone = f", {self.redone} step redone" if self.redone else ""
         stopped = (f"; rank(s) {', '.join(map(str, self.stopped))} stop (their replica lost a stage)"
                    if self.stopped else "")
-        return (f"mpicoll train: lost rank(s) {', '.join(map(str, self.lost))} in epoch {self.epoch}, step "
-                f"{self.step + 1}{stopped}; {self.ranks} ranks go on{redone}")
+        when = ("after the last epoch, as the run ended" if self.epoch > epochs else
+                f"in epoch {self.epoch}, step {self.step + 1}")
+        return (f"mpicoll train: lost rank(s) {', '.join(map(str, self.lost))} {when}{stopped}; {self.ranks} ranks "
+                f"go on{redone}")
 
 
 class Survivors:

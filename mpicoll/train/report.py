@@ -118,7 +118,7 @@ class Reporter:
         self._write(loss.record())
         if self.live:
             self.stream.write("\n")
-        self.stream.write(loss.line() + "\n")
+        self.stream.write(loss.line(self.options.epochs) + "\n")
         self.stream.flush()
 
     def finish(self, params, staleness: dict[int, int] | None = None,

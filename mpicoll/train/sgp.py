@@ -170,7 +170,7 @@ class Sgp(Family):
                 break
             except RanksLost:           # on every survivor, after the epoch's (or the average's) agreement
                 restart = np.array(pushsum.debiased(), copy=True)
-                pushsum.close()
+                pushsum.close(abandon=True)     # the death may have been met outside push-sum (the average)
                 channel, (epoch, agreed), loss = survivors.recover(channel, (epoch, done))
                 samples -= (done - agreed) * count * options.batch
                 plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
