@@ -238,7 +238,7 @@ class Allreduce(Family):
                 replicas = _Replicas(channel, k, model, options, self.algorithm)
                 plan, done = plan.rest(agreed, replicas.count, options.batch), 0
         same = len(set(crcs)) == k              # one value per stage: every replica holds the same
-        summary = survivors.finish(params if k == 1 else None, replicas_identical=same,
+        summary = survivors.finish(params if k == 1 else None, samples, replicas_identical=same,
                                    measured=replicas.test_score(params, data))
         replicas.close(abandon=bool(survivors.losses))
         channel.close(abandon=bool(survivors.losses))

@@ -187,9 +187,10 @@ class Survivors:
             raise self._below_floor(loss)
         return channel, reached, loss
 
-    def finish(self, params, **summary):
-        """The summary (on the reporting rank; None elsewhere), with the losses."""
-        return self.reporter.finish(params, losses=self.losses, **summary) if self.reporter else None
+    def finish(self, params, samples: int, **summary):
+        """The summary (on the reporting rank; None elsewhere), with the losses; ``samples``: those trained on,
+        which a rank that took the log over after the last epoch has not seen."""
+        return self.reporter.finish(params, losses=self.losses, samples=samples, **summary) if self.reporter else None
 
     def _below_floor(self, loss: Loss) -> MpicollError:
         options = self.options

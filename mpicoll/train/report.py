@@ -123,12 +123,15 @@ class Reporter:
 
     def finish(self, params, staleness: dict[int, int] | None = None,
                measured: tuple[float, float] | None = None, losses=(), replicas_identical: bool | None = None,
-               workers_lost=()) -> dict:
+               workers_lost=(), samples: int | None = None) -> dict:
         """The summary record (logged and returned); ``staleness``: a parameter server's histogram of the
         updates between the weights a gradient was computed on and the update that used it; ``measured``:
         as for :meth:`evaluate`; ``losses``: the ranks an elastic run lost (:class:`mpicoll.train.elastic.Loss`);
         ``replicas_identical``: whether every rank ended with the same parameters, where it was checked;
-        ``workers_lost``: the workers the parameter servers dropped."""
+        ``workers_lost``: the workers the parameter servers dropped; ``samples``: the samples trained on, where
+        not the last :meth:`evaluate`'s (a reporter that took the log over after the run's last epoch saw none)."""
+        if samples is not None:
+            self.samples = samples
         loss, accuracy = measured or self.model.evaluate(params, self.X_test, self.y_test)
         wall = time.perf_counter() - self.start
         options = {k: v for k, v in asdict(self.options).items() if k not in ("output", "progress", "resume")}

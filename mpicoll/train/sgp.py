@@ -177,6 +177,6 @@ class Sgp(Family):
                 pushsum, sgp = gossip_from(restart)
                 z = xp.asarray(sgp.parameters)
         pushsum.close()
-        summary = survivors.finish(xp.asarray(consensus))
+        summary = survivors.finish(xp.asarray(consensus), samples)
         channel.close(abandon=bool(survivors.losses))
         return summary
