@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from ..base import checkpoint
+from ..base import checkpoint, failure
 from ..base.collectives import COLLECTIVES
-from ..base.errors import MismatchError, NonFiniteError, SetupError
+from ..base.errors import MismatchError, NonFiniteError, PeerFailed, SetupError
 from ..base.tags import Tag
 from .watchdog import bounded
 
@@ -266,7 +266,16 @@ def agree(comm, check) -> None:
     except Exception as error:  # noqa: BLE001 - whatever stops one rank must stop them all
         mine = str(error) if isinstance(error, (ValueError, OSError, KeyError)) else f"{type(error).__name__}: {error}"
     with bounded(comm, "the checks before the job starts"):
-        everyone = comm.allgather(mine)
+        try:
+            everyone = comm.allgather(mine)
+        except MPI.Exception as error:        # a rank died before the job began (MPI's fault tolerance says so)
+            if not failure.is_process_failure(error):
+                raise
+            dead = failure.failed_ranks(comm)
+            lost = PeerFailed("the checks before the job starts", comm.Get_rank(), dead,
+                              "the process died (MPI's fault tolerance); nothing was done yet: start the job again")
+            failure.end_after_losing(str(lost), dead)     # MPI_Finalize would wait for the dead
+            raise lost from None
     failed = {rank: reason for rank, reason in enumerate(everyone) if reason is not None}
     if failed:
         raise SetupError(failed, comm.Get_size())

@@ -125,9 +125,9 @@ def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_ru
         assert [r["epoch"] for r in records(tmp_path / "resumed.jsonl") if "epoch" in r] == [7]
 
 
-# mpicoll's command line, with rank DIE_AT_THE_END killed as its run ends (every epoch done), by a patch of what
-# the method does last: a moment too short to hit with a kill from outside
-DIE_AT_THE_END = """
+# mpicoll's command line, with rank DYING killed by a patch of one of mpicoll's steps (a moment too short to hit
+# with a kill from outside): the step calls die()
+DIE_IN_A_STEP = """
 import os, signal, sys, types
 from mpicoll.cli import main
 
@@ -136,7 +136,7 @@ def die(*args):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-if os.environ["OMPI_COMM_WORLD_RANK"] == os.environ["DIE_AT_THE_END"]:
+if os.environ["OMPI_COMM_WORLD_RANK"] == os.environ["DYING"]:
 {patch}
 sys.exit(main())
 """
@@ -159,10 +159,10 @@ def test_a_rank_killed_as_the_run_ends_is_recovered_from_and_the_survivors_finis
     epoch, so the summary said 0 samples.  The log records the loss in epoch 7, one past the run's 6; the
     terminal says the run was ending."""
     script = tmp_path / "die_at_the_end.py"
-    script.write_text(DIE_AT_THE_END.format(patch=_LAST[method]))
+    script.write_text(DIE_IN_A_STEP.format(patch=_LAST[method]))
     logged_intact = intact(tmp_path_factory, method)
     killed, logged = train(tmp_path, "killed", "--method", method, "--elastic", *SLOW, "--transport", transport,
-                           program=(str(script),), settings={"DIE_AT_THE_END": "0"})
+                           program=(str(script),), settings={"DYING": "0"})
     said = killed.stderr_text
     assert killed.returncode == 0, said[-3000:]
     assert [r["epoch"] for r in logged if "epoch" in r and not r.get("event")] == list(range(1, 7))
@@ -178,6 +178,22 @@ def test_a_rank_killed_as_the_run_ends_is_recovered_from_and_the_survivors_finis
         assert abs(summary["final_accuracy"] - whole["final_accuracy"]) <= 0.01, (summary, whole)
     else:                       # the replicas, identical, are the intact run's
         assert summary["replicas_identical"] is True and summary["final_loss"] == whole["final_loss"], (summary, whole)
+
+
+def test_a_rank_lost_in_the_checks_before_the_run_is_named_by_every_survivor(tmp_path):
+    """Rank 2 dies in the checks every rank makes before training (its options, files, checkpoints): each
+    survivor names it in one line and the job ends, nothing trained (was: an uncaught MPI_ERR_PROC_FAILED from
+    mpi4py's allgather, its traceback, and no rank named)."""
+    script = tmp_path / "die_in_the_checks.py"
+    script.write_text(DIE_IN_A_STEP.format(patch="    import mpicoll.train.run as run; run._preflight = die"))
+    job, logged = train(tmp_path, "checks", "--method", "allreduce-ring", "--elastic", program=(str(script),),
+                        settings={"DYING": "2"})
+    said = job.stderr_text
+    assert job.returncode != 0 and not [r for r in logged if "epoch" in r], said[-3000:]
+    lines = re.findall(r"mpicoll train: rank (\d): the checks before the job starts: rank \d lost rank\(s\) 2: .*"
+                       r"start the job again", said)
+    assert sorted(lines) == ["0", "1", "3"], said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
 
 
 @pytest.mark.parametrize("ranks, parallel", [(3, []), (4, ["--model-parallel", "2", "--model", "mlp"])])
