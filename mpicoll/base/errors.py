@@ -59,6 +59,11 @@ class MismatchError(MpicollError, ValueError):
         )
 
 
+# What keeps a peer out of a collective; a wait that is not a collective (a one-sided access) says its own.
+COLLECTIVE_CAUSES = ("dead, hung, or calling a different collective, or this one with another count or type: "
+                     "MPICOLL_DEBUG=1 compares every call across ranks")
+
+
 class CollectiveTimeout(MpicollError, TimeoutError):
     """A peer did not take part in a collective within the timeout (dead, hung or desynchronised)."""
 
@@ -74,11 +79,6 @@ class CollectiveTimeout(MpicollError, TimeoutError):
             f"({causes or COLLECTIVE_CAUSES}). Raise MPICOLL_TIMEOUT if a peer "
             f"is just slow; this communicator is no longer usable.{others}"
         )
-
-
-# What keeps a peer out of a collective; a wait that is not a collective (a one-sided access) says its own.
-COLLECTIVE_CAUSES = ("dead, hung, or calling a different collective, or this one with another count or type: "
-                     "MPICOLL_DEBUG=1 compares every call across ranks")
 
 
 class ConcurrentCall(MpicollError):
