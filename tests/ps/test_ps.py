@@ -28,7 +28,11 @@ def test_every_rule_reaches_the_least_squares_optimum(name, options, transport):
     X, y, optimum = least_squares(seed)
     server = ps.ParameterServer(WORLD, np.zeros(X.shape[1]), ps.make(name, **options), servers=1,
                                 transport=transport)
-    final, _ = run_roles(server, sgd_on_my_rows(server, X, y, steps=200, seed=seed))
+    # Downpour's Adagrad takes ever smaller steps: with one worker, 200 left 0.5% of these problems 1e-2 or more
+    # from the optimum (CI met seed 8331172743655220816: 1.47e-2, the same in a float64 replay of Adagrad); 400
+    # left none of 5,000 (the worst 8.6e-3)
+    steps = 400 if name == "downpour" else 200
+    final, _ = run_roles(server, sgd_on_my_rows(server, X, y, steps=steps, seed=seed))
     error = np.linalg.norm(final - optimum) / np.linalg.norm(optimum)
     everywhere(error < 1e-2, f"seed {seed}: {name} ended {error:.2e} from the optimum")
 
