@@ -171,7 +171,8 @@ class Communicator(MPI.Intracomm):
         context = self.__dict__.get("_context")
         first = context is None
         if first:
-            context = self.__dict__["_context"] = Context(self)
+            # its set-up waits for every rank first: a rank that never comes is named under this call's name
+            context = self.__dict__["_context"] = Context(self, signature.collective)
             context.on_death = self.on_death
             context.fingerprint = Fingerprint(context)      # every rank is here (Context checked)
             if self.background:

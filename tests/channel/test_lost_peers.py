@@ -44,3 +44,33 @@ def test_dead_rank_is_named_by_its_neighbour(tmp_path):
     assert 0 in outcomes, f"rank 0 left no outcome: {result.stdout} {result.stderr}"
     assert outcomes[0].startswith("Allreduce: rank 0 waited 2 s for rank(s) 2,"), outcomes
     assert all("finished" not in text for text in outcomes.values())
+
+
+def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(tmp_path):
+    """The last rank never comes to the communicator's first call (whose set-up waits for every rank): the
+    others name it, and the call (it read "collective: rank 0 waited ...", seen when a rank died before a
+    run's final average)."""
+    script = tmp_path / "absent.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, numpy as np
+        from mpi4py import MPI
+        import mpicoll
+        world = MPI.COMM_WORLD
+        if world.rank == world.size - 1:
+            time.sleep(8)
+            os._exit(1)
+        try:
+            mpicoll.Communicator(world, algorithm="ring").Allgather(np.ones(4), np.empty(4 * world.size))
+            outcome = "finished"
+        except mpicoll.CollectiveTimeout as error:
+            outcome = str(error)
+        with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
+            handle.write(outcome)
+        world.Abort(0)
+    """))
+    result = launch(3, str(script), str(tmp_path), env={"MPICOLL_TIMEOUT": "2"}, extra=["-disable-auto-cleanup"],
+                    timeout=120)
+    outcomes = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)
+                if (tmp_path / f"rank{rank}.txt").exists()}
+    assert 0 in outcomes, f"rank 0 left no outcome: {result.stdout} {result.stderr}"
+    assert outcomes[0].startswith("Allgather: rank 0 waited 2 s for rank(s) 2"), outcomes
