@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.support.jobs import ROOT, fault_tolerant
 
 ELASTIC_TRAINING = """
@@ -18,7 +20,7 @@ import torch
 import mpicoll.torch.horovod as hvd
 
 hvd.init()
-me, victim = hvd.rank(), int(sys.argv[1])
+me, victim, when = hvd.rank(), int(sys.argv[1]), sys.argv[2]
 torch.manual_seed(0)
 X = torch.randn(240, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 dataset = torch.utils.data.TensorDataset(X, (X.sum(1, keepdim=True) > 0).double())
@@ -39,7 +41,7 @@ def train(state):
     while state.epoch < 3:
         entries.append((state.epoch, state.batch, len(state.sampler), hvd.size()))
         for data, target in loader:
-            if me == victim and state.epoch == 1 and state.batch == 2:
+            if me == victim and when == "mid-epoch" and state.epoch == 1 and state.batch == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             optimizer.zero_grad()
             torch.nn.functional.binary_cross_entropy_with_logits(model(data), target).backward()
@@ -49,6 +51,8 @@ def train(state):
             state.commit()
         state.epoch, state.batch = state.epoch + 1, 0
         state.sampler.set_epoch(state.epoch)
+        if me == victim and when == "last-commit" and state.epoch == 3:      # after the function's last op
+            os.kill(os.getpid(), signal.SIGKILL)
         state.commit()
 
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
@@ -60,12 +64,16 @@ print(json.dumps({"size": hvd.size(), "sizes": sizes, "identical": len(set(sums)
 """
 
 
-def test_a_horovod_elastic_program_loses_a_rank_under_mpirun_and_the_survivors_finish(tmp_path, victim=2):
-    """(With no rank lost the same program takes the 4-rank path of each epoch: victim -1.)"""
+@pytest.mark.parametrize("when", ["mid-epoch", "last-commit"])
+def test_a_horovod_elastic_program_loses_a_rank_under_mpirun_and_the_survivors_finish(tmp_path, when, victim=2):
+    """(With no rank lost the same program takes the 4-rank path of each epoch: victim -1.)  Lost at the last
+    commit, after the function's last op, the death is met in that commit (as in Horovod, a commit hears from
+    every rank): the survivors go back to it, whole, and finish; it was met only in the op after the function
+    returned, which ended the job."""
     start, env = fault_tolerant(4)
     (tmp_path / "job.py").write_text(ELASTIC_TRAINING)
-    job = subprocess.run([*start, str(tmp_path / "job.py"), str(victim)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120, start_new_session=True)
+    job = subprocess.run([*start, str(tmp_path / "job.py"), str(victim), when], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, start_new_session=True)
     said = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
     survivors = 3 if victim >= 0 else 4
     assert job.returncode == 0 and len(said) == survivors, job.stdout + job.stderr[-3000:]
@@ -73,6 +81,7 @@ def test_a_horovod_elastic_program_loses_a_rank_under_mpirun_and_the_survivors_f
     assert all(s["sizes"] == ([3] if victim >= 0 else []) for s in said), said
     # each (re)entry: (epoch, batches done, this rank's samples, ranks); 240 samples, batches of 10 a rank: after
     # the loss, the 160 samples of epoch 1 left after 2 batches on 4 ranks are divided among 3 (54 each, padded)
-    entries = [[0, 0, 60, 4], [1, 0, 60, 4], [1, 2, 54, 3], [2, 0, 80, 3]] if victim >= 0 else \
-        [[0, 0, 60, 4], [1, 0, 60, 4], [2, 0, 60, 4]]
+    # (lost at the last commit, that commit's state is whole: epoch 3, which leaves the loop at once)
+    entries = [[0, 0, 60, 4], [1, 0, 60, 4], [1, 2, 54, 3], [2, 0, 80, 3]] if victim >= 0 and when == "mid-epoch" \
+        else [[0, 0, 60, 4], [1, 0, 60, 4], [2, 0, 60, 4]]
     assert all(s["entries"] == entries for s in said), said

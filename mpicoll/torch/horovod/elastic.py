@@ -107,7 +107,12 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Horovod raises :class:`HostsUpdatedInterrupt` here when hosts change; under ``mpirun`` they do not."""
+        """Horovod raises :class:`HostsUpdatedInterrupt` here when hosts change; under ``mpirun`` they do not.
+        As Horovod's does, it hears from every rank (a small broadcast from rank 0), so a rank lost since the last
+        op is met at this commit, inside the elastic function, on every survivor alike: without it a rank lost
+        after the function's last op was met only once the function had returned, in the program's next op,
+        which ended the job where Horovod's survivors finish."""
+        broadcast_object(None, root_rank=0, name="elastic.check_host_updates")
 
     def save(self) -> None:
         raise NotImplementedError
