@@ -7,6 +7,17 @@ import textwrap
 from tests.support.jobs import launch
 
 
+def outcomes_of(script, folder) -> dict[int, str]:
+    """Run ``script`` on 3 ranks (timeout 2 s, Hydra keeping the others when one dies); {rank: the outcome it
+    wrote into ``folder``} for ranks 0 and 1, rank 0's required."""
+    result = launch(3, str(script), str(folder), env={"MPICOLL_TIMEOUT": "2"}, extra=["-disable-auto-cleanup"],
+                    timeout=120)
+    outcomes = {rank: (folder / f"rank{rank}.txt").read_text() for rank in (0, 1)
+                if (folder / f"rank{rank}.txt").exists()}
+    assert 0 in outcomes, f"rank 0 left no outcome: {result.stdout} {result.stderr}"
+    return outcomes
+
+
 def test_dead_rank_is_named_by_its_neighbour(tmp_path):
     """A rank dies mid-run: the survivors raise CollectiveTimeout naming it, instead of hanging.
 
@@ -37,11 +48,7 @@ def test_dead_rank_is_named_by_its_neighbour(tmp_path):
         time.sleep(0.5)
         world.Abort(0)
     """))
-    result = launch(3, str(script), str(tmp_path), env={"MPICOLL_TIMEOUT": "2"}, extra=["-disable-auto-cleanup"],
-                    timeout=120)
-    outcomes = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)
-                if (tmp_path / f"rank{rank}.txt").exists()}
-    assert 0 in outcomes, f"rank 0 left no outcome: {result.stdout} {result.stderr}"
+    outcomes = outcomes_of(script, tmp_path)
     assert outcomes[0].startswith("Allreduce: rank 0 waited 2 s for rank(s) 2,"), outcomes
     assert all("finished" not in text for text in outcomes.values())
 
@@ -66,11 +73,8 @@ def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(t
             outcome = str(error)
         with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
             handle.write(outcome)
+        time.sleep(0.5)   # the other survivor writes its outcome too before the abort ends it
         world.Abort(0)
     """))
-    result = launch(3, str(script), str(tmp_path), env={"MPICOLL_TIMEOUT": "2"}, extra=["-disable-auto-cleanup"],
-                    timeout=120)
-    outcomes = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)
-                if (tmp_path / f"rank{rank}.txt").exists()}
-    assert 0 in outcomes, f"rank 0 left no outcome: {result.stdout} {result.stderr}"
+    outcomes = outcomes_of(script, tmp_path)
     assert outcomes[0].startswith("Allgather: rank 0 waited 2 s for rank(s) 2"), outcomes
