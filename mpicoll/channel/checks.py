@@ -26,6 +26,7 @@ from ..base import checkpoint, failure
 from ..base.collectives import COLLECTIVES
 from ..base.errors import MismatchError, NonFiniteError, PeerFailed, SetupError
 from ..base.tags import Tag
+from .context import abandon_requests
 from .watchdog import bounded
 
 __all__ = ["Signature", "Fingerprint", "check_call", "agree", "load_checkpoint_set", "TAG_SPAN"]
@@ -200,8 +201,11 @@ class Fingerprint:
         self.context.stamp_messages(0)
 
     def free(self, abandon: bool = False) -> None:
-        """Release the request and the side channel (kept, as the context's own, when abandoned)."""
-        if not abandon:
+        """Release the request and the side channel (kept, as the context's own, when abandoned: the
+        comparison in flight may still be completed by a late rank, into this rank's buffer)."""
+        if abandon:
+            abandon_requests([self.request])
+        else:
             self.request.Free()
             self.side.Free()
 
@@ -233,8 +237,9 @@ class Fingerprint:
         text = str(signature).encode()[:width]
         everyone[self.context.rank, :len(text)] = np.frombuffer(text, np.uint8)
         mine = everyone[self.context.rank]
-        requests = [self.side.Isend([mine, MPI.BYTE], peer, Tag.MISMATCH) for peer in others]
-        requests += [self.side.Irecv([everyone[peer], MPI.BYTE], peer, Tag.MISMATCH) for peer in others]
+        requests = [self.context.track(self.side.Isend([mine, MPI.BYTE], peer, Tag.MISMATCH)) for peer in others]
+        requests += [self.context.track(self.side.Irecv([everyone[peer], MPI.BYTE], peer, Tag.MISMATCH))
+                     for peer in others]
         self.context.waitall(requests, others + others)
         described = {rank: bytes(row).rstrip(b"\0").decode(errors="replace") for rank, row in enumerate(everyone)}
         raise MismatchError(signature.collective, described)

@@ -25,14 +25,31 @@ from .nodes import node_members
 from .shared import SharedRegions
 from ..base.tags import Tag
 
-__all__ = ["Context"]
+__all__ = ["Context", "abandon_requests"]
 
 _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 
 _MAX_NAP = 1e-4        # longest sleep between polls once yielding
 
+_PRUNE_AT = 256        # tracked requests before the completed ones are dropped (Context.track)
+
 _ALARM_EVERY = 2e-3    # seconds between a lasting wait's looks for a reason to stop (Context.alarms)
 _DEATHS_EVERY = 0.1    # seconds between a lasting wait's questions to MPI about dead ranks (Context.living)
+
+
+_ABANDONED: list = []   # requests given up on while in flight, kept for the life of the process (abandon_requests)
+
+
+def abandon_requests(requests) -> None:
+    """Keep ``requests`` that are still in flight, and the buffers they hold, for the rest of the process.
+
+    A wait that gives up (a timeout, a lost peer, ranks that disagreed on a call) cannot take back the
+    receives it posted: a late peer's message still lands in their buffers, and a late receive still reads
+    a posted send's.  mpi4py frees a request that Python drops, and with it its hold on the buffer, whose
+    memory goes to new arrays or back to the system: a survivor that went on after a
+    :class:`~mpicoll.CollectiveTimeout` had its new arrays overwritten, or died of a segmentation fault
+    when the message came (tests/channel/test_lost_peers.py)."""
+    _ABANDONED.extend(request for request in requests if request)
 
 
 def _all_done(requests: list) -> bool:
@@ -49,6 +66,8 @@ class Context:
         self.debug = config.debug()
         self.collective = collective
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._in_flight: list = []            # this channel's messages that may not have completed (track)
+        self._prune_at = _PRUNE_AT
         self.spin_seconds = _SPIN_SECONDS
         self.comm = comm
         self.origin = comm          # the communicator duplicated (shrunk after a death under ULFM)
@@ -144,9 +163,14 @@ class Context:
         for child in self.children:
             child.free(abandon)
         self.children, self.node_layout = [], None
+        abandon_requests(self._in_flight)          # messages a peer never matched: their buffers must outlive the scratch
+        self._in_flight = []
         if comm != MPI.COMM_NULL and not abandon:
             comm.Free()
         self._scratch.clear()
+
+    def __del__(self):
+        abandon_requests(getattr(self, "_in_flight", ()))      # dropped without free(), after a failed call
 
     @property
     def broken(self) -> bool:
@@ -226,10 +250,21 @@ class Context:
     # -- messages -----------------------------------------------------------
 
     def isend(self, array: np.ndarray, dest: int, tag: int = 0) -> MPI.Request:
-        return self.comm.Isend([array.view(np.uint8), MPI.BYTE], dest, tag + self.stamp)
+        return self.track(self.comm.Isend([array.view(np.uint8), MPI.BYTE], dest, tag + self.stamp))
 
     def irecv(self, array: np.ndarray, source: int, tag: int = 0) -> MPI.Request:
-        return self.comm.Irecv([array.view(np.uint8), MPI.BYTE], source, tag + self.stamp)
+        return self.track(self.comm.Irecv([array.view(np.uint8), MPI.BYTE], source, tag + self.stamp))
+
+    def track(self, request: MPI.Request) -> MPI.Request:
+        """Hold ``request`` until it completes; if this context is freed or dropped first, it is abandoned
+        (:func:`abandon_requests`), not freed while a peer may still read or write its buffer.  Every message this
+        channel starts goes through here (:meth:`isend`, :meth:`irecv`)."""
+        flights = self._in_flight
+        if len(flights) >= self._prune_at:
+            flights[:] = [flight for flight in flights if flight]       # completed requests are null
+            self._prune_at = max(_PRUNE_AT, 2 * len(flights))
+        flights.append(request)
+        return request
 
     def wait(self, request: MPI.Request, peer: int) -> None:
         """Complete one request to or from ``peer``."""
@@ -238,10 +273,18 @@ class Context:
     def waitall(self, requests: list, peers, limit: float | None = None) -> None:
         """Complete all requests; ``peers`` names the rank behind each (or one rank for all).
 
-        ``limit``: seconds before giving up, when not the communicator's timeout.
+        ``limit``: seconds before giving up, when not the communicator's timeout.  Requests still in flight
+        when it raises are abandoned (:func:`abandon_requests`): a late peer still reads or writes their buffers.
         """
         if not requests:
             return
+        try:
+            self._waitall(requests, peers, limit)
+        except BaseException:
+            abandon_requests(requests)
+            raise
+
+    def _waitall(self, requests: list, peers, limit: float | None) -> None:
         try:
             if self.timeout == 0:
                 MPI.Request.Waitall(requests)
@@ -275,11 +318,19 @@ class Context:
 
     def completes(self, requests: list, limit: float) -> bool:
         """Whether ``requests`` complete within ``limit`` seconds (0: wait forever), polled like every wait;
-        if not, they are left pending and the channel stays usable.  For waits on one peer that its caller
-        can go on without (a parameter server's transfer with one worker): no roll call, no broken channel."""
+        if not, they are abandoned (:func:`abandon_requests`) and the channel stays usable.  For waits on one
+        peer that its caller can go on without (a parameter server's transfer with one worker): no roll call,
+        no broken channel."""
         if not requests:
             return True
-        return self._poll(lambda: True if _all_done(requests) else None, lambda: None, limit=limit, default=False)
+        try:
+            done = self._poll(lambda: True if _all_done(requests) else None, lambda: None, limit=limit, default=False)
+        except BaseException:
+            abandon_requests(requests)
+            raise
+        if not done:
+            abandon_requests(requests)
+        return done
 
     def waitany(self, requests: list, peers: list[int], patience: float | None = None,
                 limit: float | None = None, or_death: bool = False) -> int | None:
@@ -306,9 +357,13 @@ class Context:
             pending = [(r, p) for r, p in zip(requests, peers) if r != MPI.REQUEST_NULL]
             self._give_up([r for r, _ in pending], [p for _, p in pending], limit)
 
-        if patience is None:
-            return self._poll(any_done, give_up, limit)
-        return self._poll(any_done, lambda: None, limit=patience)
+        try:
+            if patience is None:
+                return self._poll(any_done, give_up, limit)
+            return self._poll(any_done, lambda: None, limit=patience)
+        except BaseException:
+            abandon_requests(requests)
+            raise
 
     def wait_until(self, ready, peers: list[int]) -> None:
         """Poll ``ready()`` until it is true (spinning, then yielding the core), for
@@ -430,7 +485,7 @@ class Context:
         note = np.zeros(1, np.uint8)
         awaited = self.living(self.others())
         for peer in awaited:
-            self.comm.Isend([note, MPI.BYTE], peer, Tag.ROLL_CALL)      # abandoned if the peer is gone
+            self.track(self.comm.Isend([note, MPI.BYTE], peer, Tag.ROLL_CALL))     # abandoned if the peer is gone
         heard, status, incoming = set(), MPI.Status(), np.empty(1, np.uint8)
 
         def heard_everyone():

@@ -78,3 +78,48 @@ def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(t
     """))
     outcomes = outcomes_of(script, tmp_path)
     assert outcomes[0].startswith("Allgather: rank 0 waited 2 s for rank(s) 2"), outcomes
+
+
+def test_a_late_peers_message_never_lands_in_memory_the_survivors_let_go(tmp_path):
+    """The last rank comes to an allreduce after the others timed out, dropped the communicator and made new
+    arrays: its messages land in the buffers of the receives they had posted, which must still be theirs.
+    mpi4py frees a request Python drops, and the buffer with it: rank 0 died of a segmentation fault (its
+    1 MiB landing buffer unmapped) when the late message came, 3 runs of 3, before the requests were kept."""
+    script = tmp_path / "late.py"
+    script.write_text(textwrap.dedent("""
+        import gc, os, sys, time, numpy as np
+        os.environ["MPICOLL_CHANNEL"] = "p2p"         # messages (3 ranks on 2 cores would share memory)
+        from mpi4py import MPI
+        import mpicoll
+        world = MPI.COMM_WORLD
+        late = world.rank == world.size - 1
+        comm = mpicoll.Communicator(world, algorithm="ring")
+        comm.Allreduce(np.ones(1000), np.empty(1000))
+        if late:
+            world.Barrier()                           # the others have given up, and let go
+            try:
+                comm.Allreduce(np.ones(1000), np.empty(1000))
+            except mpicoll.CollectiveTimeout:
+                pass
+            world.Barrier()
+        else:
+            try:
+                comm.Allreduce(np.ones(1000), np.empty(1000))
+                outcome = "finished"
+            except mpicoll.CollectiveTimeout:
+                outcome = "timed out"      # goes on outside the handler, whose traceback holds the call's frames
+            if outcome == "timed out":
+                del comm
+                gc.collect()
+                made = [np.full(size // 8, 7.0) for size in range(64, 2 ** 21, 2 ** 16) for _ in range(2)]
+                world.Barrier()
+                world.Barrier()                       # waits while the late rank's messages arrive
+                overwritten = sum(int((array != 7.0).any()) for array in made)
+                outcome = f"{overwritten} arrays overwritten"
+            with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
+                handle.write(outcome)
+        time.sleep(0.5)
+        world.Abort(0)
+    """))
+    outcomes = outcomes_of(script, tmp_path)
+    assert set(outcomes.values()) == {"0 arrays overwritten"}, outcomes
