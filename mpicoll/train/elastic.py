@@ -222,6 +222,9 @@ def is_loss(error: BaseException, channel: MPI.Comm | None = None) -> bool:
     return channel is not None and bool(failure.failed_ranks(channel))
 
 
+_WHOLE, _CLEAN = 1, 2      # the bits of a member's word in the agreement after a block (MPI ANDs the words)
+
+
 @contextmanager
 def agreed(channel: MPI.Comm, revoke=lambda: None):
     """Run the block on every member of ``channel``, then agree with all of them (ULFM's ``MPI_Comm_agree``)
@@ -235,26 +238,42 @@ def agreed(channel: MPI.Comm, revoke=lambda: None):
     calls ``revoke`` (so that no member still waits on it in another communicator: a pipeline, a stage) and
     joins the same agreement with "not whole", rather than shrinking at once: a shrink is an agreement of its
     own, and met with this one it aborted Open MPI.  ``channel``'s own calls must leave the shrinking to the
-    caller (``on_death = "revoke"``); :meth:`Survivors.recover` shrinks after it."""
+    caller (``on_death = "revoke"``); :meth:`Survivors.recover` shrinks after it.
+
+    A member whose block raised any other error joins the agreement too, saying so: garbage from across a cut
+    can raise anything (a ``MemoryError`` from unpickling a length no rank sent, before MPI knew of the death:
+    the job ended on that error instead of going on without the cut-off ranks), and the agreement returns only
+    once MPI has judged every member.  If one died, that error was the loss and :class:`RanksLost` is raised;
+    if none did, the error is raised where it happened, and every other member raises :class:`MpicollError`
+    saying a member's step failed (never a recovery from a loss that was not one)."""
     try:
         yield
-    except Exception as error:  # noqa: BLE001 - a loss joins the agreement; anything else is raised as it is
-        if not is_loss(error, channel):
-            raise
-        revoke()
-        _agree(channel, False)
-        if isinstance(error, RanksLost):
-            raise
-        raise RanksLost("a step", channel.Get_rank(), failure.failed_ranks(channel)) from error
-    if not _agree(channel, True):
+    except Exception as error:  # noqa: BLE001 - every error joins the agreement, which tells a loss from the rest
+        loss = is_loss(error, channel)
+        if loss:
+            revoke()
+        word = _agree(channel, _CLEAN if loss else 0)
+        if loss or word is None or failure.failed_ranks(channel):
+            if not loss:
+                revoke()
+            if isinstance(error, RanksLost):
+                raise
+            raise RanksLost("a step", channel.Get_rank(), failure.failed_ranks(channel)) from error
+        raise
+    word = _agree(channel, _WHOLE | _CLEAN)
+    if word == _WHOLE | _CLEAN:
+        return
+    if word is None or word & _CLEAN or failure.failed_ranks(channel):
         raise RanksLost("the agreement after a step", channel.Get_rank(), failure.failed_ranks(channel))
+    raise MpicollError(f"rank {channel.Get_rank()}: another rank's step raised an error that is not a lost rank "
+                       "(its own message names it); the job ends")
 
 
-def _agree(channel: MPI.Comm, whole: bool) -> bool:
-    """Whether every member of ``channel`` says ``whole`` and none died meanwhile: the same answer on all."""
+def _agree(channel: MPI.Comm, word: int) -> int | None:
+    """The AND of every member's ``word``, the same on all; None if a member died before it agreed."""
     try:
-        return bool(channel.Agree(int(whole)))
+        return int(channel.Agree(word))
     except MPI.Exception as error:      # raised on every member alike (ULFM): a member died before it agreed
         if not failure.is_process_failure(error):
             raise
-        return False
+        return None

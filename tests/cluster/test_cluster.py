@@ -376,7 +376,8 @@ def test_under_elastic_training_a_cut_node_stops_and_the_other_finishes(fresh, t
     records = [json.loads(line) for line in log.read_text().splitlines()]
     events = [r for r in records if r.get("event") == "ranks_lost"]
     summary = records[-1]
-    assert [e["lost"] for e in events] == [[2, 3]] and summary["summary"] and summary["ranks"] == 2, records[-3:]
+    assert [e["lost"] for e in events] == [[2, 3]] and summary["summary"] and summary["ranks"] == 2, \
+        f"{events} {records[-1]}\n{output.read_text()[-3000:]}"
     assert summary["replicas_identical"] and summary["final_accuracy"] > 0.9, summary
     said = output.read_text()
     assert said.count("cut off from the rest of the job") == 2 and "this side stops" in said, said[-3000:]

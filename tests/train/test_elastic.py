@@ -196,6 +196,60 @@ def test_a_rank_lost_in_the_checks_before_the_run_is_named_by_every_survivor(tmp
     assert "Traceback" not in said, said[-3000:]
 
 
+# A step of 4 ranks in mpicoll.train.elastic.agreed: rank 1's raises an error that is not a loss (what MPI's own
+# collectives gave across a cut link: garbage, unpickled into a MemoryError); with argv[2] "dies", rank 3 dies in
+# the same step, 0.5 s later (so rank 1's error comes before MPI knows of a death).  Each rank writes its outcome.
+ERROR_IN_A_STEP = """
+import os, sys, time
+from mpi4py import MPI
+import mpicoll
+from mpicoll.train.elastic import agreed
+world = MPI.COMM_WORLD
+channel = mpicoll.Communicator(world.Dup())
+channel.on_death = "revoke"
+try:
+    with agreed(channel):
+        if world.rank == 1:
+            raise MemoryError("as from unpickling garbage")
+        if world.rank == 3 and sys.argv[2] == "dies":
+            time.sleep(0.5)
+            os._exit(1)
+    outcome = "whole"
+except mpicoll.RanksLost as error:
+    outcome = f"RanksLost {error.lost}"
+except MemoryError as error:
+    outcome = f"MemoryError {error}"
+except mpicoll.MpicollError as error:
+    outcome = f"MpicollError {error}"
+with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
+    handle.write(outcome)
+sys.stdout.flush()
+os._exit(0)         # the job lost a rank: MPI_Finalize would wait for it
+"""
+
+
+@pytest.mark.parametrize("dies", ["dies", "lives"])
+def test_an_error_in_a_step_is_a_loss_only_where_a_rank_died(tmp_path, dies):
+    """A rank whose step raised an error that is not a loss joins the step's agreement, which returns once MPI
+    has judged every rank: a death meanwhile makes it a loss on every survivor (it was the death's garbage: the
+    job ended on a MemoryError across a cut link); without one the error is raised where it happened and the
+    others say a rank's step failed (they used to wait in the agreement for ever)."""
+    script = tmp_path / "error_in_a_step.py"
+    script.write_text(ERROR_IN_A_STEP)
+    start, env = fault_tolerant(4)
+    job = subprocess.run([*start, str(script), str(tmp_path), dies], cwd=ROOT, env=env, text=True,
+                         capture_output=True, timeout=120)
+    outcomes = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in range(4)
+                if (tmp_path / f"rank{rank}.txt").exists()}
+    if dies == "dies":
+        expected = {rank: "RanksLost [3]" for rank in (0, 1, 2)}
+    else:
+        expected = {rank: "MpicollError rank {}: another rank's step raised an error that is not a lost rank (its "
+                    "own message names it); the job ends".format(rank) for rank in (0, 2, 3)}
+        expected[1] = "MemoryError as from unpickling garbage"
+    assert outcomes == expected, f"{outcomes}\n{job.stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("ranks, parallel", [(3, []), (4, ["--model-parallel", "2", "--model", "mlp"])])
 def test_an_intact_elastic_run_is_the_plain_run(tmp_path, ranks, parallel, method="allreduce-ring"):
     """(The plans' batches are the plain run's, for sgp too: test_an_epochs_plan_is_the_batches_of_a_plain_run;
