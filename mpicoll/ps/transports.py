@@ -99,7 +99,14 @@ class PointToPointServer(_ServerSide):
     def gradient(self, worker: int) -> np.ndarray:
         if self.asks_first:
             self._go(worker, True)
-        self.finish_transfer([self.ctx.irecv(self._gradient, worker, Tag.PS_GRADIENT)], worker, "sending its gradient")
+        try:
+            self.finish_transfer([self.ctx.irecv(self._gradient, worker, Tag.PS_GRADIENT)], worker,
+                                 "sending its gradient")
+        except WorkerUnreachable:
+            # the receive stays posted (abandoned) into this buffer, where the worker's late gradient can still
+            # land: the next workers' gradients go elsewhere (one that came late overwrote the next one taken)
+            self._gradient = np.empty_like(self._gradient)
+            raise
         return self._gradient
 
     def refuse(self, worker: int) -> None:

@@ -11,6 +11,8 @@ import pytest
 import mpicoll
 from mpicoll import ps
 from mpicoll.base.straggler import Straggler, parse
+from mpicoll.base.tags import Tag
+from mpicoll.channel.context import Context
 from tests.support.gpus import numba_cuda_or_skip
 from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed
 from tests.support.parameter_servers import RULE_CASES, RULE_IDS, run_roles, sgd_on_my_rows
@@ -155,6 +157,33 @@ def test_a_silent_worker_is_dropped_and_training_goes_on(transport):
     everywhere(lost is None or lost == [silent], f"server dropped {lost}, expected [{silent}]")
     error = 0.0 if far else np.linalg.norm(final - optimum) / np.linalg.norm(optimum)
     everywhere(error < 1e-2, f"seed {seed}: ended {error:.2e} from the optimum")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_gradient_that_comes_after_its_worker_was_dropped_never_overwrites_the_next_one(monkeypatch):
+    """Worker rank 1 is silent past half the timeout in the middle of sending its gradient, so the server gives
+    up on it; the server then takes rank 2's gradient; rank 1's comes after that, into the receive the server
+    abandoned (MPI cannot take it back): it used to land in the buffer the server had handed out for rank 2's."""
+    monkeypatch.setenv("MPICOLL_TIMEOUT", "1")
+    layout = ps.layout.Layout.split(WORLD, 1000, servers=1)
+    ctx = Context(WORLD)
+    server = ps.transports.PointToPointServer(ctx, layout, np.zeros(1000)) if RANK == 0 else None
+    taken, gave_up = None, False
+    if RANK == 0:
+        try:
+            server.gradient(1)
+        except ps.transports.WorkerUnreachable:
+            gave_up = True
+        taken = server.gradient(2)
+    elif RANK == 2:
+        ctx.wait(ctx.isend(np.full(1000, 2.0), 0, Tag.PS_GRADIENT), 0)
+    WORLD.Barrier()                         # rank 1 sends only now
+    if RANK == 1:
+        ctx.wait(ctx.isend(np.full(1000, 1.0), 0, Tag.PS_GRADIENT), 0)
+    WORLD.Barrier()                         # the server makes progress meanwhile: rank 1's gradient has landed
+    everywhere(RANK != 0 or gave_up, "the server did not give up on rank 1")
+    everywhere(taken is None or (taken == 2.0).all(), f"rank 2's gradient became {np.unique(taken)}")
+    ctx.free(abandon=True)
 
 
 @pytest.mark.mpi(min_size=3)
