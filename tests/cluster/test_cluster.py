@@ -374,7 +374,7 @@ def test_under_elastic_training_a_cut_node_stops_and_the_other_finishes(fresh, t
         assert mpicoll_cluster("heal", "node1").returncode == 0       # lets node1's goodbye reach the launcher
         job.wait(timeout=60)
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    events = [r for r in records if r.get("event") == "ranks_lost"]
+    events = [r for r in records if r.get("event")]     # a failed step that lost nobody too (seen once, not understood)
     summary = records[-1]
     assert [e["lost"] for e in events] == [[2, 3]] and summary["summary"] and summary["ranks"] == 2, \
         f"{events} {records[-1]}\n{output.read_text()[-3000:]}"

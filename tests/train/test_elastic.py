@@ -21,7 +21,7 @@ import pytest
 
 from mpicoll.train import METHODS, Options
 from mpicoll.train.common import batches
-from mpicoll.train.elastic import Plan, _quorum
+from mpicoll.train.elastic import Loss, Plan, _quorum
 from mpicoll.base import checkpoint
 from tests.support.jobs import ROOT, fault_tolerant, kill_rank_when, launch, left_behind
 
@@ -438,3 +438,13 @@ def test_the_learning_rate_schedule_goes_on_from_where_an_epoch_stood_after_a_lo
     ([3], [0, 1, 2, 3], False), ([1, 3], [1, 3, 4], True), ([4], [1, 3, 4], False), ([0], [0], True)])
 def test_only_one_side_of_a_cut_goes_on(survivors, members, goes_on):
     assert _quorum(survivors, members) is goes_on
+
+
+def test_a_recovery_that_lost_nobody_is_not_logged_as_a_loss():
+    """A step that failed on every rank while the shrink then excluded nobody (seen once in a loaded CI run: a
+    "ranks_lost" record with no rank, the terminal saying "lost rank(s)  in epoch ...") is a failed step."""
+    nobody, some = Loss([], 3, 4, 4, 0, 1.5), Loss([2, 3], 3, 4, 2, 0, 1.5)
+    assert nobody.record()["event"] == "step_failed" and some.record()["event"] == "ranks_lost"
+    assert nobody.line(8) == "mpicoll train: a step failed in epoch 3, step 5 and MPI named no rank lost; all 4 " \
+                             "ranks take it again"
+    assert some.line(8) == "mpicoll train: lost rank(s) 2, 3 in epoch 3, step 5; 2 ranks go on"
