@@ -33,6 +33,7 @@ from contextlib import nullcontext
 
 from mpi4py import MPI
 
+from .abandoned import abandon_requests
 from .tags import Tag
 
 __all__ = ["enabled", "span", "instant", "write_own", "MAX_EVENTS"]
@@ -94,6 +95,7 @@ class _Timeline:
             header = world.isend(len(payload), 0, Tag.TIMELINE)
             body = world.Isend([payload, MPI.BYTE], 0, Tag.TIMELINE)
             if _poll(lambda: True if header.Test() and body.Test() else None, deadline) is None:
+                abandon_requests([header, body])
                 self.write_own(rank)          # rank 0 is not listening: keep this rank's events anyway
             return
         events, missing = self.rank_events(0), []
@@ -101,11 +103,13 @@ class _Timeline:
             length = world.irecv(source=peer, tag=Tag.TIMELINE)
             nbytes = _poll(lambda: (lambda done, value: value if done else None)(*length.test()), deadline)
             if nbytes is None:
+                abandon_requests([length])
                 missing.append(peer)
                 continue
             buffer = bytearray(nbytes)
             body = world.Irecv([buffer, MPI.BYTE], peer, Tag.TIMELINE)
             if _poll(lambda: True if body.Test() else None, deadline) is None:
+                abandon_requests([body])       # its events may still come, into this buffer
                 missing.append(peer)
                 continue
             events += pickle.loads(buffer)

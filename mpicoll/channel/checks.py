@@ -25,8 +25,8 @@ from mpi4py import MPI
 from ..base import checkpoint, failure
 from ..base.collectives import COLLECTIVES
 from ..base.errors import MismatchError, NonFiniteError, PeerFailed, SetupError
+from ..base.abandoned import abandon_requests
 from ..base.tags import Tag
-from .context import abandon_requests
 from .watchdog import bounded
 
 __all__ = ["Signature", "Fingerprint", "check_call", "agree", "load_checkpoint_set", "TAG_SPAN"]

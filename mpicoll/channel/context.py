@@ -19,13 +19,14 @@ from mpi4py import MPI
 
 from .. import arrays
 from ..base import config, failure, launcher
+from ..base.abandoned import abandon_requests
 from . import watchdog
 from ..base.errors import CollectiveTimeout, MismatchError, PeerFailed, RanksLost
 from .nodes import node_members
 from .shared import SharedRegions
 from ..base.tags import Tag
 
-__all__ = ["Context", "abandon_requests"]
+__all__ = ["Context"]
 
 _SPIN_SECONDS = 1e-3   # poll flat out this long before yielding the core
 
@@ -35,21 +36,6 @@ _PRUNE_AT = 256        # tracked requests before the completed ones are dropped 
 
 _ALARM_EVERY = 2e-3    # seconds between a lasting wait's looks for a reason to stop (Context.alarms)
 _DEATHS_EVERY = 0.1    # seconds between a lasting wait's questions to MPI about dead ranks (Context.living)
-
-
-_ABANDONED: list = []   # requests given up on while in flight, kept for the life of the process (abandon_requests)
-
-
-def abandon_requests(requests) -> None:
-    """Keep ``requests`` that are still in flight, and the buffers they hold, for the rest of the process.
-
-    A wait that gives up (a timeout, a lost peer, ranks that disagreed on a call) cannot take back the
-    receives it posted: a late peer's message still lands in their buffers, and a late receive still reads
-    a posted send's.  mpi4py frees a request that Python drops, and with it its hold on the buffer, whose
-    memory goes to new arrays or back to the system: a survivor that went on after a
-    :class:`~mpicoll.CollectiveTimeout` had its new arrays overwritten, or died of a segmentation fault
-    when the message came (tests/channel/test_lost_peers.py)."""
-    _ABANDONED.extend(request for request in requests if request)
 
 
 def _all_done(requests: list) -> bool:
