@@ -149,7 +149,7 @@ class Context:
         for child in self.children:
             child.free(abandon)
         self.children, self.node_layout = [], None
-        abandon_requests(self._in_flight)          # messages a peer never matched: their buffers must outlive the scratch
+        abandon_requests(self._in_flight)       # messages a peer never matched: their buffers outlive the scratch
         self._in_flight = []
         if comm != MPI.COMM_NULL and not abandon:
             comm.Free()
@@ -328,13 +328,6 @@ class Context:
         With ``or_death`` (a context whose :attr:`on_death` is "acknowledge"), None too when MPI reports a
         peer dead: the caller asks who (:meth:`living`) and goes on without it.
         """
-        if or_death:
-            try:
-                return self.waitany(requests, peers, patience, limit)
-            except MPI.Exception as error:
-                if not failure.is_process_failure(error):
-                    raise
-                return None
         def any_done():
             index, done = MPI.Request.Testany(requests)
             return index if done and index != MPI.UNDEFINED else None
@@ -347,7 +340,9 @@ class Context:
             if patience is None:
                 return self._poll(any_done, give_up, limit)
             return self._poll(any_done, lambda: None, limit=patience)
-        except BaseException:
+        except BaseException as error:
+            if or_death and failure.is_process_failure(error):
+                return None                 # the requests stay the caller's: it goes on with the living
             abandon_requests(requests)
             raise
 

@@ -225,8 +225,7 @@ class PointToPointMailbox:
         packets = self.incoming[slot]
         pieces = [(piece, peer) for i, peer in enumerate(peers)
                   for piece in packets.pieces(i, whole=peer in self.on_my_node)]
-        self.receiving[round] = ([self.ctx.track(self.ctx.comm.Irecv([piece, MPI.BYTE], peer, Tag.GOSSIP))
-                                  for piece, peer in pieces],
+        self.receiving[round] = ([self.ctx.irecv(piece, peer, Tag.GOSSIP) for piece, peer in pieces],
                                  [peer for _, peer in pieces])
 
     def send(self, round: int, shares: dict[int, float], x: np.ndarray, weight: float) -> None:
@@ -242,7 +241,7 @@ class PointToPointMailbox:
             packets.fill(index, share, x, weight, round)
             for peer in group:
                 for piece in packets.pieces(index, whole=peer in self.on_my_node):
-                    requests.append(self.ctx.track(self.ctx.comm.Isend([piece, MPI.BYTE], peer, Tag.GOSSIP)))
+                    requests.append(self.ctx.isend(piece, peer, Tag.GOSSIP))
                     peers.append(peer)
         self.sends[slot] = (requests, peers)
 

@@ -103,8 +103,14 @@ class Loss:
     time_s: float              # since the run started
     stopped: list[int] = field(default_factory=list)    # survivors that stop: their replica's pipeline lost a stage
 
+    @property
+    def nobody(self) -> bool:
+        """Whether no rank was lost nor stopped: a step failed that MPI's fault tolerance did not confirm as a
+        death (seen once, under load), which every member takes again."""
+        return not self.lost and not self.stopped
+
     def record(self) -> dict:
-        return {"event": "ranks_lost" if self.lost or self.stopped else "step_failed", **self.__dict__}
+        return {"event": "step_failed" if self.nobody else "ranks_lost", **self.__dict__}
 
     def line(self, epochs: int) -> str:
         """What the terminal says of it, in a run of ``epochs`` epochs: past the last one the run was ending (its
@@ -114,7 +120,7 @@ class Loss:
                    if self.stopped else "")
         when = ("after the last epoch, as the run ended" if self.epoch > epochs else
                 f"in epoch {self.epoch}, step {self.step + 1}")
-        if not self.lost and not self.stopped:      # a failure MPI's fault tolerance did not confirm as a death
+        if self.nobody:
             return (f"mpicoll train: a step failed {when} and MPI named no rank lost; all {self.ranks} ranks take "
                     "it again")
         return (f"mpicoll train: lost rank(s) {', '.join(map(str, self.lost))} {when}{stopped}; {self.ranks} ranks "
@@ -168,7 +174,7 @@ class Survivors:
                                f"{', '.join(map(str, loss.lost))}, which may be alive on the other side of a cut "
                                "link and go on there; this side stops, so that two halves never train apart")
         self.members = going_on
-        if loss.lost or loss.stopped:
+        if not loss.nobody:
             self.losses.append(loss)
         if not going_on:
             raise self._below_floor(loss)
