@@ -155,9 +155,18 @@ class Survivors:
                 if not is_loss(error):
                     raise
                 continue
+            # Who survived is the shrunk communicator's group, the same on every survivor: a side without a
+            # quorum stops here, before its first call builds anything on the new communicator (a failure
+            # reported while Open MPI built one crashed it: a cut-off rank died in MPI_Comm_split_type, once).
+            survivors = _job_ranks(channel)
+            if not _quorum(survivors, self.members):
+                lost = sorted(set(self.members) - set(survivors))
+                raise MpicollError(f"cut off from the rest of the job: {len(survivors)} of its {len(self.members)} "
+                                   f"ranks ({', '.join(map(str, survivors))}) hear each other and not rank(s) "
+                                   f"{', '.join(map(str, lost))}, which may be alive on the other side of a cut "
+                                   "link and go on there; this side stops, so that two halves never train apart")
             try:
                 with agreed(channel):
-                    survivors = channel.allgather(me)
                     positions = channel.allgather(position)
                 break
             except RanksLost:           # a further death, on every survivor alike
@@ -168,11 +177,6 @@ class Survivors:
         loss = Loss(sorted(set(self.members) - set(survivors)), reached[0] + 1, reached[1], len(going_on),
                     int(max(positions) > reached), round(time.perf_counter() - self.started, 3),
                     [rank for rank in survivors if rank not in going_on])
-        if not _quorum(survivors, self.members):
-            raise MpicollError(f"cut off from the rest of the job: {len(survivors)} of its {len(self.members)} ranks "
-                               f"({', '.join(map(str, survivors))}) hear each other and not rank(s) "
-                               f"{', '.join(map(str, loss.lost))}, which may be alive on the other side of a cut "
-                               "link and go on there; this side stops, so that two halves never train apart")
         self.members = going_on
         if not loss.nobody:
             self.losses.append(loss)
@@ -212,6 +216,16 @@ class Survivors:
                                 f"none can go on; stopped in epoch {loss.epoch}; {saved}")
         return MpicollError(f"{loss.ranks} rank(s) left after losing rank(s) {', '.join(map(str, lost))}, below "
                             f"--min-ranks {options.min_ranks}: stopped in epoch {loss.epoch}; {saved}")
+
+
+def _job_ranks(comm: MPI.Comm) -> list[int]:
+    """The ranks in the job (``MPI.COMM_WORLD``) of ``comm``'s members, in ``comm``'s rank order; local."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
 
 
 def _quorum(survivors: list[int], members: list[int]) -> bool:

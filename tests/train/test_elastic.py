@@ -274,6 +274,17 @@ def test_below_min_ranks_every_survivor_stops_naming_the_checkpoint(tmp_path):
     assert (tmp_path / "ckpt.npz").exists()
 
 
+def test_a_survivor_without_a_quorum_stops_before_it_trains_alone(tmp_path):
+    """2 ranks, rank 0 killed: rank 1 is half the job without its first rank, which a cut link shows alike
+    (rank 0 may live on the other side), so it stops, saying so, and never writes the log rank 0 wrote."""
+    job, logged = train(tmp_path, "half", "--elastic", *SLOW, kill=0, ranks=2)
+    said = job.stderr_text
+    assert job.returncode != 0, said[-3000:]
+    assert "cut off from the rest of the job: 1 of its 2 ranks (1) hear each other and not rank(s) 0" in said \
+        and "this side stops" in said, said[-3000:]
+    assert not [r for r in logged if r.get("event") or r.get("summary")], logged
+
+
 def test_a_replica_that_loses_a_stage_stops_and_the_whole_ones_go_on(tmp_path, tmp_path_factory):
     """--model-parallel 2 over 4 ranks: replicas (0, 1) and (2, 3).  Rank 0 killed (a stage, and the log's
     writer): rank 1 stops, replica (2, 3) finishes the epoch budget and writes the log on."""
