@@ -22,6 +22,10 @@ transport has seen the connection to it close, a send to that rank crashes the
 sender (a segmentation fault inside ``MPI_Isend``).  :func:`failed_ranks` asks
 the MPI library which ranks it knows to be gone (``MPIX_Comm_get_failed``, in
 MPICH and Open MPI), so that no one sends to them.
+
+A cut link looks, from each side, like the other side's death: were both sides
+to shrink and go on, two halves of one job would train apart and write one log
+and one checkpoint.  :func:`check_quorum` lets only one side go on.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ import time
 from mpi4py import MPI
 
 from . import config, timeline
+from .errors import MpicollError
 
 __all__ = ["end_job", "end_at_exit", "tell_others_with", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge",
-           "meet_survivors", "revoke", "revoke_and_shrink", "outlived_a_death", "end_after_losing"]
+           "meet_survivors", "revoke", "revoke_and_shrink", "job_ranks", "has_quorum", "check_quorum",
+           "outlived_a_death", "end_after_losing"]
 
 EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
 _SETTLE_S = 2.0
@@ -275,6 +281,36 @@ def revoke_and_shrink(comm: MPI.Intracomm, also=()) -> tuple[MPI.Intracomm, list
         mine.Free()
         theirs.Free()
     return survivors, sorted(set(range(comm.Get_size())) - set(kept))
+
+
+def job_ranks(comm: MPI.Comm) -> list[int]:
+    """The ranks in the job (``MPI.COMM_WORLD``) of ``comm``'s members, in ``comm``'s rank order; local (after a
+    shrink, who survived: the same on every survivor)."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+
+
+def has_quorum(survivors: list[int], members: list[int]) -> bool:
+    """Whether ``survivors`` may go on without the rest of ``members`` (ranks of the job): more than half of
+    them, or exactly half with the first.  (A crash of half the ranks, the first's half among them, stops a
+    job too: it cannot be told from a cut.)"""
+    return 2 * len(survivors) > len(members) or (2 * len(survivors) == len(members) and members[0] in survivors)
+
+
+def check_quorum(survivors: list[int], members: list[int]) -> None:
+    """Raise :class:`~mpicoll.MpicollError`, saying this side of a possible cut stops, unless ``survivors`` (after
+    a shrink: :func:`job_ranks`) have the quorum among ``members`` (before it); call it before any call on the
+    survivors' communicator, so that a side that stops builds nothing there."""
+    if not has_quorum(survivors, members):
+        lost = sorted(set(members) - set(survivors))
+        raise MpicollError(f"cut off from the rest of the job: {len(survivors)} of its {len(members)} ranks "
+                           f"({', '.join(map(str, survivors))}) hear each other and not rank(s) "
+                           f"{', '.join(map(str, lost))}, which may be alive on the other side of a cut link and go "
+                           "on there; this side stops, so that two halves never train apart")
 
 
 # After a death, Open MPI 5.0's MPI_Finalize may wait forever for the dead in its closing fence (open-mpi/ompi#11404;

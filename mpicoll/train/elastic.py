@@ -158,13 +158,8 @@ class Survivors:
             # Who survived is the shrunk communicator's group, the same on every survivor: a side without a
             # quorum stops here, before its first call builds anything on the new communicator (a failure
             # reported while Open MPI built one crashed it: a cut-off rank died in MPI_Comm_split_type, once).
-            survivors = _job_ranks(channel)
-            if not _quorum(survivors, self.members):
-                lost = sorted(set(self.members) - set(survivors))
-                raise MpicollError(f"cut off from the rest of the job: {len(survivors)} of its {len(self.members)} "
-                                   f"ranks ({', '.join(map(str, survivors))}) hear each other and not rank(s) "
-                                   f"{', '.join(map(str, lost))}, which may be alive on the other side of a cut "
-                                   "link and go on there; this side stops, so that two halves never train apart")
+            survivors = failure.job_ranks(channel)
+            failure.check_quorum(survivors, self.members)
             try:
                 with agreed(channel):
                     positions = channel.allgather(position)
@@ -216,24 +211,6 @@ class Survivors:
                                 f"none can go on; stopped in epoch {loss.epoch}; {saved}")
         return MpicollError(f"{loss.ranks} rank(s) left after losing rank(s) {', '.join(map(str, lost))}, below "
                             f"--min-ranks {options.min_ranks}: stopped in epoch {loss.epoch}; {saved}")
-
-
-def _job_ranks(comm: MPI.Comm) -> list[int]:
-    """The ranks in the job (``MPI.COMM_WORLD``) of ``comm``'s members, in ``comm``'s rank order; local."""
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
-    finally:
-        group.Free()
-        world.Free()
-
-
-def _quorum(survivors: list[int], members: list[int]) -> bool:
-    """Whether ``survivors`` may go on without the rest of ``members``: more than half of them, or exactly half
-    with the first.  A cut link looks, from each side, like the other side's death; were both sides to go on,
-    two runs would write one log and one checkpoint.  (A crash of half the ranks, rank 0's half among them,
-    stops the run too: it cannot be told from a cut.)"""
-    return 2 * len(survivors) > len(members) or (2 * len(survivors) == len(members) and members[0] in survivors)
 
 
 def is_loss(error: BaseException, channel: MPI.Comm | None = None) -> bool:

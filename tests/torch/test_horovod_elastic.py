@@ -85,3 +85,16 @@ def test_a_horovod_elastic_program_loses_a_rank_under_mpirun_and_the_survivors_f
     entries = [[0, 0, 60, 4], [1, 0, 60, 4], [1, 2, 54, 3], [2, 0, 80, 3]] if victim >= 0 and when == "mid-epoch" \
         else [[0, 0, 60, 4], [1, 0, 60, 4], [2, 0, 60, 4]]
     assert all(s["entries"] == entries for s in said), said
+
+
+def test_the_survivors_of_half_a_horovod_elastic_job_without_its_first_rank_stop_saying_so(tmp_path):
+    """2 ranks, rank 0 lost mid-epoch: rank 1 is half the job without its first rank, as one side of a cut link
+    is (rank 0 may train on there), so it stops naming both instead of finishing alone; it finished alone."""
+    start, env = fault_tolerant(2)
+    (tmp_path / "job.py").write_text(ELASTIC_TRAINING)
+    job = subprocess.run([*start, str(tmp_path / "job.py"), "0", "mid-epoch"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert job.returncode != 0 and not [line for line in job.stdout.splitlines() if line.startswith("{")], \
+        job.stdout + job.stderr[-3000:]
+    assert "cut off from the rest of the job: 1 of its 2 ranks (1) hear each other and not rank(s) 0" in \
+        job.stderr, job.stderr[-3000:]

