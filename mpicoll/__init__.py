@@ -19,6 +19,8 @@ from .base.errors import (CollectiveTimeout, ConcurrentCall, Diverged, MismatchE
                           SetupError, Unsupported)
 from .base.failure import end_job
 from .base.launcher import LaunchMismatch
+from .base import failure as _failure
+from .channel import watchdog as _watchdog
 from .channel.watchdog import guard_job
 from .collectives import algorithms
 from .collectives.api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce_scatter,
@@ -29,6 +31,13 @@ from .collectives.nonblocking import Request
 from .collectives.powersgd import PowerSGD
 
 __version__ = "0.1.0"
+
+# Under MPI's fault tolerance, Open MPI's heartbeat detector beats only while a process is inside MPI, and MPI
+# started with mpi4py's import: a rank that loads data or builds a model for longer than the detector's timeout
+# before its first call would be taken for dead (and aborted by Open MPI).  The watchdog thread's probes beat
+# for it from here on (mpicoll.channel.watchdog).
+if _failure.fault_tolerant():
+    _watchdog.start()
 
 # The errors a program catches are mpicoll's own, wherever they are defined: tracebacks name them so.
 for _error in (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError, PartFailed,

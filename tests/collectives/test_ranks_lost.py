@@ -115,17 +115,20 @@ def test_ranks_lost_is_a_peer_failed_naming_the_dead():
     assert sys.modules["mpicoll"].RanksLost.__module__ == "mpicoll"
 
 
-# A rank that computes without calling MPI for longer than the heartbeat detector's timeout.
+# A rank that computes without calling MPI for longer than the heartbeat detector's timeout: after its first call,
+# or before it (loading data, building a model: a start that takes longer than the timeout).
 COMPUTE_LONG = """
-import time
+import sys, time
 import numpy as np
 from mpi4py import MPI
 import mpicoll
+if sys.argv[1] == "before" and MPI.COMM_WORLD.Get_rank() == 1:
+    time.sleep(4)                               # twice the detector's timeout, no MPI call
 comm = mpicoll.Communicator(MPI.COMM_WORLD)
 x = np.ones(10)
 comm.Allreduce(MPI.IN_PLACE, x)
-if comm.Get_rank() == 1:
-    time.sleep(4)                               # twice the detector's timeout, no MPI call
+if sys.argv[1] == "after" and comm.Get_rank() == 1:
+    time.sleep(4)
 try:
     comm.Allreduce(MPI.IN_PLACE, x)
     print(f"rank {comm.Get_rank()}: fine", flush=True)
@@ -134,10 +137,14 @@ except mpicoll.RanksLost as error:
 """
 
 
-def test_a_rank_that_computes_long_without_mpi_is_not_taken_for_dead(tmp_path):
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_rank_that_computes_long_without_mpi_is_not_taken_for_dead(tmp_path, when):
+    """Open MPI's heartbeat detector beats only while a process is inside MPI: mpicoll's watchdog thread drives
+    it from the import of mpicoll on (before it, from the first call only: a rank that took longer than the
+    timeout to start was taken for dead, and Open MPI aborted it, "I have been reported dead by someone else")."""
     start, env = fault_tolerant(3)
     (tmp_path / "job.py").write_text(COMPUTE_LONG)
-    job = subprocess.run([*start, str(tmp_path / "job.py")], cwd=ROOT, capture_output=True, text=True, timeout=90,
+    job = subprocess.run([*start, str(tmp_path / "job.py"), when], cwd=ROOT, capture_output=True, text=True, timeout=90,
                          env={**env, "OMPI_MCA_mpi_ft_detector_timeout": "2", "OMPI_MCA_mpi_ft_detector_period": "0.5"},
                          start_new_session=True)
     assert job.returncode == 0 and sorted(job.stdout.split("\n"))[1:] == [f"rank {r}: fine" for r in range(3)], \
