@@ -17,11 +17,9 @@ from .base import timeline
 from .base.errors import (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError,
                           PartFailed, PeerFailed, RanksLost, ReductionError, RootError, ServerFailed, ServerLost,
                           SetupError, Unsupported)
-from .base.failure import end_job
+from .base.failure import end_job, fault_tolerant as _fault_tolerant
 from .base.launcher import LaunchMismatch
-from .base import failure as _failure
-from .channel import watchdog as _watchdog
-from .channel.watchdog import guard_job
+from .channel.watchdog import guard_job, start as _start_watchdog
 from .collectives import algorithms
 from .collectives.api import (allgather, allreduce, broadcast, iallgather, iallreduce, ibroadcast, ireduce_scatter,
                               reduce_scatter)
@@ -36,8 +34,8 @@ __version__ = "0.1.0"
 # started with mpi4py's import: a rank that loads data or builds a model for longer than the detector's timeout
 # before its first call would be taken for dead (and aborted by Open MPI).  The watchdog thread's probes beat
 # for it from here on (mpicoll.channel.watchdog).
-if _failure.fault_tolerant():
-    _watchdog.start()
+if _fault_tolerant():
+    _start_watchdog()
 
 # The errors a program catches are mpicoll's own, wherever they are defined: tracebacks name them so.
 for _error in (CollectiveTimeout, ConcurrentCall, Diverged, MismatchError, MpicollError, NonFiniteError, PartFailed,
