@@ -35,6 +35,7 @@ import math
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from ...base import failure
 from ...base.errors import HorovodInternalError, RanksLost, Unsupported
@@ -108,17 +109,37 @@ class State:
             callback()
 
     def commit(self) -> None:
-        """Save the state: a rank lost after this returns here.  A copy of everything, so not every batch."""
-        self.save()
+        """Save the state: a rank lost after this returns here.  A copy of everything, so not every batch.
+
+        Saved only once every rank has reached this commit (:meth:`check_host_updates` hears from all of them
+        first, where Horovod saves first): a death met there sends the survivors back to the commit before, so
+        that what MPI's own collectives may have returned wrongly across a cut link since (docs/elastic.md) is
+        never saved."""
         self.check_host_updates()
+        self.save()
 
     def check_host_updates(self) -> None:
         """Horovod raises :class:`HostsUpdatedInterrupt` here when hosts change; under ``mpirun`` they do not.
-        As Horovod's does, it hears from every rank (a small broadcast from rank 0), so a rank lost since the last
-        op is met at this commit, inside the elastic function, on every survivor alike: without it a rank lost
-        after the function's last op was met only once the function had returned, in the program's next op,
-        which ended the job where Horovod's survivors finish."""
-        broadcast_object(None, root_rank=0, name="elastic.check_host_updates")
+        As Horovod's does, it hears from every rank, so a rank lost since the last op is met here, inside the
+        elastic function, on every survivor alike (without it a rank lost after the function's last op was met
+        only in the program's next op, which ended the job where Horovod's survivors finish).
+
+        Under MPI's fault tolerance every rank joins an agreement (ULFM's ``MPI_Comm_agree``), which fails on
+        every survivor if a rank died or was cut off, even where an op since the last commit returned success
+        with wrong data across a cut (as MPI's own collectives did: docs/elastic.md); elsewhere a small
+        broadcast from rank 0, as in Horovod."""
+        if not failure.fault_tolerant():
+            broadcast_object(None, root_rank=0, name="elastic.check_host_updates")
+            return
+        world = basics.world()
+        try:
+            world.Agree(1)
+        except MPI.Exception as error:          # raised on every survivor alike
+            if not failure.is_process_failure(error):
+                raise
+            lost = ", ".join(map(str, failure.failed_ranks(world))) or "(not yet named)"
+            raise HorovodInternalError(f"rank {world.Get_rank()}: rank(s) {lost} lost before this commit; going "
+                                       "back to the last one") from error
 
     def save(self) -> None:
         raise NotImplementedError
