@@ -72,15 +72,18 @@ def copy(source, target) -> None:
 
 
 def contiguous(array, name: str | None = None):
-    """``array`` itself when C-contiguous, else a C-contiguous copy of it on the same device (or host).
-    ``name``: its library, where the caller has read it already.
+    """``array`` itself when C-contiguous (and, on the host, in the machine's byte order), else such a copy of it
+    on the same device (or host).  ``name``: its library, where the caller has read it already.
 
     C order, not any contiguity: a Fortran-ordered array's memory holds its
     elements in another order than a packed result's (measured: an in-place
-    allreduce of a transposed array came back transposed).
+    allreduce of a transposed array came back transposed).  The byte order, since MPI's datatypes are the
+    machine's: a big-endian float32 read as a float32 sums to garbage.
     """
     if isinstance(array, np.ndarray):
-        return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        if array.flags.c_contiguous and array.dtype.isnative:
+            return array
+        return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
     if is_c_contiguous(array):
         return array
     if (library(array) if name is None else name) == "cupy":

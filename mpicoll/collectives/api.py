@@ -1,7 +1,7 @@
 """The array API: collectives that take an array and return one, like torch.distributed and Horovod.
 
 Any array of :mod:`mpicoll.arrays` works, on the host or a GPU, in any shape
-and memory layout: a non-contiguous input is packed once, a non-contiguous
+and memory layout: a non-contiguous input (or one in the other byte order) is packed once, such an
 ``out`` is filled from a packed result, and the result is of the input's kind
 (numpy for host memory, CuPy or Numba for device memory).  Each has a
 nonblocking form (``iallreduce``, ...) that returns a
@@ -76,17 +76,17 @@ def _as_array(x) -> tuple:
 def _output(out, shape, like, kind):
     """(contiguous array to write the result into, the caller's ``out`` to copy it into afterwards or None);
     ``kind``: the library of ``like``, the call's input."""
-    shape = tuple(shape)
+    shape, dtype = tuple(shape), np.dtype(like.dtype).newbyteorder("=")    # results in the machine's byte order
     if out is None:
-        return arrays.empty(kind, shape, like.dtype), None
+        return arrays.empty(kind, shape, dtype), None
     out_kind, out = (kind, out) if out is like else _as_array(out)
-    if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(like.dtype):
+    if tuple(out.shape) != shape or np.dtype(out.dtype).newbyteorder("=") != dtype:
         raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected {shape} and {like.dtype}")
     if out_kind != kind:
         raise TypeError("out must be in the same kind of memory as x (both host, or both one device library)")
-    if arrays.is_c_contiguous(out) and (not isinstance(out, np.ndarray) or out.flags.writeable):
+    if arrays.is_c_contiguous(out) and (not isinstance(out, np.ndarray) or out.flags.writeable and out.dtype.isnative):
         return out, None
-    return arrays.empty_like(like, shape), out
+    return arrays.empty(kind, shape, dtype), out
 
 
 class _Call:

@@ -86,7 +86,7 @@ def _lookup(code: str) -> MPI.Datatype:
     so byte buffers can be summed too.)
     """
     try:
-        return MPI._typedict[code.lstrip("@=<>!|")]
+        return MPI._typedict[code]          # as mpi4py: no byte-order prefix ("<f", ">f", "=f" are refused)
     except KeyError:
         raise KeyError(f"cannot map {code!r} to an MPI datatype; pass [buf, datatype] with an MPI.Datatype "
                        "such as MPI.FLOAT") from None
@@ -142,7 +142,7 @@ _PLAIN: dict[str, MPI.Datatype] = {}
 
 def _plain_array(array: np.ndarray, writable: bool) -> Message | None:
     """The common case, quickly: a C-contiguous numpy array of a type MPI names."""
-    if not array.flags.c_contiguous or (writable and not array.flags.writeable):
+    if not array.flags.c_contiguous or (writable and not array.flags.writeable) or not array.dtype.isnative:
         return None
     code = array.dtype.char
     datatype = _PLAIN.get(code)
@@ -180,6 +180,10 @@ def read_message(spec, *, writable: bool = False, role: str = "buffer", blocks: 
         raise BufferError(f"{role}: {error}") from None
     if datatype is None and array.dtype.kind == "V":
         raise KeyError(f"{role}: cannot map {array.dtype} to an MPI datatype; pass [buf, datatype]")
+    if datatype is None and not array.dtype.isnative:    # MPI's datatypes are the machine's byte order
+        raise BufferError(f"{role}: format string '{array.dtype.byteorder}{array.dtype.char}' with non-native byte "
+                          f"order, which MPI's datatypes do not describe (mpi4py refuses it too): convert it with "
+                          f"array.astype(array.dtype.newbyteorder('='))")
     datatype = _lookup(array.dtype.char) if datatype is None else _as_datatype(datatype)
     raw = array.view(np.uint8)
     size, extent, lb = datatype.size, datatype.extent, datatype.lb

@@ -92,6 +92,35 @@ def test_average_is_the_sum_over_the_rank_count(algorithm):
     everywhere(not wrong, f"average wrong in {wrong}")
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "auto"])
+@pytest.mark.parametrize("count", [0, 1, 5, 1001])
+def test_arrays_in_the_other_byte_order_are_read_as_their_values(algorithm, count):
+    """A big-endian array (on this little-endian machine) is converted, not read as native floats (which summed
+    1.0 + 1.0 to -0.0625 through the drop-in, before it was refused there); results are in the machine's order,
+    and an ``out`` in the other order (in place too) gets the values."""
+    rng = np.random.default_rng([shared_seed(), RANK])
+    other = np.dtype(np.float64).newbyteorder("S")
+    x = rng.standard_normal(count).astype(other)
+    values = np.array(WORLD.allgather(x.astype(np.float64)))
+    wrong = []
+    total = mpicoll.allreduce(x, comm=WORLD, algorithm=algorithm)
+    if total.dtype != np.float64 or not np.allclose(total, values.sum(0), rtol=1e-12, atol=1e-12):
+        wrong.append("allreduce")
+    in_place = x.copy()
+    if mpicoll.allreduce(in_place, out=in_place, comm=WORLD, algorithm=algorithm) is not in_place or \
+            in_place.dtype != other or not np.allclose(in_place, values.sum(0), rtol=1e-12, atol=1e-12):
+        wrong.append("allreduce in place")
+    if not np.array_equal(mpicoll.allgather(x, comm=WORLD, algorithm=algorithm), np.concatenate(values)):
+        wrong.append("allgather")
+    if not np.array_equal(mpicoll.broadcast(x, root=P - 1, comm=WORLD, algorithm=algorithm), values[P - 1]):
+        wrong.append("broadcast")
+    rows = rng.integers(-9, 9, 2 * P).astype(np.dtype(np.int32).newbyteorder("S"))
+    share = mpicoll.reduce_scatter(rows, comm=WORLD, algorithm=algorithm)
+    if not np.array_equal(share, np.array(WORLD.allgather(rows.astype(np.int32))).sum(0)[2 * RANK:2 * RANK + 2]):
+        wrong.append("reduce_scatter")
+    everywhere(not wrong, f"wrong in {wrong}")
+
+
 def test_array_api_errors():
     problems = []
     for call, kind in [

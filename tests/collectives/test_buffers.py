@@ -62,6 +62,28 @@ class TestReadMessage:
         with pytest.raises(error, match=words):
             read_message(spec)
 
+    @pytest.mark.parametrize("spec, error, words", [
+        (np.ones(3, ">f4"), BufferError, "format string '>f' with non-native byte order"),
+        (np.ones((2, 3), ">f8")[:, ::2], BufferError, "not contiguous"),
+        (memoryview(np.ones(3, ">i2")), BufferError, "format string '>h' with non-native byte order"),
+        ([np.ones(3, np.float32), ">f"], KeyError, "cannot map '>f'"),
+        ([np.ones(3, np.float32), "<f"], KeyError, "cannot map '<f'"),
+        ([np.ones(3, np.float32), "=f"], KeyError, "cannot map '=f'"),
+    ])
+    def test_byte_orders_mpi4py_refuses_are_refused(self, spec, error, words):
+        """A buffer in the other byte order (this machine is little-endian) without a datatype was read as
+        native elements: a silent wrong sum.  Each is refused with mpi4py's own error class (checked against
+        mpi4py itself), the message saying how to convert."""
+        with pytest.raises(error):
+            MPI.COMM_SELF.Bcast(spec)
+        with pytest.raises(error, match=words):
+            read_message(spec)
+
+    def test_a_datatype_given_for_a_buffer_in_the_other_byte_order_reads_its_bytes_as_that_datatype(self):
+        data = np.arange(3, dtype=">f4")
+        message = read_message([data, MPI.FLOAT])        # mpi4py's rule too: the datatype says what the bytes are
+        assert message.datatype == MPI.FLOAT and message.array.tobytes() == data.tobytes()
+
     def test_read_only_receive_buffer(self):
         with pytest.raises(BufferError, match="read-only"):
             read_message(bytes(8), writable=True)
