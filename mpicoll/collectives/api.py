@@ -320,7 +320,7 @@ def _compressed_allreduce(x, op, comm, algorithm, out, compression, key) -> _Com
     compression = resolve_compression(compression)
     communicator = _communicator(comm, algorithm)
     kind, x = _as_array(x)
-    if np.dtype(x.dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+    if np.dtype(x.dtype).newbyteorder("=") not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"compression moves float32 or float64 arrays as 16-bit floats, got {x.dtype}")
     op, divide_by = _average(op, x, communicator)
     if op != MPI.SUM:
@@ -332,7 +332,7 @@ def _compressed_allreduce(x, op, comm, algorithm, out, compression, key) -> _Com
         staged = _output(x if out is x else out, x.shape, x, kind)
         x, kind = arrays.as_host(x), arrays.HOST
         out = x                                  # the host copy is the call's own: reduced in place
-    source = np.ascontiguousarray(x)
+    source = arrays.contiguous(x, kind)
     compression.residual(key, source)            # a buffer of another shape under this key: refused here
     result, copy_into = _output(x if out is x else out, x.shape, x, kind)
     return _CompressedCall(communicator, compression, key, None if result is source else source, result, copy_into,

@@ -114,6 +114,10 @@ def test_arrays_in_the_other_byte_order_are_read_as_their_values(algorithm, coun
         wrong.append("allgather")
     if not np.array_equal(mpicoll.broadcast(x, root=P - 1, comm=WORLD, algorithm=algorithm), values[P - 1]):
         wrong.append("broadcast")
+    compressed = mpicoll.allreduce(x, compression="fp16", comm=WORLD, algorithm=algorithm)
+    if compressed.dtype != np.float64 or np.any(np.abs(compressed - values.sum(0)) >
+                                                mpicoll.Compression("fp16").bound(P, np.abs(values).sum(0))):
+        wrong.append("allreduce compressed")
     rows = rng.integers(-9, 9, 2 * P).astype(np.dtype(np.int32).newbyteorder("S"))
     share = mpicoll.reduce_scatter(rows, comm=WORLD, algorithm=algorithm)
     if not np.array_equal(share, np.array(WORLD.allgather(rows.astype(np.int32))).sum(0)[2 * RANK:2 * RANK + 2]):
