@@ -25,11 +25,13 @@ it completes: do not touch them before ``Wait`` returns.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
 import traceback
 import warnings
+import weakref
 from typing import Callable
 
 from mpi4py import MPI
@@ -41,6 +43,8 @@ from ..base.errors import CollectiveTimeout, MpicollError
 __all__ = ["Request", "Worker"]
 
 _GRACE_S = 10.0        # past the communicator's timeout, how long Wait trusts a call that is still running
+
+_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()      # the workers whose thread runs, stopped at exit
 
 
 class Request:
@@ -184,6 +188,7 @@ class Worker:
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             self._thread = threading.Thread(target=self._serve, name="mpicoll-nonblocking", daemon=True)
             self._thread.start()
+            _LIVE.add(self)
         elif not Worker._warned:
             warnings.warn("MPI was initialised without MPI_THREAD_MULTIPLE: mpicoll's nonblocking collectives "
                           "run to completion when started, overlapping nothing", RuntimeWarning, stacklevel=3)
@@ -231,19 +236,39 @@ class Worker:
         self.failed = self.failed or error
         raise error
 
-    def close(self, abandon: bool = False) -> None:
-        """Finish the started calls, stop the thread and release the private channel; with ``abandon`` (a
-        rank leaving on an error) the thread is told to stop and the channel dropped, without waiting."""
+    def stop(self) -> bool:
+        """Let the thread run the calls started before this and leave (within the communicator's timeout);
+        whether it has left."""
         if self._thread is not None:
             self._queue.put(None)
             limit = config.timeout()
-            if not abandon:
-                self._thread.join(limit + _GRACE_S if limit else None)
-            stuck = self._thread.is_alive()
+            self._thread.join(limit + _GRACE_S if limit else None)
+            if self._thread.is_alive():
+                return False
             self._thread = None
-        else:
-            stuck = False
+        return True
+
+    def close(self, abandon: bool = False) -> None:
+        """Finish the started calls, stop the thread and release the private channel; with ``abandon`` (a
+        rank leaving on an error) the thread is told to stop and the channel dropped, without waiting."""
+        if abandon and self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
+        stuck = not abandon and not self.stop()
+        self._thread = None
         abandon = abandon or stuck or self.failed is not None
         if not abandon:
             self.comm.close()
         self._channel.free(abandon=abandon)
+
+
+@atexit.register           # registered after mpi4py's own exit hook, so it runs before MPI_Finalize
+def _stop_workers() -> None:
+    """Stop every worker's thread before the interpreter finalizes.  A daemon thread still inside a call
+    when it does is ended by Python wherever it next takes the GIL: inside torch's ``Future.set_result``
+    (which releases it while it wakes the waiters, so the caller may already be exiting), that is inside C++
+    code that may not unwind, and the process aborts ("terminate called without an active exception"; 4 of 5
+    runs of a 3-rank torch.distributed program whose last call was an ``all_reduce``, without
+    ``destroy_process_group``)."""
+    for worker in list(_LIVE):
+        worker.stop()

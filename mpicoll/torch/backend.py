@@ -46,7 +46,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
-from torch._C._distributed_c10d import _create_work_from_future
 
 from ..base import ops
 from ..base.errors import LaunchMismatch, Unsupported
@@ -65,6 +64,10 @@ _R = dist.ReduceOp.RedOpType
 # multiplied by the op's factor)
 _MPI_OPS = {**{getattr(_R, op.torch): op.mpi_op for op in ops.OPS if op.torch}, _R.AVG: MPI.SUM,
             _R.PREMUL_SUM: MPI.SUM}
+# torch's ops on bool tensors, as MPI's logical ones (MPI defines no arithmetic on bool)
+_ON_BOOL = {_R.SUM: MPI.LOR, _R.MAX: MPI.LOR, _R.BOR: MPI.LOR, _R.PRODUCT: MPI.LAND, _R.MIN: MPI.LAND,
+            _R.BAND: MPI.LAND, _R.BXOR: MPI.LXOR}
+_KINDS_SAID = {"c": "complex", "f": "floating-point", "u": "unsigned integer", "i": "integer", "b": "bool"}
 
 
 # -- the rendezvous torch insists on, arranged from MPI ----------------------------------------------------
@@ -123,22 +126,38 @@ _TORCH_ENV_RENDEZVOUS = _RENDEZVOUS._rendezvous_handlers["env"]
 
 # -- work: what a collective call returns ------------------------------------------------------------------
 
-def _work_of(request: Request, result) -> dist.Work:
-    """A torch ``Work`` whose future completes with ``result`` when ``request`` has run (or fails with its
-    error).  The future completes on the worker's thread, which runs the callbacks chained on it (DDP's, a
-    comm hook's ``then``); a collective such a callback starts runs there and then, before the worker's next
-    call (:meth:`mpicoll.collectives.nonblocking.Worker.start`), so every rank runs them in the same order
-    and a callback may wait for it (powerSGD does)."""
-    future = torch.futures.Future()
+class _Started(dist._Work):
+    """A collective queued on the group's worker: ``wait()`` blocks until it has run and raises its error, as
+    gloo's Work does; its future completes with ``result`` (or fails with the error).
 
-    def settle(done: Request) -> None:
+    (torch's own Work made from a future, ``_create_work_from_future``, waits without raising: an op MPI refused
+    on the worker left the tensor as it was, no error anywhere, and every later call on the group, not run
+    after the failure, did the same.)  The future completes on the worker's thread, which runs the callbacks
+    chained on it (DDP's, a comm hook's ``then``); a collective such a callback starts runs there and then,
+    before the worker's next call (:meth:`mpicoll.collectives.nonblocking.Worker.start`), so every rank runs
+    them in the same order and a callback may wait for it (powerSGD does)."""
+
+    def __init__(self, request: Request, result):
+        super().__init__()
+        self.request, self.result, self.future = request, result, torch.futures.Future()
+        request.add_done_callback(self._settle)
+
+    def _settle(self, done: Request) -> None:
         if done.error is not None:
-            future.set_exception(done.error)
+            self.future.set_exception(done.error)
         else:
-            future.set_result(result)
+            self.future.set_result(self.result)
 
-    request.add_done_callback(settle)
-    return _create_work_from_future(future)
+    def wait(self, timeout=None) -> bool:
+        self.request.Wait()               # raises the call's error
+        self.future.wait()                # completed by the worker right after the call
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.request.Test()
 
 
 class _PointToPoint(dist._Work):
@@ -206,7 +225,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
 
     def _start(self, name: str, run, result) -> dist.Work:
         """Queue ``run(worker_communicator)`` on the group's worker; the Work completes with ``result``."""
-        return _work_of(self._comm.start(Request(name, run)), result)
+        return _Started(self._comm.start(Request(name, run)), result)
 
     def _mpi(self, name: str, run, result) -> dist.Work:
         """Queue one of MPI's own blocking collectives, ``run(worker_communicator)``, bounded by the
@@ -227,7 +246,10 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         return tensor
 
     def _op(self, opts, name: str, tensor: torch.Tensor):
-        """(MPI's op, the premultiplying factor or None, whether to divide by the size) of ``opts``."""
+        """(MPI's op, the premultiplying factor or None, whether to divide by the size) of ``opts``, checked
+        against the tensor's kind here, in the caller's thread (an op MPI refuses on the worker would end the
+        group: the calls after it are not run).  On bool tensors the ops are MPI's logical ones, what they mean
+        there: SUM, MAX and BOR are "any" (LOR), PRODUCT, MIN and BAND "all" (LAND), BXOR LXOR."""
         reduce_op = opts.reduceOp
         kind = reduce_op.op
         if kind not in _MPI_OPS:
@@ -235,6 +257,14 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         if kind in (_R.AVG, _R.PREMUL_SUM) and not (tensor.is_floating_point() or tensor.is_complex()):
             raise Unsupported(f"{name}: {kind.name} needs a floating-point tensor, got {tensor.dtype}; "
                                "reduce with SUM and divide")
+        if tensor.dtype == torch.bool:
+            return _ON_BOOL[kind], None, False
+        elements = "c" if tensor.is_complex() else "f" if tensor.is_floating_point() else \
+            "u" if torch.iinfo(tensor.dtype).min == 0 else "i"
+        defined = ops.of_mpi(_MPI_OPS[kind]).kinds
+        if elements not in defined:
+            raise Unsupported(f"{name}: {kind.name} is not defined for {tensor.dtype} tensors: MPI defines it on "
+                              f"{', '.join(_KINDS_SAID[k] for k in defined)} tensors only (gloo refuses it too)")
         return _MPI_OPS[kind], (reduce_op.factor if kind == _R.PREMUL_SUM else None), kind == _R.AVG
 
     # -- the collectives ----------------------------------------------------------------------------------

@@ -238,6 +238,63 @@ def test_what_is_not_supported_says_so_and_nothing_is_computed():
     everywhere(not problems, str(problems))
 
 
+def test_an_op_mpi_does_not_define_for_the_tensor_is_refused_at_the_call_and_the_group_goes_on():
+    """Gloo refuses BAND on a float tensor when called; here it was run on the worker, where MPI refused it, and
+    the error was lost (torch's Work from a future waits without raising): the tensor came back unchanged, no
+    error anywhere, and every later call on the group, not run after the failure, did the same."""
+    problems = []
+    for op, dtype in [(dist.ReduceOp.BAND, torch.float32), (dist.ReduceOp.BXOR, torch.float64),
+                      (dist.ReduceOp.BOR, torch.bfloat16)]:
+        try:
+            dist.all_reduce(torch.ones(3, dtype=dtype), op=op)
+            problems.append(f"no error for {op} on {dtype}")
+        except mpicoll.Unsupported as error:
+            if "is not defined for" not in str(error):
+                problems.append(str(error))
+    t = torch.full((5,), float(RANK + 1))
+    dist.all_reduce(t)
+    if not torch.equal(t, torch.full((5,), float(P * (P + 1) // 2))):
+        problems.append(f"the call after the refusals gave {t.tolist()}")
+    everywhere(not problems, str(problems))
+
+
+@pytest.mark.parametrize("op, logical", [(dist.ReduceOp.SUM, np.logical_or), (dist.ReduceOp.MAX, np.logical_or),
+                                         (dist.ReduceOp.BOR, np.logical_or), (dist.ReduceOp.PRODUCT, np.logical_and),
+                                         (dist.ReduceOp.MIN, np.logical_and), (dist.ReduceOp.BAND, np.logical_and),
+                                         (dist.ReduceOp.BXOR, np.logical_xor)])
+def test_ops_on_bool_tensors_are_their_logical_meaning(op, logical):
+    """MPI defines no arithmetic on bool: SUM, MAX and BOR are "any", PRODUCT, MIN and BAND "all", BXOR xor
+    (SUM on bool was refused by MPI on the worker, silently: see above)."""
+    values = np.random.default_rng(shared_seed()).integers(0, 2, (P, 37)).astype(bool)
+    t = torch.from_numpy(values[RANK].copy())
+    dist.all_reduce(t, op=op)
+    expected = logical.reduce(values, axis=0)
+    everywhere(t.dtype == torch.bool and np.array_equal(t.numpy(), expected), f"{op}: {t.tolist()}")
+
+
+def test_ranks_that_pass_different_sizes_get_an_error_on_every_rank_not_a_wrong_sum():
+    """Calls that mpicoll's algorithms carry (from 131,072 elements) carry a fingerprint of the call, and ranks
+    that disagree get a MismatchError (README); raised on the worker, it is raised by the call's wait (it was
+    lost there: rank 0 got a sum of the shorter tensor, the longest rank its own last element unchanged).  In a
+    group of its own, since a group whose ranks disagreed runs nothing after (its later calls say so)."""
+    group = dist.new_group(list(range(P)))
+    t = torch.ones((1 << 17) + (RANK == P - 1))
+    try:
+        dist.all_reduce(t, group=group)
+        error = None
+    except mpicoll.MpicollError as raised:
+        error = raised
+    everywhere(P == 1 or error is not None, f"no error on rank {RANK}: {t[:2].tolist()} ... {t[-2:].tolist()}")
+    if P > 1:
+        try:
+            dist.all_reduce(torch.ones(4), group=group)
+            later = "ran"
+        except mpicoll.MpicollError as raised:
+            later = str(raised)
+        everywhere("not run" in later, f"the group's next call: {later}")
+    dist.destroy_process_group(group)
+
+
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
