@@ -40,6 +40,10 @@ class TensorBuffer:
     to write back)."""
 
     def __init__(self, tensor: torch.Tensor, read_only: bool = False):
+        if not read_only and _overlaps_itself(tensor):
+            raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers to "
+                               "a single memory location (an expanded tensor); clone() it first, as torch asks "
+                               "for any in-place operation")
         self.original = tensor
         if tensor.dtype == torch.bfloat16:
             self.tensor = tensor.detach().float()
@@ -54,6 +58,15 @@ class TensorBuffer:
         if self.copied:
             with torch.no_grad():
                 self.original.copy_(self.tensor)
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether elements of ``tensor`` share memory (``expand``'s zero strides): writing the result into it is
+    torch's "unsupported operation" (raised here, in the caller's thread, not on a worker after the call)."""
+    check = getattr(torch, "_debug_has_internal_overlap", None)
+    if check is not None:
+        return check(tensor) == 1          # 0: no, 1: yes, 2: too hard to tell (a strided view)
+    return any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape))
 
 
 def _tensor(array, like: torch.Tensor) -> torch.Tensor:

@@ -272,6 +272,57 @@ def test_ops_on_bool_tensors_are_their_logical_meaning(op, logical):
     everywhere(t.dtype == torch.bool and np.array_equal(t.numpy(), expected), f"{op}: {t.tolist()}")
 
 
+def test_an_expanded_tensor_is_refused_at_the_call_and_the_group_goes_on():
+    """Writing a result into a tensor whose elements share memory is torch's "unsupported operation"; it was
+    met on the worker, after the call, and every later call of the group then failed."""
+    try:
+        dist.all_reduce(torch.ones(1).expand(4))
+        said = "no error"
+    except RuntimeError as error:
+        said = str(error)
+    t = torch.full((3,), float(RANK))
+    dist.all_reduce(t)
+    everywhere("more than one element of the written-to tensor" in said and
+               torch.equal(t, torch.full((3,), float(P * (P - 1) // 2))), f"{said}; then {t.tolist()}")
+
+
+def test_outputs_into_strided_views_get_the_values_and_nothing_else_is_written():
+    """(gloo 2.13 gets several of these wrong: it writes a column view's values into the memory from the view's
+    start, or only its first element; measured side by side.)"""
+    wrong = []
+    base = torch.zeros(4, 3)
+    if RANK == P - 1:
+        base[:, 1] = torch.arange(4.0)
+    dist.broadcast(base[:, 1], src=P - 1)
+    if not torch.equal(base, torch.stack([torch.zeros(4), torch.arange(4.0), torch.zeros(4)], 1)):
+        wrong.append("broadcast")
+    base = torch.zeros(3, 2)
+    dist.reduce_scatter(base[:, 0], [torch.full((3,), float(RANK * 10 + q)) for q in range(P)])
+    expected = torch.zeros(3, 2)
+    expected[:, 0] = sum(q * 10 + RANK for q in range(P))
+    if not torch.equal(base, expected):
+        wrong.append("reduce_scatter")
+    base = torch.zeros(P, 4)
+    dist.all_to_all_single(base[:, 1], torch.arange(float(P)) + 10 * RANK)
+    expected = torch.zeros(P, 4)
+    expected[:, 1] = torch.arange(float(P)) * 10 + RANK
+    if not torch.equal(base, expected):
+        wrong.append("all_to_all_single")
+    base = torch.zeros(2, 3)
+    dist.scatter(base[:, 2], [torch.full((2,), float(q + 1)) for q in range(P)] if RANK == 0 else None, src=0)
+    expected = torch.zeros(2, 3)
+    expected[:, 2] = RANK + 1
+    if not torch.equal(base, expected):
+        wrong.append("scatter")
+    base = torch.zeros(P, 6)
+    dist.all_gather([base[q, ::2] for q in range(P)], torch.full((3,), float(RANK)))
+    expected = torch.zeros(P, 6)
+    expected[:, ::2] = torch.arange(float(P))[:, None]
+    if not torch.equal(base, expected):
+        wrong.append("all_gather")
+    everywhere(not wrong, f"wrong: {wrong}")
+
+
 def test_ranks_that_pass_different_sizes_get_an_error_on_every_rank_not_a_wrong_sum():
     """Calls that mpicoll's algorithms carry (from 131,072 elements) carry a fingerprint of the call, and ranks
     that disagree get a MismatchError (README); raised on the worker, it is raised by the call's wait (it was
