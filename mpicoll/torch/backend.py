@@ -315,6 +315,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         _check_numel(output, input.numel() * self._size, "all_gather_into_tensor", "output")
+        _check_dtypes(output, input, "all_gather_into_tensor")
         target, source = TensorBuffer(output), TensorBuffer(input, read_only=True)
 
         def run(worker):
@@ -335,6 +336,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         opts = dist.ReduceScatterOptions() if opts is None else opts
         _check_numel(input, output.numel() * self._size, "reduce_scatter_tensor", "input")
+        _check_dtypes(output, input, "reduce_scatter_tensor")
         return self._reduce_scatter(output, input, opts, "reduce_scatter_tensor", output)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -482,6 +484,13 @@ def _check_numel(tensor: torch.Tensor, expected: int, name: str, what: str) -> N
     if tensor.numel() != expected:
         raise Unsupported(f"{name}: the {what} tensor has {tensor.numel()} elements; the group's size times "
                            f"the other's is {expected}")
+
+
+def _check_dtypes(output: torch.Tensor, input: torch.Tensor, name: str) -> None:
+    """In the caller's thread: met on the worker, the error would end the group (its later calls not run)."""
+    if output.dtype != input.dtype:
+        raise Unsupported(f"{name}: the output tensor is {output.dtype} and the input {input.dtype}; pass tensors "
+                          "of one dtype (gloo refuses them too)")
 
 
 def _splits(sizes, tensor: torch.Tensor, ranks: int, what: str) -> np.ndarray:

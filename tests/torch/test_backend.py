@@ -238,7 +238,7 @@ def test_what_is_not_supported_says_so_and_nothing_is_computed():
     everywhere(not problems, str(problems))
 
 
-def test_an_op_mpi_does_not_define_for_the_tensor_is_refused_at_the_call_and_the_group_goes_on():
+def test_an_op_or_dtypes_the_call_cannot_take_are_refused_at_the_call_and_the_group_goes_on():
     """Gloo refuses BAND on a float tensor when called; here it was run on the worker, where MPI refused it, and
     the error was lost (torch's Work from a future waits without raising): the tensor came back unchanged, no
     error anywhere, and every later call on the group, not run after the failure, did the same."""
@@ -250,6 +250,14 @@ def test_an_op_mpi_does_not_define_for_the_tensor_is_refused_at_the_call_and_the
             problems.append(f"no error for {op} on {dtype}")
         except mpicoll.Unsupported as error:
             if "is not defined for" not in str(error):
+                problems.append(str(error))
+    for call in (lambda: GATHER_INTO_TENSOR[0](torch.empty(2 * P, dtype=torch.float64), torch.ones(2)),
+                 lambda: REDUCE_SCATTER_TENSOR[0](torch.empty(2, dtype=torch.float64), torch.ones(2 * P))):
+        try:                      # (torch itself checks the dtypes of all_gather and all_to_all_single)
+            call()
+            problems.append("no error for outputs of another dtype")
+        except mpicoll.Unsupported as error:
+            if "pass tensors of one dtype" not in str(error):
                 problems.append(str(error))
     t = torch.full((5,), float(RANK + 1))
     dist.all_reduce(t)
