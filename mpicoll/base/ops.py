@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Op", "OPS", "KERNEL_OPS", "AVERAGE", "find", "of_mpi", "names"]
+__all__ = ["Op", "OPS", "KERNEL_OPS", "AVERAGE", "find", "of_mpi", "names", "kinds_said"]
 
 _INTEGER = "iu"
 _NUMERIC = "iufc"
@@ -71,6 +71,14 @@ def of_mpi(op: MPI.Op) -> Op | None:
 
 
 _BY_HANDLE: dict[int, Op] = {}            # filled on first use, once MPI has started
+
+
+_KIND_NAMES = {"i": "integer", "u": "unsigned integer", "f": "floating-point", "c": "complex", "b": "bool"}
+
+
+def kinds_said(kinds: str) -> str:
+    """numpy dtype kinds ("iub") in words, for messages ("integer, unsigned integer, bool")."""
+    return ", ".join(_KIND_NAMES.get(kind, kind) for kind in kinds)
 
 
 def names() -> str:

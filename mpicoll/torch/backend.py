@@ -67,7 +67,6 @@ _MPI_OPS = {**{getattr(_R, op.torch): op.mpi_op for op in ops.OPS if op.torch}, 
 # torch's ops on bool tensors, as MPI's logical ones (MPI defines no arithmetic on bool)
 _ON_BOOL = {_R.SUM: MPI.LOR, _R.MAX: MPI.LOR, _R.BOR: MPI.LOR, _R.PRODUCT: MPI.LAND, _R.MIN: MPI.LAND,
             _R.BAND: MPI.LAND, _R.BXOR: MPI.LXOR}
-_KINDS_SAID = {"c": "complex", "f": "floating-point", "u": "unsigned integer", "i": "integer", "b": "bool"}
 
 
 # -- the rendezvous torch insists on, arranged from MPI ----------------------------------------------------
@@ -264,7 +263,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         defined = ops.of_mpi(_MPI_OPS[kind]).kinds
         if elements not in defined:
             raise Unsupported(f"{name}: {kind.name} is not defined for {tensor.dtype} tensors: MPI defines it on "
-                              f"{', '.join(_KINDS_SAID[k] for k in defined)} tensors only (gloo refuses it too)")
+                              f"{ops.kinds_said(defined)} tensors only (gloo refuses it too)")
         return _MPI_OPS[kind], (reduce_op.factor if kind == _R.PREMUL_SUM else None), kind == _R.AVG
 
     # -- the collectives ----------------------------------------------------------------------------------

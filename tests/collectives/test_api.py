@@ -127,11 +127,19 @@ def test_arrays_in_the_other_byte_order_are_read_as_their_values(algorithm, coun
 
 def test_array_api_errors():
     problems = []
+    for algorithm in ("auto", "ring"):          # past each wrapper's first call, whose checks are the full ones
+        mpicoll.allreduce(np.ones(3), algorithm=algorithm)
     for call, kind in [
         (lambda: mpicoll.allreduce(np.ones(3), "bogus"), ValueError),
         (lambda: mpicoll.allreduce(np.ones(3), out=np.empty(4)), ValueError),
         (lambda: mpicoll.reduce_scatter(np.ones(P * 2 + 1)) if P > 1 else mpicoll.reduce_scatter(np.float64(1)),
          ValueError),
+        # an op MPI does not define for the kind: a ReductionError before any message on every path (auto's small
+        # calls went to MPI's own, whose raw "Invalid MPI_Op" named neither)
+        (lambda: mpicoll.allreduce(np.ones(3, bool), "sum"), mpicoll.ReductionError),
+        (lambda: mpicoll.allreduce(np.ones(3, bool), "sum", algorithm="ring"), mpicoll.ReductionError),
+        (lambda: mpicoll.allreduce(np.ones(3), "band"), mpicoll.ReductionError),
+        (lambda: mpicoll.reduce_scatter(np.ones(P, complex), "max"), mpicoll.ReductionError),
     ]:
         try:
             call()
