@@ -156,7 +156,7 @@ class _Started(dist._Work):
         return self.future
 
     def is_completed(self) -> bool:
-        return self.request.Test()
+        return self.future.done()         # (done with an error too, which wait() raises, as gloo's)
 
 
 class _PointToPoint(dist._Work):
