@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Op", "OPS", "KERNEL_OPS", "AVERAGE", "find", "of_mpi", "names", "kinds_said"]
+__all__ = ["Op", "OPS", "KERNEL_OPS", "AVERAGE", "find", "of_mpi", "names", "not_defined_for"]
 
 _INTEGER = "iu"
 _NUMERIC = "iufc"
@@ -76,9 +76,14 @@ _BY_HANDLE: dict[int, Op] = {}            # filled on first use, once MPI has st
 _KIND_NAMES = {"i": "integer", "u": "unsigned integer", "f": "floating-point", "c": "complex", "b": "bool"}
 
 
-def kinds_said(kinds: str) -> str:
-    """numpy dtype kinds ("iub") in words, for messages ("integer, unsigned integer, bool")."""
-    return ", ".join(_KIND_NAMES.get(kind, kind) for kind in kinds)
+def not_defined_for(op: MPI.Op, kind: str) -> str | None:
+    """Where MPI does not define ``op`` for elements of numpy dtype kind ``kind`` ("b": bool): the kinds it is
+    defined for, in words, for the caller's refusal ("integer, unsigned integer, bool"); else None (a user op,
+    or MAXLOC and MINLOC, whose pair types MPI checks itself, included)."""
+    entry = of_mpi(op) if op.is_predefined else None
+    if entry is None or not entry.kinds or kind in entry.kinds:
+        return None
+    return ", ".join(_KIND_NAMES.get(k, k) for k in entry.kinds)
 
 
 def names() -> str:

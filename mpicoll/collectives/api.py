@@ -30,7 +30,7 @@ from .communicator import Communicator
 from .compression import Compression, is_bfloat16
 from .compression import resolve as resolve_compression
 from .nonblocking import Request
-from .reduction import ReductionError, resolve_op
+from .reduction import ReductionError, op_name, resolve_op
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast",
            "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "resolve_op"]
@@ -128,11 +128,10 @@ def _average(op, x, communicator: Communicator) -> tuple:
     Horovod's name) is a sum divided by the rank count, for floating-point and complex arrays."""
     if not (isinstance(op, str) and op.lower() in ops.AVERAGE):
         op = resolve_op(op)
-        entry = ops.of_mpi(op) if op.is_predefined else None
-        if entry is not None and entry.kinds and np.dtype(x.dtype).kind not in entry.kinds and not is_bfloat16(x.dtype):
-            # before any message, on every path (auto hands small calls to MPI, whose refusal says less)
-            raise ReductionError(f"MPI.{entry.mpi} is not defined for {x.dtype} elements (MPI defines it on "
-                                 f"{ops.kinds_said(entry.kinds)} ones): pass another op ('lor', 'land' on bool)")
+        takes = None if is_bfloat16(x.dtype) else ops.not_defined_for(op, np.dtype(x.dtype).kind)
+        if takes:      # before any message, on every path (auto hands small calls to MPI, whose refusal says less)
+            raise ReductionError(f"MPI.{op_name(op)} is not defined for {x.dtype} elements (MPI defines it on "
+                                 f"{takes} ones): pass another op ('lor', 'land' on bool)")
         return op, 1
     if np.dtype(x.dtype).kind not in "fc" and not is_bfloat16(x.dtype):
         raise ValueError(f"op {op!r} needs floating-point or complex arrays, got {x.dtype}: reduce with 'sum' and "

@@ -253,7 +253,6 @@ class Worker:
         rank leaving on an error) the thread is told to stop and the channel dropped, without waiting."""
         if abandon and self._thread is not None:
             self._queue.put(None)
-            self._thread = None
         stuck = not abandon and not self.stop()
         self._thread = None
         abandon = abandon or stuck or self.failed is not None

@@ -260,10 +260,10 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
             return _ON_BOOL[kind], None, False
         elements = "c" if tensor.is_complex() else "f" if tensor.is_floating_point() else \
             "u" if torch.iinfo(tensor.dtype).min == 0 else "i"
-        defined = ops.of_mpi(_MPI_OPS[kind]).kinds
-        if elements not in defined:
+        takes = ops.not_defined_for(_MPI_OPS[kind], elements)
+        if takes:
             raise Unsupported(f"{name}: {kind.name} is not defined for {tensor.dtype} tensors: MPI defines it on "
-                              f"{ops.kinds_said(defined)} tensors only (gloo refuses it too)")
+                              f"{takes} tensors only (gloo refuses it too)")
         return _MPI_OPS[kind], (reduce_op.factor if kind == _R.PREMUL_SUM else None), kind == _R.AVG
 
     # -- the collectives ----------------------------------------------------------------------------------
