@@ -68,12 +68,14 @@ class CollectiveTimeout(MpicollError, TimeoutError):
     """A peer did not take part in a collective within the timeout (dead, hung or desynchronised)."""
 
     def __init__(self, collective: str, rank: int, peers, seconds: float, some_of: bool = False, also_silent=(),
-                 causes: str | None = None):
+                 causes: str | None = None, cut_short: bool = False):
         self.collective, self.rank, self.peers, self.seconds = collective, rank, sorted(set(peers)), seconds
         self.also_silent = sorted(set(also_silent) - set(self.peers))
         who = f"one or more of rank(s) {_ranks(self.peers)}" if some_of else f"rank(s) {_ranks(self.peers)}"
         others = (f" Also silent in the roll call (lost too, or finished and gone): rank(s) "
                   f"{_ranks(self.also_silent)}." if self.also_silent else "")
+        if cut_short:       # it waited for a live peer that waited for the lost: it heard that peer give up
+            others += " It stopped waiting before its timeout, when another rank gave up on the call."
         super().__init__(
             f"{collective}: rank {rank} waited {seconds:g} s for {who}, which never took part "
             f"({causes or COLLECTIVE_CAUSES}). Raise MPICOLL_TIMEOUT if a peer "

@@ -69,6 +69,7 @@ class Context:
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
         self.silent_seen: list[int] = []      # every rank the last roll call did not hear (by names)
+        self.gave_up_after: float | None = None   # seconds waited, where a wait gave up early for a roll call (_poll)
         launcher.check_this_launch()    # N separate singletons where a launcher started N tasks: stop now
         watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.channel.watchdog.watching)
         watchdog.end_job_on_uncaught_errors()
@@ -338,7 +339,7 @@ class Context:
 
         try:
             if patience is None:
-                return self._poll(any_done, give_up, limit)
+                return self._poll(any_done, give_up, limit, joins_roll_calls=True)
             return self._poll(any_done, lambda: None, limit=patience)
         except BaseException as error:
             if or_death and failure.is_process_failure(error):
@@ -359,10 +360,11 @@ class Context:
         the job, where the point-to-point mailbox went on without it."""
         def give_up():
             raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self.missing(peers)[0],
-                                                   self.timeout, also_silent=self.silent_seen))
+                                                   self._waited(None), also_silent=self.silent_seen,
+                                                   cut_short=self.gave_up_after is not None))
 
         if not failure.fault_tolerant() or self.top.on_death == "acknowledge":    # (goes on with the living)
-            self._poll(lambda: True if ready() else None, give_up)
+            self._poll(lambda: True if ready() else None, give_up, joins_roll_calls=True)
             return
 
         def ready_or_lost():
@@ -372,21 +374,28 @@ class Context:
                 raise MPI.Exception(MPI.ERR_PROC_FAILED)    # met below as MPI's own report of the death
             return None
 
-        self._poll(ready_or_lost, give_up)
+        self._poll(ready_or_lost, give_up, joins_roll_calls=True)
 
     def _wait_with_deadline(self, requests: list, peers, limit: float | None = None) -> None:
         self._poll(lambda: True if _all_done(requests) else None,
-                   lambda: self._give_up(requests, peers, limit), limit)
+                   lambda: self._give_up(requests, peers, limit), limit, joins_roll_calls=True)
 
-    def _poll(self, ready, give_up, limit: float | None = None, default=None):
+    def _poll(self, ready, give_up, limit: float | None = None, default=None, joins_roll_calls: bool = False):
         """Call ``ready`` until it returns something: spin briefly, then yield the core, then nap.
 
         Past ``limit`` seconds (default: the communicator's timeout) ``give_up`` is
         called; if it returns instead of raising, so does this, with ``default``.
+
+        ``joins_roll_calls``: a wait whose ``give_up`` holds a roll call (:meth:`missing`) gives up as soon as
+        another survivor's roll call reaches it, and joins it.  A survivor whose own wait began later (it waited
+        for a live neighbour that waits for the lost rank) would otherwise answer after the first one stopped
+        listening, and be named lost with the dead (met under CI's load at ``MPICOLL_TIMEOUT=3``).  Not in a
+        context that goes on without a lost peer (``on_death`` "acknowledge": a parameter server's, Sandblaster's).
         """
         limit = self.timeout if limit is None else limit
         start = time.perf_counter()
         nap, next_alarm = 0.0, self.spin_seconds
+        joins_roll_calls = joins_roll_calls and self.top.on_death != "acknowledge"
         try:
             while (result := ready()) is None:
                 waited = time.perf_counter() - start
@@ -398,6 +407,10 @@ class Context:
                 if waited >= next_alarm:               # a wait that lasts: is there a reason to stop waiting?
                     for alarm in self.alarms:
                         alarm()
+                    if joins_roll_calls and self.top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL):
+                        self.gave_up_after = round(waited, 1)    # what the error says this rank waited
+                        give_up()          # another survivor gave up on this call: answer its roll call now
+                        return default
                     next_alarm = waited + _ALARM_EVERY
                 if waited < 10 * self.spin_seconds + 1e-3:
                     os.sched_yield()
@@ -420,8 +433,14 @@ class Context:
         collective_request = len(requests) == 1 and len(peers) > 1     # one or more of peers is missing
         stuck = list(peers) if collective_request else [p for r, p in zip(requests, peers) if not r.Test()]
         missing, sure = self.missing(stuck)
-        raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], missing, limit or self.timeout,
-                                            some_of=not sure and collective_request, also_silent=self.silent_seen))
+        raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], missing,
+                                               self._waited(limit),
+                                               some_of=not sure and collective_request, also_silent=self.silent_seen,
+                                               cut_short=self.gave_up_after is not None))
+
+    def _waited(self, limit: float | None) -> float:
+        """The seconds a wait that gave up waited: its limit, or less where it gave up for a roll call (_poll)."""
+        return self.gave_up_after if self.gave_up_after is not None else limit or self.timeout
 
     def missing(self, suspects, trust_mpi: bool | None = None) -> tuple[list[int], bool]:
         """(the ranks to name as missing, by :attr:`names`; whether the roll call, or MPI, confirmed them).

@@ -18,6 +18,32 @@ def outcomes_of(script, folder) -> dict[int, str]:
     return outcomes
 
 
+# The last rank dies between two ring allreduces; ``{before_the_call}`` runs on the survivors before the second.
+_ONE_DIES = """
+import os, sys, time, numpy as np
+from mpi4py import MPI
+import mpicoll
+world = MPI.COMM_WORLD
+comm = mpicoll.Communicator(world, algorithm="ring")
+comm.Allreduce(np.ones(50000), np.empty(50000))
+world.Barrier()
+time.sleep(0.5)   # let the launcher's own traffic with every rank settle
+if world.rank == world.size - 1:
+    os._exit(1)
+{before_the_call}
+try:
+    comm.Allreduce(np.ones(50000), np.empty(50000))
+    outcome = "finished"
+except mpicoll.CollectiveTimeout as error:
+    outcome = str(error)
+# stdout may be lost when the job is torn down: leave the outcome in a file
+with open(os.path.join(sys.argv[1], f"rank{{world.rank}}.txt"), "w") as handle:
+    handle.write(outcome)
+time.sleep(0.5)
+world.Abort(0)
+"""
+
+
 def test_dead_rank_is_named_by_its_neighbour(tmp_path):
     """A rank dies mid-run: the survivors raise CollectiveTimeout naming it, instead of hanging.
 
@@ -26,31 +52,26 @@ def test_dead_rank_is_named_by_its_neighbour(tmp_path):
     response"), so the test would measure the launcher rather than mpicoll.
     """
     script = tmp_path / "dead.py"
-    script.write_text(textwrap.dedent("""
-        import os, sys, time, numpy as np
-        from mpi4py import MPI
-        import mpicoll
-        world = MPI.COMM_WORLD
-        comm = mpicoll.Communicator(world, algorithm="ring")
-        comm.Allreduce(np.ones(50000), np.empty(50000))
-        world.Barrier()
-        time.sleep(0.5)   # let the launcher's own traffic with every rank settle
-        if world.rank == world.size - 1:
-            os._exit(1)
-        try:
-            comm.Allreduce(np.ones(50000), np.empty(50000))
-            outcome = "finished"
-        except mpicoll.CollectiveTimeout as error:
-            outcome = str(error)
-        # stdout may be lost when the job is torn down: leave the outcome in a file
-        with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
-            handle.write(outcome)
-        time.sleep(0.5)
-        world.Abort(0)
-    """))
+    script.write_text(_ONE_DIES.format(before_the_call=""))
     outcomes = outcomes_of(script, tmp_path)
     assert outcomes[0].startswith("Allreduce: rank 0 waited 2 s for rank(s) 2,"), outcomes
     assert all("finished" not in text for text in outcomes.values())
+
+
+def test_a_survivor_that_comes_late_to_the_call_is_not_named_with_the_dead(tmp_path):
+    """Rank 1 comes to the call after rank 0 gave up on the dead rank 2 (it waited for a live neighbour that
+    waited for the lost one, and its own deadline runs from its own start): it joins rank 0's roll call at once,
+    and neither survivor names it lost.  It was named "also silent" (and, where rank 0 waited for it, missing)
+    when it answered only at its own timeout, after rank 0 stopped listening (met under CI's load)."""
+    script = tmp_path / "late.py"
+    # past rank 0's 2 s deadline, well within its 2 s of listening after it
+    script.write_text(_ONE_DIES.format(before_the_call="if world.rank == 1:\n    time.sleep(2.6)"))
+    outcomes = outcomes_of(script, tmp_path)
+    assert set(outcomes) == {0, 1}, outcomes
+    assert outcomes[0].startswith("Allreduce: rank 0 waited 2 s for rank(s) 2,"), outcomes
+    assert outcomes[1].startswith("Allreduce: rank 1 waited "), outcomes
+    assert "for rank(s) 2," in outcomes[1] and "another rank gave up on the call" in outcomes[1], outcomes
+    assert all("Also silent" not in text for text in outcomes.values()), outcomes
 
 
 def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(tmp_path):
