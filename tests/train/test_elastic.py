@@ -22,7 +22,7 @@ import pytest
 from mpicoll.train import METHODS, Options
 from mpicoll.train.common import batches
 from mpicoll.base.failure import has_quorum
-from mpicoll.train.elastic import Loss, Plan
+from mpicoll.train.elastic import Loss, Plan, short_timeout_warning
 from mpicoll.base import checkpoint
 from tests.support.jobs import ROOT, fault_tolerant, kill_rank_when, launch, left_behind
 
@@ -261,6 +261,9 @@ def test_an_intact_elastic_run_is_the_plain_run(tmp_path, ranks, parallel, metho
         job, logged = train(tmp_path, name, "--method", method, "--epochs", "3", *extra, ranks=ranks)
         assert job.returncode == 0, job.stderr_text[-3000:]
         runs[name] = [(r.get("epoch"), r.get("loss", r.get("final_loss")), r.get("samples")) for r in logged]
+        # the jobs' MPICOLL_TIMEOUT (20 s) is under 4 detector timeouts: rank 0 says so once, for --elastic only
+        assert job.stderr_text.count("warning: MPICOLL_TIMEOUT=20 s is under 4 times") == (name == "elastic"), \
+            job.stderr_text[-3000:]
     assert runs["plain"] == runs["elastic"]
 
 
@@ -461,3 +464,20 @@ def test_a_recovery_that_lost_nobody_is_not_logged_as_a_loss():
     assert nobody.line(8) == "mpicoll train: a step failed in epoch 3, step 5 and MPI named no rank lost; all 4 " \
                              "ranks take it again"
     assert some.line(8) == "mpicoll train: lost rank(s) 2, 3 in epoch 3, step 5; 2 ranks go on"
+
+
+@pytest.mark.parametrize("timeout, detector, warns", [
+    ("20", None, True), ("39", None, True), ("40", None, False), (None, None, False), ("0", None, False),
+    ("20", "2", False), ("20", "6", True), ("20", "five", True)])
+def test_a_timeout_the_survivors_of_a_cut_would_not_outlast_is_warned_of(monkeypatch, timeout, detector, warns):
+    """MPICOLL_TIMEOUT (default 300 s, 0 forever) against 4 of Open MPI's detector timeouts (default 10 s; a
+    setting Open MPI cannot read is its own to name)."""
+    for name, value in (("MPICOLL_TIMEOUT", timeout), ("OMPI_MCA_mpi_ft_detector_timeout", detector)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    warning = short_timeout_warning()
+    assert (warning is not None) is warns, warning
+    if warns:
+        assert f"MPICOLL_TIMEOUT={timeout} s" in warning and "OMPI_MCA_mpi_ft_detector_timeout" in warning
