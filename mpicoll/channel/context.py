@@ -82,8 +82,10 @@ class Context:
         self.children: list[Context] = []     # contexts over parts of this one (mpicoll.channel.nodes), freed with it
         self.node_layout = None               # mpicoll.channel.nodes.NodeLayout, once an algorithm asked for it
         # Duplicating is a blocking collective: first make sure every rank is here.
+        self.private = False        # self.comm is the caller's communicator until the duplicate is made
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
+        self.private = True
         self.segment_bytes = config.segment_bytes()
         self.on_this_node = node_members(self.comm)     # the ranks sharing this rank's memory
         local = len(self.on_this_node)
@@ -395,7 +397,9 @@ class Context:
         limit = self.timeout if limit is None else limit
         start = time.perf_counter()
         nap, next_alarm = 0.0, self.spin_seconds
-        joins_roll_calls = joins_roll_calls and self.top.on_death != "acknowledge"
+        # (and only on the private channel: the wait before the duplicate is made runs on the caller's
+        # communicator, where a message of the program's own may carry the roll call's tag)
+        joins_roll_calls = joins_roll_calls and self.top.on_death != "acknowledge" and self.top.private
         try:
             while (result := ready()) is None:
                 waited = time.perf_counter() - start

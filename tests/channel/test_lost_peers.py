@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import textwrap
+import time
+
+import numpy as np
+import pytest
 
 from tests.support.jobs import launch
 
@@ -144,3 +148,27 @@ def test_a_late_peers_message_never_lands_in_memory_the_survivors_let_go(tmp_pat
     """))
     outcomes = outcomes_of(script, tmp_path)
     assert set(outcomes.values()) == {"0 arrays overwritten"}, outcomes
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_message_of_the_programs_own_with_the_roll_calls_tag_is_not_taken_for_a_roll_call():
+    """A communicator's first call waits for every rank on the program's own communicator (its private channel is
+    made after): a message of the program's there, carrying the tag of mpicoll's roll call, is not taken for
+    another rank's roll call (which would end that wait as a failure), and stays the program's."""
+    import mpicoll
+    from mpicoll.base.tags import Tag
+    from tests.support.mpi import RANK, WORLD, everywhere
+    program = WORLD.Dup()
+    if RANK == 0:
+        program.Send(np.arange(3.0), 1, Tag.ROLL_CALL)      # small, so sent at once: there while rank 1 waits
+        time.sleep(0.3)
+    comm = mpicoll.Communicator(program, algorithm="ring")
+    total = np.empty(4)
+    comm.Allreduce(np.ones(4), total)
+    got = np.zeros(3)
+    if RANK == 1:
+        program.Recv(got, 0, Tag.ROLL_CALL)
+    comm.close()
+    program.Free()
+    everywhere(np.all(total == WORLD.Get_size()) and (RANK != 1 or np.all(got == np.arange(3.0))),
+               f"rank {RANK}: {total} {got}")
