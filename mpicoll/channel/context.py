@@ -487,16 +487,20 @@ class Context:
         if self.comm == MPI.COMM_NULL or self.size == 1:
             return []
         note = np.zeros(1, np.uint8)
+        # Before the private channel exists (the wait for every rank to come to the first call), the roll call runs
+        # on the caller's communicator: under the largest tag MPI allows, which a program's own messages seldom
+        # carry (one with the roll call's usual tag 99 was taken for an answer there, and its size for a mismatch).
+        tag = Tag.ROLL_CALL if self.private else MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)    # (kept on the world only)
         awaited = self.living(self.others())
         for peer in awaited:
-            self.track(self.comm.Isend([note, MPI.BYTE], peer, Tag.ROLL_CALL))     # abandoned if the peer is gone
+            self.track(self.comm.Isend([note, MPI.BYTE], peer, tag))     # abandoned if the peer is gone
         heard, status, incoming = set(), MPI.Status(), np.empty(1, np.uint8)
 
         def heard_everyone():
             nonlocal awaited
-            while self.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
+            while self.comm.Iprobe(MPI.ANY_SOURCE, tag, status):
                 heard.add(status.Get_source())
-                self.comm.Recv([incoming, MPI.BYTE], status.Get_source(), Tag.ROLL_CALL)
+                self.comm.Recv([incoming, MPI.BYTE], status.Get_source(), tag)
             awaited = self.living(awaited, stale_after=_DEATHS_EVERY)     # a death reported after the call began
             return True if heard.issuperset(awaited) else None
 

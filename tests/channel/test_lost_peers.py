@@ -81,7 +81,9 @@ def test_a_survivor_that_comes_late_to_the_call_is_not_named_with_the_dead(tmp_p
 def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(tmp_path):
     """The last rank never comes to the communicator's first call (whose set-up waits for every rank): the
     others name it, and the call (it read "collective: rank 0 waited ...", seen when a rank died before a
-    run's final average)."""
+    run's final average).  That wait's roll call runs on the program's communicator, where a message of the
+    program's own with the roll call's usual tag (99) waits for rank 1: it stays the program's (it was taken
+    for rank 0's answer, and its size made a MismatchError of the timeout)."""
     script = tmp_path / "absent.py"
     script.write_text(textwrap.dedent("""
         import os, sys, time, numpy as np
@@ -91,11 +93,17 @@ def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(t
         if world.rank == world.size - 1:
             time.sleep(8)
             os._exit(1)
+        if world.rank == 0:
+            world.Send(np.arange(3.0), 1, 99)
         try:
             mpicoll.Communicator(world, algorithm="ring").Allgather(np.ones(4), np.empty(4 * world.size))
             outcome = "finished"
         except mpicoll.CollectiveTimeout as error:
             outcome = str(error)
+        if world.rank == 1:
+            mine = np.zeros(3)
+            world.Recv(mine, 0, 99)
+            outcome += f" (the program's message: {mine.tolist()})"
         with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
             handle.write(outcome)
         time.sleep(0.5)   # the other survivor writes its outcome too before the abort ends it
@@ -103,6 +111,8 @@ def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(t
     """))
     outcomes = outcomes_of(script, tmp_path)
     assert outcomes[0].startswith("Allgather: rank 0 waited 2 s for rank(s) 2"), outcomes
+    assert outcomes.get(1, "").startswith("Allgather: rank 1 waited ") and "for rank(s) 2" in outcomes[1] and \
+        outcomes[1].endswith("(the program's message: [0.0, 1.0, 2.0])"), outcomes
 
 
 def test_a_late_peers_message_never_lands_in_memory_the_survivors_let_go(tmp_path):
