@@ -191,11 +191,20 @@ class Communicator(MPI.Intracomm):
 
     # -- the collectives ----------------------------------------------------
 
-    def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+    # Each collective reads its arguments in one method (``_*_arguments``), called by the blocking form and, in the
+    # caller's thread, by the started one: what mpi4py refuses at the call (a count that does not match, a buffer
+    # it cannot read, a root out of range) is refused at the call, and the communicator stays usable, as mpi4py's
+    # does; met on the worker, it failed the worker and every later started call with it.
+
+    def _allreduce_arguments(self, sendbuf, recvbuf, op: MPI.Op):
+        """(send, recv, reduction) of an Allreduce (send None: in place)."""
         recv = read_message(recvbuf, writable=True, role="Allreduce: recvbuf")
         send = None if is_in_place(sendbuf) else read_message(sendbuf, role="Allreduce: sendbuf")
         _check_pair(send, recv, ALLREDUCE.method, recv.count)
-        reduction = _reduction(op, recv, send)
+        return send, recv, _reduction(op, recv, send)
+
+    def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        send, recv, reduction = self._allreduce_arguments(sendbuf, recvbuf, op)
         self._run(self._choose(ALLREDUCE, recv, reduction, send),
                   Signature(ALLREDUCE.method, recv.count, recv.array.dtype, op_name(op)), recv if send is None else send,
                   lambda a, ctx: a.allreduce(ctx, _array(send), recv.array, reduction),
@@ -214,7 +223,8 @@ class Communicator(MPI.Intracomm):
                   Message(recv if send is None else send, message.datatype),
                   lambda a, ctx: a.allreduce_compressed(ctx, send, recv, reduction, compression, key), None)
 
-    def Reduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+    def _reduce_scatter_block_arguments(self, sendbuf, recvbuf, op: MPI.Op):
+        """(send, recv, reduction) of a Reduce_scatter_block."""
         size = self.Get_size()
         if is_in_place(sendbuf):     # recvbuf holds every rank's block; the result goes to the first
             send = read_message(recvbuf, writable=True, role="Reduce_scatter_block: recvbuf", blocks=size)
@@ -223,31 +233,42 @@ class Communicator(MPI.Intracomm):
             recv = read_message(recvbuf, writable=True, role="Reduce_scatter_block: recvbuf")
             send = read_message(sendbuf, role="Reduce_scatter_block: sendbuf", blocks=size)
             _check_pair(send, recv, REDUCE_SCATTER_BLOCK.method, recv.count * size)
-        reduction = _reduction(op, recv, send)
+        return send, recv, _reduction(op, recv, send)
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
+        send, recv, reduction = self._reduce_scatter_block_arguments(sendbuf, recvbuf, op)
         self._run(self._choose(REDUCE_SCATTER_BLOCK, send, reduction, recv),
                   Signature(REDUCE_SCATTER_BLOCK.method, recv.count, recv.array.dtype, op_name(op)), send,
                   lambda a, ctx: a.reduce_scatter_block(ctx, send.array, recv.array, reduction),
                   lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
 
-    def Allgather(self, sendbuf, recvbuf) -> None:
-        size, rank = self.Get_size(), self.Get_rank()
-        recv = read_message(recvbuf, writable=True, role="Allgather: recvbuf", blocks=size)
-        block = recv.count // size
+    def _allgather_arguments(self, sendbuf, recvbuf):
+        """(send, recv, block) of an Allgather (send None: in place; block: the elements of one rank)."""
+        recv = read_message(recvbuf, writable=True, role="Allgather: recvbuf", blocks=self.Get_size())
+        block = recv.count // self.Get_size()
         send = None
         if not is_in_place(sendbuf):
             send = read_message(sendbuf, role="Allgather: sendbuf")
             _check_pair(send, recv, ALLGATHER.method, block)
+        return send, recv, block
+
+    def Allgather(self, sendbuf, recvbuf) -> None:
+        rank = self.Get_rank()
+        send, recv, block = self._allgather_arguments(sendbuf, recvbuf)
         mine = recv.array[rank * block: (rank + 1) * block] if send is None else send.array
         self._run(self._choose(ALLGATHER, recv, None, send), Signature(ALLGATHER.method, block, recv.array.dtype),
                   Message(mine, recv.datatype, library=recv.library),
                   lambda a, ctx: a.allgather(ctx, _array(send), recv.array),
                   lambda: MPI.Intracomm.Allgather(self, sendbuf, recvbuf))
 
-    def Bcast(self, buf, root: int = 0) -> None:
+    def _bcast_arguments(self, buf, root: int) -> Message:
         size = self.Get_size()
         if not 0 <= root < size:
             raise RootError(f"Bcast: root {root} is not a rank of this {size}-rank communicator; pass 0 to {size - 1}")
-        message = read_message(buf, writable=self.Get_rank() != root, role="Bcast: buf")
+        return read_message(buf, writable=self.Get_rank() != root, role="Bcast: buf")
+
+    def Bcast(self, buf, root: int = 0) -> None:
+        message = self._bcast_arguments(buf, root)
         self._run(self._choose(BCAST, message, None),
                   Signature(BCAST.method, message.count, message.array.dtype, root=root),
                   message if self.Get_rank() == root else None,
@@ -258,19 +279,23 @@ class Communicator(MPI.Intracomm):
 
     def Iallreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:
         """``Allreduce``, started: returns a Request to ``Wait`` for (see :mod:`mpicoll.collectives.nonblocking`)."""
+        self._allreduce_arguments(sendbuf, recvbuf, op)
         return self.start(Request(ALLREDUCE.nonblocking, lambda comm: comm.Allreduce(sendbuf, recvbuf, op)))
 
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:
         """``Reduce_scatter_block``, started: returns a Request to ``Wait`` for."""
+        self._reduce_scatter_block_arguments(sendbuf, recvbuf, op)
         return self.start(Request(REDUCE_SCATTER_BLOCK.nonblocking,
                                   lambda comm: comm.Reduce_scatter_block(sendbuf, recvbuf, op)))
 
     def Iallgather(self, sendbuf, recvbuf) -> Request:
         """``Allgather``, started: returns a Request to ``Wait`` for."""
+        self._allgather_arguments(sendbuf, recvbuf)
         return self.start(Request(ALLGATHER.nonblocking, lambda comm: comm.Allgather(sendbuf, recvbuf)))
 
     def Ibcast(self, buf, root: int = 0) -> Request:
         """``Bcast``, started: returns a Request to ``Wait`` for."""
+        self._bcast_arguments(buf, root)
         return self.start(Request(BCAST.nonblocking, lambda comm: comm.Bcast(buf, root)))
 
     def start(self, request: Request) -> Request:

@@ -17,7 +17,10 @@ kernels; pure-Python work in the caller shares the GIL with it (measured in
 ``docs/nonblocking.md``).  Without ``MPI_THREAD_MULTIPLE`` there can be no
 such thread: calls then run to completion when started (a warning says so).
 
-A started call's errors (ranks that disagree, a lost peer) are raised by its
+An argument the calling rank can see is wrong (counts that do not match, a
+root out of range, a read-only output, an op the type lacks) is refused at the
+call, as mpi4py refuses it, and the communicator goes on.  A started call's
+other errors (ranks that disagree, a lost peer) are raised by its
 ``Wait``/``Test``; the calls started after it on the same communicator are
 not run and raise an error that says so.  Buffers belong to the call until
 it completes: do not touch them before ``Wait`` returns.
