@@ -293,7 +293,8 @@ def agreed(channel: MPI.Comm, revoke=lambda: None):
     if word is None or word & _CLEAN or failure.failed_ranks(channel):
         raise RanksLost("the agreement after a step", channel.Get_rank(), failure.failed_ranks(channel))
     raise MpicollError(f"rank {channel.Get_rank()}: another rank's step raised an error that is not a lost rank "
-                       "(its own message names it); the job ends")
+                       f"(its own message names it; the agreement's word was {word}, not {_WHOLE | _CLEAN}); "
+                       "the job ends")
 
 
 def _agree(channel: MPI.Comm, word: int) -> int | None:
