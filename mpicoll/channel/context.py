@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 
 import numpy as np
@@ -83,6 +84,7 @@ class Context:
         self.node_layout = None               # mpicoll.channel.nodes.NodeLayout, once an algorithm asked for it
         # Duplicating is a blocking collective: first make sure every rank is here.
         self.private = False        # self.comm is the caller's communicator until the duplicate is made
+        self._channel_lock = threading.Lock()     # held to swap self.comm out (free) or to probe it from elsewhere
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
         self.private = True
@@ -145,7 +147,8 @@ class Context:
             with watchdog.watch_of(self, "close"):
                 self._shared.free()
         self._shared = None
-        comm, self.comm = self.comm, MPI.COMM_NULL
+        with self._channel_lock:        # the watchdog's thread may be probing it (roll_call_heard)
+            comm, self.comm = self.comm, MPI.COMM_NULL
         fingerprint, self.fingerprint = self.fingerprint, None
         if fingerprint is not None:
             fingerprint.free(abandon)
@@ -389,17 +392,14 @@ class Context:
         called; if it returns instead of raising, so does this, with ``default``.
 
         ``joins_roll_calls``: a wait whose ``give_up`` holds a roll call (:meth:`missing`) gives up as soon as
-        another survivor's roll call reaches it, and joins it.  A survivor whose own wait began later (it waited
-        for a live neighbour that waits for the lost rank) would otherwise answer after the first one stopped
-        listening, and be named lost with the dead (met under CI's load at ``MPICOLL_TIMEOUT=3``).  Not in a
-        context that goes on without a lost peer (``on_death`` "acknowledge": a parameter server's, Sandblaster's).
+        another survivor's roll call reaches it (:meth:`roll_call_heard`), and joins it.  A survivor whose own
+        wait began later (it waited for a live neighbour that waits for the lost rank) would otherwise answer
+        after the first one stopped listening, and be named lost with the dead (met under CI's load at
+        ``MPICOLL_TIMEOUT=3``).
         """
         limit = self.timeout if limit is None else limit
         start = time.perf_counter()
         nap, next_alarm = 0.0, self.spin_seconds
-        # (and only on the private channel: the wait before the duplicate is made runs on the caller's
-        # communicator, where a message of the program's own may carry the roll call's tag)
-        joins_roll_calls = joins_roll_calls and self.top.on_death != "acknowledge" and self.top.private
         try:
             while (result := ready()) is None:
                 waited = time.perf_counter() - start
@@ -411,7 +411,7 @@ class Context:
                 if waited >= next_alarm:               # a wait that lasts: is there a reason to stop waiting?
                     for alarm in self.alarms:
                         alarm()
-                    if joins_roll_calls and self.top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL):
+                    if joins_roll_calls and self.roll_call_heard():
                         self.gave_up_after = round(waited, 1)    # what the error says this rank waited
                         give_up()          # another survivor gave up on this call: answer its roll call now
                         return default
@@ -441,6 +441,19 @@ class Context:
                                                self._waited(limit),
                                                some_of=not sure and collective_request, also_silent=self.silent_seen,
                                                cut_short=self.gave_up_after is not None))
+
+    def roll_call_heard(self) -> bool:
+        """Whether another survivor's roll call waits on this channel: it gave up on the call in flight, and this
+        rank, still waiting (in :meth:`_poll`, or stuck in MPI's own call: the watchdog asks), should give up and
+        answer now.  Never in a context that goes on without a lost peer (``on_death`` "acknowledge": a parameter
+        server's, Sandblaster's), nor before the private channel exists (the wait for every rank to come runs on
+        the program's communicator, where a message of the program's own may carry the roll call's tag).  Safe
+        from another thread: a channel being freed is not probed."""
+        top = self.top
+        if not top.private or top.on_death == "acknowledge":
+            return False
+        with top._channel_lock:
+            return top.comm != MPI.COMM_NULL and top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL)
 
     def _waited(self, limit: float | None) -> float:
         """The seconds a wait that gave up waited: its limit, or less where it gave up for a roll call (_poll)."""

@@ -234,8 +234,8 @@ def _watch() -> None:
                     continue
                 context = watch.owner.context()
                 limit = _deadline(context)
-                if limit and now - started > limit and watch.started == started:      # still the same call
-                    _expired(watch.owner, context, watch.collective, limit, watch.causes)
+                if limit and watch.started == started and (now - started > limit or _roll_call_heard(context)):
+                    _expired(watch.owner, context, watch.collective, min(limit, now - started), watch.causes)
             if _fast_paths or _numbered:
                 in_fast_calls = _fast_calls_seen(in_fast_calls, now)
         except Exception as error:  # noqa: BLE001 - the watchdog must outlive anything it sees
@@ -276,9 +276,21 @@ def _fast_calls_seen(before: dict, now: float) -> dict:
     for first, owner, collective in seen.values():
         context = owner.context()
         limit = _deadline(context)
-        if limit and now - first > limit:
-            _expired(owner, context, collective, limit)
+        if limit and (now - first > limit or _roll_call_heard(context)):
+            _expired(owner, context, collective, min(limit, now - first))
     return seen
+
+
+def _roll_call_heard(context) -> bool:
+    """Whether another survivor holds a roll call on the channel of a call stuck here in MPI's own wait: it gave
+    up on that call, and this rank answers now rather than at its own deadline, by which time the other may have
+    stopped listening and named this live rank lost (as :meth:`Context._poll`'s waits join it)."""
+    if context is None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return False
+    try:
+        return context.roll_call_heard()
+    except MPI.Exception:       # a channel revoked for a death: that is MPI's to report, in the call itself
+        return False
 
 
 def _hear_failures() -> None:
@@ -302,7 +314,10 @@ def _hear_failures() -> None:
 
 
 def _expired(owner, context, collective: str, limit: float, causes: str | None = None) -> None:
-    """A blocking MPI call outlived its deadline: name the missing ranks and end the job."""
+    """A blocking MPI call outlived its deadline (``limit``, or less where another rank's roll call came first):
+    name the missing ranks and end the job."""
+    cut_short = context is not None and limit < context.timeout
+    limit = limit if not cut_short else round(limit, 1)
     rank = MPI.COMM_WORLD.Get_rank()
     reason = None
     if context is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
@@ -313,7 +328,7 @@ def _expired(owner, context, collective: str, limit: float, causes: str | None =
             some_of = not sure
             reason = str(context.broken_by(CollectiveTimeout(
                 f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=some_of,
-                also_silent=context.silent_seen, causes=causes)))
+                also_silent=context.silent_seen, causes=causes, cut_short=cut_short)))
         except Exception:  # noqa: BLE001 - naming the missing must never keep the job from ending
             pass
     if reason is None:

@@ -78,6 +78,36 @@ def test_a_survivor_that_comes_late_to_the_call_is_not_named_with_the_dead(tmp_p
     assert all("Also silent" not in text for text in outcomes.values()), outcomes
 
 
+_LATE_IN_MPIS_OWN_CALL = """
+import time, numpy as np
+from mpi4py import MPI
+import mpicoll
+world = MPI.COMM_WORLD
+comm = mpicoll.Communicator(world)          # auto: after the first call, small calls go to MPI's own
+comm.Allreduce(np.ones(8), np.empty(8))
+world.Barrier()
+time.sleep(0.5)
+if world.rank == world.size - 1:
+    time.sleep(60)        # hung: MPI knows nothing of it (a dead rank MPICH names without a roll call)
+if world.rank == 1:
+    time.sleep(2.6)       # past rank 0's 2 s deadline, well within its 2 s of listening after it
+comm.Allreduce(np.ones(8), np.empty(8))
+"""
+
+
+def test_a_survivor_that_comes_late_to_mpis_own_call_is_not_named_with_the_dead(tmp_path):
+    """As above, with a hung rank, in MPI's own blocking call (``auto``'s small calls), which only the watchdog's
+    thread can end: rank 0's watchdog holds the roll call at its deadline and ends the job; rank 1's, seeing that
+    roll call while rank 1 is stuck in the call, answers at once.  Rank 0 named "rank(s) 1, 2" when rank 1
+    answered only at its own deadline."""
+    script = tmp_path / "late_in_mpi.py"
+    script.write_text(_LATE_IN_MPIS_OWN_CALL)
+    result = launch(3, str(script), env={"MPICOLL_TIMEOUT": "2"}, timeout=120)
+    ended = [line for line in result.stderr.splitlines() if line.startswith("mpicoll: rank 0 ends the job:")]
+    assert ended and "Allreduce (MPI's own): rank 0 waited 2 s for rank(s) 2," in ended[0], result.stderr[-3000:]
+    assert "Also silent" not in ended[0], ended[0]
+
+
 def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(tmp_path):
     """The last rank never comes to the communicator's first call (whose set-up waits for every rank): the
     others name it, and the call (it read "collective: rank 0 waited ...", seen when a rank died before a
