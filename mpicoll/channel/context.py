@@ -84,6 +84,7 @@ class Context:
         self.node_layout = None               # mpicoll.channel.nodes.NodeLayout, once an algorithm asked for it
         # Duplicating is a blocking collective: first make sure every rank is here.
         self.private = False        # self.comm is the caller's communicator until the duplicate is made
+        self.fault_tolerant = failure.fault_tolerant()      # MPI reports deaths (ULFM): see roll_call_heard
         self._channel_lock = threading.Lock()     # held to swap self.comm out (free) or to probe it from elsewhere
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
@@ -448,9 +449,15 @@ class Context:
         answer now.  Never in a context that goes on without a lost peer (``on_death`` "acknowledge": a parameter
         server's, Sandblaster's), nor before the private channel exists (the wait for every rank to come runs on
         the program's communicator, where a message of the program's own may carry the roll call's tag).  Safe
-        from another thread: a channel being freed is not probed."""
+        from another thread: a channel being freed is not probed.
+
+        Not under MPI's fault tolerance either, where MPI reports a death and every survivor meets it in its own
+        call: two fresh-clone CI runs of November 27 failed a test of push-sum over one-sided windows under Open
+        MPI's ULFM (an agreement's AND missing a bit; a run ending before its first kill) soon after this probe came
+        in, where that test had not failed before.  Not reproduced (24 runs, alone and under load), so the cause
+        is not known; the probe is left out where it is not needed."""
         top = self.top
-        if not top.private or top.on_death == "acknowledge":
+        if not top.private or top.on_death == "acknowledge" or top.fault_tolerant:
             return False
         with top._channel_lock:
             return top.comm != MPI.COMM_NULL and top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL)
