@@ -454,7 +454,7 @@ class Context:
         Not under MPI's fault tolerance either, where MPI reports a death and every survivor meets it in its own
         call: two fresh-clone CI runs of November 27 failed a test of push-sum over one-sided windows under Open
         MPI's ULFM (an agreement's AND missing a bit; a run ending before its first kill) soon after this probe came
-        in, where that test had not failed before.  Not reproduced (24 runs, alone and under load), so the cause
+        in, where that test had not failed before.  Not reproduced (28 runs, alone and under load), so the cause
         is not known; the probe is left out where it is not needed."""
         top = self.top
         if not top.private or top.on_death == "acknowledge" or top.fault_tolerant:
