@@ -84,7 +84,6 @@ class Context:
         self.node_layout = None               # mpicoll.channel.nodes.NodeLayout, once an algorithm asked for it
         # Duplicating is a blocking collective: first make sure every rank is here.
         self.private = False        # self.comm is the caller's communicator until the duplicate is made
-        self.fault_tolerant = failure.fault_tolerant()      # MPI reports deaths (ULFM): see roll_call_heard
         self._channel_lock = threading.Lock()     # held to swap self.comm out (free) or to probe it from elsewhere
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
@@ -365,9 +364,7 @@ class Context:
         push-sum over windows waited out its timeout for a dead rank, then ended
         the job, where the point-to-point mailbox went on without it."""
         def give_up():
-            raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], self.missing(peers)[0],
-                                                   self._waited(None), also_silent=self.silent_seen,
-                                                   cut_short=self.gave_up_after is not None))
+            raise self._timed_out(self.missing(peers)[0])
 
         if not failure.fault_tolerant() or self.top.on_death == "acknowledge":    # (goes on with the living)
             self._poll(lambda: True if ready() else None, give_up, joins_roll_calls=True)
@@ -438,10 +435,7 @@ class Context:
         collective_request = len(requests) == 1 and len(peers) > 1     # one or more of peers is missing
         stuck = list(peers) if collective_request else [p for r, p in zip(requests, peers) if not r.Test()]
         missing, sure = self.missing(stuck)
-        raise self.broken_by(CollectiveTimeout(self.collective, self.names[self.rank], missing,
-                                               self._waited(limit),
-                                               some_of=not sure and collective_request, also_silent=self.silent_seen,
-                                               cut_short=self.gave_up_after is not None))
+        raise self._timed_out(missing, limit, some_of=not sure and collective_request)
 
     def roll_call_heard(self) -> bool:
         """Whether another survivor's roll call waits on this channel: it gave up on the call in flight, and this
@@ -457,14 +451,19 @@ class Context:
         in, where that test had not failed before.  Not reproduced (28 runs, alone and under load), so the cause
         is not known; the probe is left out where it is not needed."""
         top = self.top
-        if not top.private or top.on_death == "acknowledge" or top.fault_tolerant:
+        if not top.private or top.on_death == "acknowledge" or failure.fault_tolerant():
             return False
         with top._channel_lock:
             return top.comm != MPI.COMM_NULL and top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL)
 
-    def _waited(self, limit: float | None) -> float:
-        """The seconds a wait that gave up waited: its limit, or less where it gave up for a roll call (_poll)."""
-        return self.gave_up_after if self.gave_up_after is not None else limit or self.timeout
+    def _timed_out(self, missing: list[int], limit: float | None = None, some_of: bool = False) -> CollectiveTimeout:
+        """The :class:`CollectiveTimeout` of a wait that gave up on ``missing`` (by :attr:`names`), this channel
+        marked broken: it waited its ``limit`` (default: the timeout), or less where it gave up to join another
+        survivor's roll call (:meth:`_poll`), which it says."""
+        cut_short = self.gave_up_after is not None
+        return self.broken_by(CollectiveTimeout(
+            self.collective, self.names[self.rank], missing, self.gave_up_after if cut_short else limit or self.timeout,
+            some_of=some_of, also_silent=self.silent_seen, cut_short=cut_short))
 
     def missing(self, suspects, trust_mpi: bool | None = None) -> tuple[list[int], bool]:
         """(the ranks to name as missing, by :attr:`names`; whether the roll call, or MPI, confirmed them).

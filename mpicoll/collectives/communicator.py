@@ -244,8 +244,9 @@ class Communicator(MPI.Intracomm):
 
     def _allgather_arguments(self, sendbuf, recvbuf):
         """(send, recv, block) of an Allgather (send None: in place; block: the elements of one rank)."""
-        recv = read_message(recvbuf, writable=True, role="Allgather: recvbuf", blocks=self.Get_size())
-        block = recv.count // self.Get_size()
+        size = self.Get_size()
+        recv = read_message(recvbuf, writable=True, role="Allgather: recvbuf", blocks=size)
+        block = recv.count // size
         send = None
         if not is_in_place(sendbuf):
             send = read_message(sendbuf, role="Allgather: sendbuf")
