@@ -255,7 +255,9 @@ class Server:
 
         An answer sent to a worker that died on another node crashes this server inside MPICH's UCX transport,
         so across nodes the server asks afresh before every round of answers (0.1 ms): with the answer of up to
-        50 ms before, 3 of 8 runs of the killed-worker test across emulated nodes crashed; asking afresh, 0 of 18."""
+        50 ms before, 3 of 8 runs of the killed-worker test across emulated nodes crashed; asking afresh, 0 of 18.
+        That narrows the window and cannot close it: MPI learns of a death 4-8 ms after the transport does, and
+        an answer posted in between still crashes (docs/failures.md)."""
         now, timeout = time.perf_counter(), self.worker_timeout
         others = [server for server in self.layout.servers if server != self.layout.rank]
         asked = [*others, *sorted(self.active)]                   # one question for the servers and the workers

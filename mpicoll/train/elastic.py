@@ -249,7 +249,9 @@ def is_loss(error: BaseException, channel: MPI.Comm | None = None) -> bool:
     return channel is not None and bool(failure.failed_ranks(channel))
 
 
-_WHOLE, _CLEAN = 1, 2      # the bits of a member's word in the agreement after a block (MPI ANDs the words)
+# The bits of a member's word in the agreement after a block (MPI ANDs the words): it met no lost rank; its block
+# raised no other error.
+_NO_LOSS, _NO_ERROR = 1, 2
 
 
 @contextmanager
@@ -272,28 +274,33 @@ def agreed(channel: MPI.Comm, revoke=lambda: None):
     the job ended on that error instead of going on without the cut-off ranks), and the agreement returns only
     once MPI has judged every member.  If one died, that error was the loss and :class:`RanksLost` is raised;
     if none did, the error is raised where it happened, and every other member raises :class:`MpicollError`
-    saying a member's step failed (never a recovery from a loss that was not one)."""
+    saying a member's step failed (never a recovery from a loss that was not one).
+
+    The agreement alone decides: it succeeds only if every member lived to give its word, and each word says
+    whether that member met a loss.  Asking MPI afterwards which ranks are dead counted a member that died after
+    it agreed (the member whose error ended its process at once) as lost in the step, and the others would have
+    gone on without it as from a loss (a CI run of ``test_an_error_in_a_step_is_a_loss_only_where_a_rank_died``)."""
     try:
         yield
     except Exception as error:  # noqa: BLE001 - every error joins the agreement, which tells a loss from the rest
         loss = is_loss(error, channel)
         if loss:
             revoke()
-        word = _agree(channel, _CLEAN if loss else 0)
-        if loss or word is None or failure.failed_ranks(channel):
+        word = _agree(channel, _NO_ERROR if loss else _NO_LOSS)
+        if word is None or not word & _NO_LOSS:          # a member died before its word, or met a loss
             if not loss:
                 revoke()
             if isinstance(error, RanksLost):
                 raise
             raise RanksLost("a step", channel.Get_rank(), failure.failed_ranks(channel)) from error
         raise
-    word = _agree(channel, _WHOLE | _CLEAN)
-    if word == _WHOLE | _CLEAN:
+    word = _agree(channel, _NO_LOSS | _NO_ERROR)
+    if word == _NO_LOSS | _NO_ERROR:
         return
-    if word is None or word & _CLEAN or failure.failed_ranks(channel):
+    if word is None or not word & _NO_LOSS:
         raise RanksLost("the agreement after a step", channel.Get_rank(), failure.failed_ranks(channel))
     raise MpicollError(f"rank {channel.Get_rank()}: another rank's step raised an error that is not a lost rank "
-                       f"(its own message names it; the agreement's word was {word}, not {_WHOLE | _CLEAN}); "
+                       f"(its own message names it; the agreement's word was {word}, not {_NO_LOSS | _NO_ERROR}); "
                        "the job ends")
 
 

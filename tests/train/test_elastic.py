@@ -247,7 +247,7 @@ def test_an_error_in_a_step_is_a_loss_only_where_a_rank_died(tmp_path, dies):
         expected = {rank: "RanksLost [3]" for rank in (0, 1, 2)}
     else:
         expected = {rank: "MpicollError rank {}: another rank's step raised an error that is not a lost rank (its "
-                    "own message names it; the agreement's word was 0, not 3); the job ends".format(rank)
+                    "own message names it; the agreement's word was 1, not 3); the job ends".format(rank)
                     for rank in (0, 2, 3)}
         expected[1] = "MemoryError as from unpickling garbage"
     assert outcomes == expected, f"{outcomes}\n{job.stderr[-3000:]}"
