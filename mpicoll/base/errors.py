@@ -68,12 +68,17 @@ class CollectiveTimeout(MpicollError, TimeoutError):
     """A peer did not take part in a collective within the timeout (dead, hung or desynchronised)."""
 
     def __init__(self, collective: str, rank: int, peers, seconds: float, some_of: bool = False, also_silent=(),
-                 causes: str | None = None, cut_short: bool = False):
+                 causes: str | None = None, cut_short: bool = False, alive_outside=()):
         self.collective, self.rank, self.peers, self.seconds = collective, rank, sorted(set(peers)), seconds
-        self.also_silent = sorted(set(also_silent) - set(self.peers))
+        # ranks missing from the call whose watchdog answered the roll call: alive, in no call on the channel
+        self.alive_outside = sorted(set(alive_outside))
+        self.also_silent = sorted(set(also_silent) - set(self.peers) - set(self.alive_outside))
         who = f"one or more of rank(s) {_ranks(self.peers)}" if some_of else f"rank(s) {_ranks(self.peers)}"
         others = (f" Also silent in the roll call (lost too, or finished and gone): rank(s) "
                   f"{_ranks(self.also_silent)}." if self.also_silent else "")
+        if self.alive_outside:
+            others += (f" Alive but in no call on this communicator (hung, or still computing; their watchdog "
+                       f"answered the roll call): rank(s) {_ranks(self.alive_outside)}.")
         if cut_short:       # it waited for a live peer that waited for the lost: it heard that peer give up
             others += " It stopped waiting before its timeout, when another rank gave up on the call."
         super().__init__(

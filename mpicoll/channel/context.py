@@ -37,6 +37,10 @@ _PRUNE_AT = 256        # tracked requests before the completed ones are dropped 
 
 _ALARM_EVERY = 2e-3    # seconds between a lasting wait's looks for a reason to stop (Context.alarms)
 _DEATHS_EVERY = 0.1    # seconds between a lasting wait's questions to MPI about dead ranks (Context.living)
+# A roll call's notes: a survivor of the failed call says it is in the roll call; a rank in no call on the channel
+# (its watchdog answers: Context.answer_roll_calls) says it is alive there.
+_IN_THE_ROLL_CALL, _ALIVE_OUTSIDE = 0, 1
+_ALIVE = np.full(1, _ALIVE_OUTSIDE, np.uint8)
 
 
 def _all_done(requests: list) -> bool:
@@ -70,7 +74,11 @@ class Context:
         # disagreed on a call: checks.Fingerprint; a parameter server that failed: ps.protocol).
         self.alarms: list = []
         self.silent_seen: list[int] = []      # every rank the last roll call did not hear (by names)
+        self.outside_seen: list[int] = []     # those of them alive in no call here: their watchdog answered
         self.gave_up_after: float | None = None   # seconds waited, where a wait gave up early for a roll call (_poll)
+        self._notes_taken: dict[int, int] = {}    # sender -> note, of the roll-call notes the watchdog took here
+        self._answered: set[int] = set()      # the senders it answered
+        self._answers: list = []              # its answers' sends
         launcher.check_this_launch()    # N separate singletons where a launcher started N tasks: stop now
         watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.channel.watchdog.watching)
         watchdog.end_job_on_uncaught_errors()
@@ -88,6 +96,7 @@ class Context:
         self.rendezvous()
         self.comm = MPI.Intracomm(MPI.Intracomm.Dup(comm))
         self.private = True
+        watchdog.answer_roll_calls_of(self)
         self.segment_bytes = config.segment_bytes()
         self.on_this_node = node_members(self.comm)     # the ranks sharing this rank's memory
         local = len(self.on_this_node)
@@ -127,6 +136,7 @@ class Context:
         cross parts).  Collective over ``comm``."""
         part = Context(comm, self.collective, names=names)
         part.parent, part.alarms, part.stamp = self, self.alarms, self.stamp
+        watchdog.answer_roll_calls_of(part, False)        # its roll calls are held on this one's channel
         self.children.append(part)
         return part
 
@@ -147,8 +157,10 @@ class Context:
             with watchdog.watch_of(self, "close"):
                 self._shared.free()
         self._shared = None
-        with self._channel_lock:        # the watchdog's thread may be probing it (roll_call_heard)
+        with self._channel_lock:        # the watchdog's thread may be probing it (roll_call_heard, answer_roll_calls)
             comm, self.comm = self.comm, MPI.COMM_NULL
+            abandon_requests(self._answers)
+            self._answers = []
         fingerprint, self.fingerprint = self.fingerprint, None
         if fingerprint is not None:
             fingerprint.free(abandon)
@@ -440,21 +452,50 @@ class Context:
     def roll_call_heard(self) -> bool:
         """Whether another survivor's roll call waits on this channel: it gave up on the call in flight, and this
         rank, still waiting (in :meth:`_poll`, or stuck in MPI's own call: the watchdog asks), should give up and
-        answer now.  Never in a context that goes on without a lost peer (``on_death`` "acknowledge": a parameter
-        server's, Sandblaster's), nor before the private channel exists (the wait for every rank to come runs on
-        the program's communicator, where a message of the program's own may carry the roll call's tag).  Safe
-        from another thread: a channel being freed is not probed.
+        answer now.  Also once the watchdog has taken and answered such a note here (:meth:`answer_roll_calls`).
+        Safe from another thread: a channel being freed is not probed."""
+        top = self.top
+        if not top._looks_for_roll_calls():
+            return False
+        with top._channel_lock:
+            return _IN_THE_ROLL_CALL in top._notes_taken.values() or (
+                top.comm != MPI.COMM_NULL and top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL))
+
+    def answer_roll_calls(self) -> None:
+        """Take every other survivor's roll-call note waiting on this channel and answer each sender once with
+        this rank's own: a rank alive but in no call here (still computing its step when another gave up on the
+        next call) is then heard, where it was named "also silent" with the dead, by the rank that held the roll
+        call and by itself when told why the job ended.  The watchdog's thread calls this twice a second
+        (:func:`mpicoll.channel.watchdog.answer_roll_calls_of`).  The notes taken are kept: this rank's own roll
+        call counts their senders as heard, and its waits here give up at once to join (:meth:`roll_call_heard`).
+        An answer goes only to a sender MPI does not know dead (a send to a dead rank on another node crashes
+        MPICH's UCX transport); the sender is listening when its note is found, for at least a second."""
+        if self.parent is not None or not self._looks_for_roll_calls():
+            return
+        status, incoming = MPI.Status(), np.empty(1, np.uint8)
+        with self._channel_lock:
+            while self.comm != MPI.COMM_NULL and self.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
+                sender = status.Get_source()
+                self.comm.Recv([incoming, MPI.BYTE], sender, Tag.ROLL_CALL)
+                note = int(incoming[0])         # _ALIVE_OUTSIDE: another's answer to this rank's own roll call
+                if self._notes_taken.get(sender) != _IN_THE_ROLL_CALL:      # which outranks an answer
+                    self._notes_taken[sender] = note
+                if note == _IN_THE_ROLL_CALL and sender not in self._answered and self.living([sender]):
+                    self._answered.add(sender)
+                    self._answers.append(self.comm.Isend([_ALIVE, MPI.BYTE], sender, Tag.ROLL_CALL))
+
+    def _looks_for_roll_calls(self) -> bool:
+        """Whether this channel's waits and the watchdog look for other survivors' roll calls: only on the
+        private channel (before it exists the wait for every rank to come runs on the program's communicator,
+        where a message of the program's own may carry the roll call's tag), never in a context that goes on
+        without a lost peer (``on_death`` "acknowledge": a parameter server's, Sandblaster's).
 
         Not under MPI's fault tolerance either, where MPI reports a death and every survivor meets it in its own
         call: two fresh-clone CI runs of November 27 failed a test of push-sum over one-sided windows under Open
-        MPI's ULFM (an agreement's AND missing a bit; a run ending before its first kill) soon after this probe came
+        MPI's ULFM (an agreement's AND missing a bit; a run ending before its first kill) soon after the look came
         in, where that test had not failed before.  Not reproduced (28 runs, alone and under load), so the cause
-        is not known; the probe is left out where it is not needed."""
-        top = self.top
-        if not top.private or top.on_death == "acknowledge" or failure.fault_tolerant():
-            return False
-        with top._channel_lock:
-            return top.comm != MPI.COMM_NULL and top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL)
+        is not known; the look is left out where it is not needed."""
+        return self.private and self.on_death != "acknowledge" and not failure.fault_tolerant()
 
     def _timed_out(self, missing: list[int], limit: float | None = None, some_of: bool = False) -> CollectiveTimeout:
         """The :class:`CollectiveTimeout` of a wait that gave up on ``missing`` (by :attr:`names`), this channel
@@ -463,7 +504,7 @@ class Context:
         cut_short = self.gave_up_after is not None
         return self.broken_by(CollectiveTimeout(
             self.collective, self.names[self.rank], missing, self.gave_up_after if cut_short else limit or self.timeout,
-            some_of=some_of, also_silent=self.silent_seen, cut_short=cut_short))
+            some_of=some_of, also_silent=self.silent_seen, alive_outside=self.outside_seen, cut_short=cut_short))
 
     def missing(self, suspects, trust_mpi: bool | None = None) -> tuple[list[int], bool]:
         """(the ranks to name as missing, by :attr:`names`; whether the roll call, or MPI, confirmed them).
@@ -481,18 +522,21 @@ class Context:
         if trust_mpi and (dead := sorted(set(suspects).difference(self.living(set(suspects))))):
             return [self.names[peer] for peer in dead], True       # reported dead: no roll call needed
         suspects = [self.names[peer] for peer in suspects]
-        silent = self.silent_seen = self._silent()
+        silent, self.outside_seen = self._silent()
+        self.silent_seen = silent
         confirmed = [peer for peer in silent if peer in suspects] or silent
         return confirmed or suspects, bool(confirmed)
 
-    def _silent(self) -> list[int]:
-        """The silent ranks, by :attr:`names`.  A context over part of another holds its roll call
-        there: the survivors are all waiting somewhere in it, not all in this part."""
+    def _silent(self) -> tuple[list[int], list[int]]:
+        """(the silent ranks, those of them alive in no call here), by :attr:`names`.  A context over part
+        of another holds its roll call there: the survivors are all waiting somewhere in it, not all in this
+        part."""
         if self.parent is not None:
             return self.parent._silent()
-        return [self.names[peer] for peer in self._silent_ranks()]
+        silent, outside = self._silent_ranks()
+        return [self.names[peer] for peer in silent], [self.names[peer] for peer in outside]
 
-    def _silent_ranks(self) -> list[int]:
+    def _silent_ranks(self) -> tuple[list[int], list[int]]:
         """The ranks that are really gone, found by a roll call among the survivors.
 
         A rank that times out may have been waiting for a live neighbour that is
@@ -502,10 +546,14 @@ class Context:
         library knows to be dead get no message and are not waited for
         (:meth:`living`).  Empty when all were heard (nobody is gone: a rank
         called something else).
+
+        A rank in no call on this channel (hung, or still computing the step before) does not join, but its
+        watchdog answers that it is alive there (:meth:`answer_roll_calls`): it is missing from the call all
+        the same, and returned second too, so that the error can say it is alive.
         """
         if self.comm == MPI.COMM_NULL or self.size == 1:
-            return []
-        note = np.zeros(1, np.uint8)
+            return [], []
+        note = np.full(1, _IN_THE_ROLL_CALL, np.uint8)
         # Before the private channel exists (the wait for every rank to come to the first call), the roll call runs
         # on the caller's communicator: under the largest tag MPI allows, which a program's own messages seldom
         # carry (one with the roll call's usual tag 99 was taken for an answer there, and its size for a mismatch).
@@ -513,18 +561,23 @@ class Context:
         awaited = self.living(self.others())
         for peer in awaited:
             self.track(self.comm.Isend([note, MPI.BYTE], peer, tag))     # abandoned if the peer is gone
-        heard, status, incoming = set(), MPI.Status(), np.empty(1, np.uint8)
+        heard, outside, status, incoming = set(), set(), MPI.Status(), np.empty(1, np.uint8)
 
         def heard_everyone():
             nonlocal awaited
-            while self.comm.Iprobe(MPI.ANY_SOURCE, tag, status):
-                heard.add(status.Get_source())
-                self.comm.Recv([incoming, MPI.BYTE], status.Get_source(), tag)
+            with self._channel_lock:        # the watchdog's thread takes notes here too (answer_roll_calls)
+                while self.comm.Iprobe(MPI.ANY_SOURCE, tag, status):
+                    sender = status.Get_source()
+                    self.comm.Recv([incoming, MPI.BYTE], sender, tag)
+                    (outside if incoming[0] == _ALIVE_OUTSIDE else heard).add(sender)
+                for sender, taken in self._notes_taken.items():         # taken by the watchdog's thread
+                    (outside if taken == _ALIVE_OUTSIDE else heard).add(sender)
             awaited = self.living(awaited, stale_after=_DEATHS_EVERY)     # a death reported after the call began
             return True if heard.issuperset(awaited) else None
 
         self._poll(heard_everyone, lambda: None, limit=min(max(self.timeout, 1.0), 10.0))   # past it: stop looking
-        return [peer for peer in self.others() if peer not in heard]
+        silent = [peer for peer in self.others() if peer not in heard]
+        return silent, [peer for peer in silent if peer in outside]
 
     def living(self, peers, stale_after: float = 0.0) -> list[int]:
         """``peers`` without the ranks the MPI library knows to have died.  Ask before a message that may

@@ -38,10 +38,13 @@ from ..base import config, failure
 from ..base.errors import CollectiveTimeout
 from ..base.tags import Tag
 
-__all__ = ["watching", "watch_of", "watch_numbered_calls_of", "watch_calls_of", "bounded", "start", "guard_job", "job_failed", "end_job_on_uncaught_errors", "FAILED_EXIT_CODE"]
+__all__ = ["watching", "watch_of", "answer_roll_calls_of", "watch_numbered_calls_of", "watch_calls_of", "bounded", "start", "guard_job", "job_failed", "end_job_on_uncaught_errors", "FAILED_EXIT_CODE"]
 
 FAILED_EXIT_CODE = 1     # mpiexec's status for a job a rank's uncaught exception ended
 _LOOK_EVERY = 0.1        # seconds between the thread's looks
+# seconds between its answers to roll calls (a roll call listens a second at least; a probe a context a look cost
+# the 4-rank test tier, ~260 communicators alive per process, 10-30% of its time)
+_ANSWER_EVERY = 0.5
 _NOTE_BYTES = 4000       # the longest reason sent to the other ranks
 _SETTLE_S = 1.0          # a failing rank's pause between telling the others and ending the job
 
@@ -49,6 +52,7 @@ _watches: weakref.WeakSet = weakref.WeakSet()    # every watching object alive: 
 _watches_lock = threading.Lock()
 _fast_paths: set = set()        # the code of the functions watch_calls_of watches
 _numbered: weakref.WeakSet = weakref.WeakSet()     # what watch_numbered_calls_of watches
+_roll_call_answerers: weakref.WeakSet = weakref.WeakSet()     # contexts whose roll calls the thread answers
 _guard: MPI.Intracomm | None = None  # the side channel for notes from failed ranks (guard_job)
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
@@ -85,6 +89,17 @@ def watch_numbered_calls_of(caller) -> None:
     with _watches_lock:
         _numbered.add(caller)
     start()
+
+
+def answer_roll_calls_of(context, answer: bool = True) -> None:
+    """From now on the thread answers other survivors' roll calls on ``context``'s channel every
+    :data:`_ANSWER_EVERY` s (``context.answer_roll_calls()``), so that this rank is heard alive while it computes
+    outside any call there; or, with ``answer`` False, no longer.  Weakly held."""
+    with _watches_lock:
+        if answer:
+            _roll_call_answerers.add(context)
+        else:
+            _roll_call_answerers.discard(context)
 
 
 def watch_of(owner, collective: str, causes: str | None = None) -> watching:
@@ -215,6 +230,7 @@ def _one_line(error: BaseException) -> str:
 def _watch() -> None:
     beating = failure.fault_tolerant()
     in_fast_calls: dict = {}     # frame of a fast path's call, or (caller, number) -> (first seen, owner, collective)
+    answered_at = 0.0
     while True:
         time.sleep(_LOOK_EVERY)
         try:
@@ -226,6 +242,12 @@ def _watch() -> None:
             if _guard is not None:
                 _hear_failures()
             now = time.monotonic()
+            if now - answered_at >= _ANSWER_EVERY:
+                answered_at = now
+                with _watches_lock:
+                    answerers = list(_roll_call_answerers)
+                for context in answerers:
+                    _answer_roll_calls(context)
             with _watches_lock:
                 watches = list(_watches)
             for watch in watches:
@@ -293,6 +315,15 @@ def _roll_call_heard(context) -> bool:
         return False
 
 
+def _answer_roll_calls(context) -> None:
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return
+    try:
+        context.answer_roll_calls()
+    except MPI.Exception:       # a channel revoked for a death: nothing to answer there
+        pass
+
+
 def _hear_failures() -> None:
     status = MPI.Status()
     try:
@@ -328,7 +359,8 @@ def _expired(owner, context, collective: str, limit: float, causes: str | None =
             some_of = not sure
             reason = str(context.broken_by(CollectiveTimeout(
                 f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=some_of,
-                also_silent=context.silent_seen, causes=causes, cut_short=cut_short)))
+                also_silent=context.silent_seen, alive_outside=context.outside_seen, causes=causes,
+                cut_short=cut_short)))
         except Exception:  # noqa: BLE001 - naming the missing must never keep the job from ending
             pass
     if reason is None:

@@ -67,13 +67,14 @@ def test_parameter_server_survives_a_worker_killed_by_sigkill(tmp_path, transpor
         result.stderr[-2000:]
 
 
-# Rank 0 is the server of the windows, rank 1 a worker; the access of one waits for the other, which sleeps
-# outside MPI for longer than the timeout, as a rank cut off never answers (Open MPI's fault tolerance, seen across
-# emulated nodes).  "put": rank 0 puts weights into rank 1's window, which cannot complete before rank 1 enters MPI
-# again (MPICH's passive target).  "update": rank 1 holds a shared lock on rank 0's live weights (a pull cut off
-# in the middle), and rank 0's exclusive lock on its own window, to update them, waits for it.
+# Rank 0 is the server of the windows, rank 1 a worker; the access of one waits for the other, which never answers
+# in time, as a rank cut off never does (Open MPI's fault tolerance, seen across emulated nodes).  "put": rank 0 puts
+# weights into rank 1's window, which cannot complete while rank 1 makes no MPI progress (MPICH's passive target):
+# rank 1 is stopped (SIGSTOP; a rank merely computing is progressed by its watchdog thread, which answers roll calls,
+# and the put completes).  "update": rank 1 holds a shared lock on rank 0's live weights (a pull cut off in the
+# middle) and sleeps, and rank 0's exclusive lock on its own window, to update them, waits for it.
 STUCK_ACCESS = """
-import sys, time
+import os, signal, sys, time
 import numpy as np
 from mpi4py import MPI
 from mpicoll.channel.context import Context
@@ -99,6 +100,8 @@ else:
         windows.live_win.Lock(0, MPI.LOCK_SHARED)
         windows.live_win.Get(windows.versions[:1].view(np.uint8), 0, 0)
         windows.live_win.Flush(0)
+    else:
+        os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(12)
     if access == "update":
         windows.live_win.Unlock(0)

@@ -462,7 +462,8 @@ def test_a_survivor_still_computing_when_another_ends_the_job_says_what_was_lost
     """Rank 2 of 3 dies; rank 0 times out on it and ends the job while rank 1 is still computing (seen in CI
     under load: a survivor ended before its own wait could expire, having said nothing).  Rank 0 tells rank 1
     why on the guard channel (mpicoll.guard_job) before MPI_Abort, and rank 1 prints it: every survivor names
-    the lost rank, long before rank 1's own wait would have begun."""
+    the lost rank, long before rank 1's own wait would have begun.  Rank 1, alive, is heard in rank 0's roll
+    call though it is in no call (its watchdog answers): named alive, never "also silent" with the dead, as it was."""
     script = tmp_path / "behind.py"
     script.write_text(_ONE_FAR_BEHIND)
     start = time.perf_counter()
@@ -473,6 +474,10 @@ def test_a_survivor_still_computing_when_another_ends_the_job_says_what_was_lost
     lost = r"Allreduce: rank 0 waited 2 s for rank\(s\) 2, which never took part"
     assert re.search(rf"mpicoll: rank 0 ends the job: {lost}", result.stderr), result.stderr[-2000:]
     assert re.search(rf"mpicoll: rank 1 stops: rank 0 ends the job: {lost}", result.stderr), result.stderr[-2000:]
+    assert "Also silent" not in result.stdout + result.stderr, result.stderr[-2000:]
+    assert re.search(r"mpicoll: rank 0 ends the job: .*Alive but in no call on this communicator \(hung, or still "
+                     r"computing; their watchdog answered the roll call\): rank\(s\) 1\.", result.stderr), \
+        result.stderr[-2000:]
     assert not crashed(result.stderr), result.stderr[-2000:]
     left = left_behind(str(script))
     assert not left, f"processes left behind: {left}"
