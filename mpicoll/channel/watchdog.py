@@ -25,6 +25,7 @@ default) to call MPI beside the stuck main thread; without it a passed deadline 
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -56,6 +57,10 @@ _roll_call_answerers: weakref.WeakSet = weakref.WeakSet()     # contexts whose r
 _guard: MPI.Intracomm | None = None  # the side channel for notes from failed ranks (guard_job)
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
+# Held by the thread around its looks, which call MPI; taken at exit, before MPI_Finalize, to stop them: a probe
+# beside MPI_Finalize is erroneous (MPICH ends the process on a call after it).
+_calls_lock = threading.Lock()
+_finalizing = False
 
 
 class watching:
@@ -234,35 +239,47 @@ def _watch() -> None:
     while True:
         time.sleep(_LOOK_EVERY)
         try:
-            if beating:
-                # Open MPI's heartbeat detector beats only while the process calls MPI: a rank computing for
-                # longer than its timeout without a call would be taken for dead (measured: a 15 s computation,
-                # declared dead by its peers).  A probe drives MPI's progress, and with it the beats.
-                MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
-            if _guard is not None:
-                _hear_failures()
-            now = time.monotonic()
-            if now - answered_at >= _ANSWER_EVERY:
-                answered_at = now
+            with _calls_lock:
+                if _finalizing:
+                    return
+                if beating:
+                    # Open MPI's heartbeat detector beats only while the process calls MPI: a rank computing for
+                    # longer than its timeout without a call would be taken for dead (measured: a 15 s computation,
+                    # declared dead by its peers).  A probe drives MPI's progress, and with it the beats.
+                    MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+                if _guard is not None:
+                    _hear_failures()
+                now = time.monotonic()
+                if now - answered_at >= _ANSWER_EVERY:
+                    answered_at = now
+                    with _watches_lock:
+                        answerers = list(_roll_call_answerers)
+                    for context in answerers:
+                        _answer_roll_calls(context)
                 with _watches_lock:
-                    answerers = list(_roll_call_answerers)
-                for context in answerers:
-                    _answer_roll_calls(context)
-            with _watches_lock:
-                watches = list(_watches)
-            for watch in watches:
-                started = watch.started
-                if not started:
-                    continue
-                context = watch.owner.context()
-                limit = _deadline(context)
-                if limit and watch.started == started and (now - started > limit or _roll_call_heard(context)):
-                    _expired(watch.owner, context, watch.collective, min(limit, now - started), watch.causes)
-            if _fast_paths or _numbered:
-                in_fast_calls = _fast_calls_seen(in_fast_calls, now)
+                    watches = list(_watches)
+                for watch in watches:
+                    started = watch.started
+                    if not started:
+                        continue
+                    context = watch.owner.context()
+                    limit = _deadline(context)
+                    if limit and watch.started == started and (now - started > limit or _roll_call_heard(context)):
+                        _expired(watch.owner, context, watch.collective, min(limit, now - started), watch.causes)
+                if _fast_paths or _numbered:
+                    in_fast_calls = _fast_calls_seen(in_fast_calls, now)
         except Exception as error:  # noqa: BLE001 - the watchdog must outlive anything it sees
             print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()}: watchdog: {type(error).__name__}: {error}",
                   file=sys.stderr, flush=True)
+
+
+def _stop_before_mpi_finalizes() -> None:
+    global _finalizing
+    with _calls_lock:
+        _finalizing = True
+
+
+atexit.register(_stop_before_mpi_finalizes)    # mpi4py's own exit hook, which finalizes MPI, runs after it
 
 
 def _deadline(context) -> float:
