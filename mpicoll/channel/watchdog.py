@@ -43,8 +43,8 @@ __all__ = ["watching", "watch_of", "answer_roll_calls_of", "watch_numbered_calls
 
 FAILED_EXIT_CODE = 1     # mpiexec's status for a job a rank's uncaught exception ended
 _LOOK_EVERY = 0.1        # seconds between the thread's looks
-# seconds between its answers to roll calls (a roll call listens a second at least; a probe a context a look cost
-# the 4-rank test tier, ~260 communicators alive per process, 10-30% of its time)
+# seconds between its answers to roll calls: a roll call listens for a second at least, and each answer costs a probe
+# of every communicator alive (about 260 a process in the 4-rank test tier)
 _ANSWER_EVERY = 0.5
 _NOTE_BYTES = 4000       # the longest reason sent to the other ranks
 _SETTLE_S = 1.0          # a failing rank's pause between telling the others and ending the job
