@@ -240,7 +240,7 @@ def _watch() -> None:
         time.sleep(_LOOK_EVERY)
         try:
             with _calls_lock:
-                if _finalizing:
+                if _finalizing or MPI.Is_finalized():     # (a program may finalize MPI itself, then go on)
                     return
                 if beating:
                     # Open MPI's heartbeat detector beats only while the process calls MPI: a rank computing for

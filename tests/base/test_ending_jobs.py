@@ -45,3 +45,25 @@ def test_every_rank_ending_the_job_at_once_ends_it():
     assert result.returncode == 70, result.stderr[-2000:]
     assert "after end_job" not in result.stdout
     assert "ends the job: rank" in result.stderr and " gives up" in result.stderr
+
+
+# A program that finalizes MPI itself and goes on in Python, its communicator never freed: the watchdog's thread,
+# which answers roll calls on every live channel twice a second, must make no MPI call after MPI_Finalize.
+FINALIZES_ITSELF = """
+import time, numpy as np
+from mpi4py import MPI
+import mpicoll
+comm = mpicoll.Communicator(MPI.COMM_WORLD)
+comm.Allreduce(MPI.IN_PLACE, np.ones(8, np.float32))
+MPI.Finalize()
+time.sleep(1.2)
+print("went on", flush=True)
+"""
+
+
+def test_a_program_that_finalizes_mpi_itself_and_goes_on_ends_cleanly():
+    """MPICH ends a process that calls MPI after MPI_Finalize ("Attempting to use an MPI routine ... after
+    finalizing MPICH", status 1): the thread's first answers did so here."""
+    result = launch(2, "-c", FINALIZES_ITSELF, timeout=60)
+    assert result.returncode == 0 and result.stdout.count("went on") == 2, result.stderr[-2000:]
+    assert "after finalizing" not in result.stderr, result.stderr[-2000:]
