@@ -77,7 +77,6 @@ class Context:
         self.outside_seen: list[int] = []     # those of them alive in no call here: their watchdog answered
         self.gave_up_after: float | None = None   # seconds waited, where a wait gave up early for a roll call (_poll)
         self._notes_taken: dict[int, int] = {}    # sender -> note, of the roll-call notes the watchdog took here
-        self._answered: set[int] = set()      # the senders it answered
         self._answers: list = []              # its answers' sends
         launcher.check_this_launch()    # N separate singletons where a launcher started N tasks: stop now
         watchdog.start()    # bounds the blocking MPI calls made on this channel (mpicoll.channel.watchdog.watching)
@@ -478,10 +477,10 @@ class Context:
                 sender = status.Get_source()
                 self.comm.Recv([incoming, MPI.BYTE], sender, Tag.ROLL_CALL)
                 note = int(incoming[0])         # _ALIVE_OUTSIDE: another's answer to this rank's own roll call
-                if self._notes_taken.get(sender) != _IN_THE_ROLL_CALL:      # which outranks an answer
-                    self._notes_taken[sender] = note
-                if note == _IN_THE_ROLL_CALL and sender not in self._answered and self.living([sender]):
-                    self._answered.add(sender)
+                if self._notes_taken.get(sender) == _IN_THE_ROLL_CALL:
+                    continue                    # answered already; it outranks an answer from outside
+                self._notes_taken[sender] = note
+                if note == _IN_THE_ROLL_CALL and self.living([sender]):
                     self._answers.append(self.comm.Isend([_ALIVE, MPI.BYTE], sender, Tag.ROLL_CALL))
 
     def _looks_for_roll_calls(self) -> bool:

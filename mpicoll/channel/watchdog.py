@@ -324,21 +324,22 @@ def _roll_call_heard(context) -> bool:
     """Whether another survivor holds a roll call on the channel of a call stuck here in MPI's own wait: it gave
     up on that call, and this rank answers now rather than at its own deadline, by which time the other may have
     stopped listening and named this live rank lost (as :meth:`Context._poll`'s waits join it)."""
-    if context is None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        return False
-    try:
-        return context.roll_call_heard()
-    except MPI.Exception:       # a channel revoked for a death: that is MPI's to report, in the call itself
-        return False
+    return context is not None and _on_the_channel(context.roll_call_heard, False)
 
 
 def _answer_roll_calls(context) -> None:
+    _on_the_channel(context.answer_roll_calls)
+
+
+def _on_the_channel(look, default=None):
+    """``look()``, a look from this thread at a context's channel; ``default`` where MPI allows no calls from two
+    threads, or where the channel was revoked for a death (that is MPI's to report, in the call itself)."""
     if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        return
+        return default
     try:
-        context.answer_roll_calls()
-    except MPI.Exception:       # a channel revoked for a death: nothing to answer there
-        pass
+        return look()
+    except MPI.Exception:
+        return default
 
 
 def _hear_failures() -> None:
