@@ -279,3 +279,79 @@ def test_compressed_allreduce_and_optimizer_stay_near_the_exact_ones(compression
     applied = [p.grad.numpy() for p in net.parameters()]
     everywhere(all(np.allclose(a, e, rtol=2e-2, atol=2e-2) for a, e in zip(applied, exact)),
                f"{compression}: the optimizer's averaged gradient is off")
+
+
+@pytest.mark.parametrize("compression", ["fp16+ef", "powersgd"])
+def test_the_optimizer_takes_mpicolls_compressions_and_keeps_their_state_per_parameter_name(compression):
+    """``compression=mpicoll.Compression(..., error_feedback=True)`` or ``mpicoll.PowerSGD(...)``: the gradients
+    are averaged as mpicoll compresses them (rounded, not the exact average), each parameter's state kept
+    under its name, and ``hvd.Sum`` sums (the average times the ranks)."""
+    from mpicoll import Compression, PowerSGD
+    seed, results, states = shared_seed(), {}, {}
+    X = torch.from_numpy(np.random.default_rng([seed, RANK]).standard_normal((16, 6)))
+    for op in (hvd.Average, hvd.Sum):              # the same model and data, a model and compression each
+        made = Compression("fp16", error_feedback=True) if compression == "fp16+ef" else \
+            PowerSGD(rank=1, start_step=0, min_compression_rate=0.0)
+        torch.manual_seed(5)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+        names = [name for name, _ in net.named_parameters()]
+        net(X).pow(2).sum().backward()               # this rank's own gradients, before any hook averages them
+        mine = [p.grad.numpy().copy() for p in net.parameters()]
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0), op=op,
+                                             named_parameters=net.named_parameters(), compression=made)
+        optimizer.zero_grad()
+        net(X).pow(2).sum().backward()               # (the hooks average each gradient as backward makes it)
+        optimizer.step()
+        results[op], states[op] = [p.grad.numpy().copy() for p in net.parameters()], made.state_dict()
+    exact = [WORLD.allreduce(g) / P for g in mine]
+    averaged, summed = results[hvd.Average], results[hvd.Sum]
+    saved = states[hvd.Average]
+    # (PowerSGD at rank 1 approximates; at a rank that covers each matrix it is exact: test_torch_compression)
+    bounds = [Compression("fp16").bound(P, WORLD.allreduce(np.abs(g))) / P for g in mine]    # the documented one
+    checks = {"near": compression == "powersgd" or all(bool(np.all(np.abs(a - e) <= b))
+                                                      for a, e, b in zip(averaged, exact, bounds)),
+              "summed": all(np.allclose(s, a * P) for s, a in zip(summed, averaged)),
+              "alike": len(set(WORLD.allgather(b"".join(a.tobytes() for a in averaged)))) == 1,
+              # rounded or approximated: not the exact float64 average (random data)
+              "compressed": P == 1 or any(not np.array_equal(a, e) for a, e in zip(averaged, exact)),
+              # a state per parameter (its name the key): a residual each, or Q factors for the two matrices
+              "per name": P == 1 or (sum(key.startswith("residual" if compression == "fp16+ef" else "q")
+                                         for key in saved) == (len(names) if compression == "fp16+ef" else 2))}
+    everywhere(all(checks.values()), f"{compression}: {checks}; state keys {sorted(saved)}")
+
+
+def test_a_compressed_optimizer_step_takes_a_joined_rank_as_zeros_and_powersgd_refuses_it():
+    if P < 2:
+        pytest.skip("needs a rank that joins while others still reduce")
+    from mpicoll import Compression, PowerSGD
+    outcome = []
+    for made in (Compression("bf16", error_feedback=True), PowerSGD(rank=1, start_step=0, min_compression_rate=0)):
+        weight = torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float64))
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD([weight], lr=1.0), compression=made,
+                                             named_parameters=[("weight", weight)])
+        if RANK == 0:
+            hvd.join()
+            outcome.append("joined")
+            continue
+        (weight * 3).sum().backward()
+        try:
+            optimizer.step()
+            outcome.append(weight.grad.numpy().copy())
+        except hvd.HorovodInternalError as error:
+            outcome.append(str(error))
+        hvd.join()
+    if RANK == 0:
+        everywhere(outcome == ["joined", "joined"], str(outcome))
+    else:
+        everywhere(np.allclose(outcome[0], 3.0 * (P - 1) / P, rtol=1e-2) and "PowerSGD cannot run" in outcome[1]
+                   and "joined" in outcome[1], str(outcome))
+
+
+def test_mpicolls_compressions_are_refused_where_they_cannot_go_saying_where_they_can():
+    from mpicoll import Compression
+    with pytest.raises(TypeError, match="pass them to hvd.DistributedOptimizer"):
+        hvd.allreduce(torch.ones(3), compression=Compression("fp16"))
+    with pytest.raises(ValueError, match="op must be hvd.Average or hvd.Sum"):
+        hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0), op=hvd.Max,
+                                 compression=Compression("bf16"))

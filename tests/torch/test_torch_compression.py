@@ -1,5 +1,5 @@
-"""Compression and bfloat16 in mpicoll.torch: tensors, DistributedOptimizer and the DDP hook, against float64
-single-process references at 1 to 4 ranks, every replica the same bits."""
+"""Compression and bfloat16 in mpicoll.torch: tensors, DistributedOptimizer, the DDP hook and Horovod's
+DistributedOptimizer, against float64 single-process references at 1 to 4 ranks, every replica the same bits."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 import mpicoll.torch as mt  # noqa: E402
+import mpicoll.torch.horovod as hvd  # noqa: E402
 from mpicoll import Compression, PowerSGD  # noqa: E402
 from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed  # noqa: E402
 from tests.torch.test_torch import averaged_reference, batches, gradient_of, model  # noqa: E402
@@ -62,13 +63,20 @@ def test_compressed_tensor_allreduce_within_the_bound_and_started_alike(compress
                and torch.equal(result, other) and same_everywhere(result), f"{compression}")
 
 
-def train(compression, seed: int, steps: int, *, ddp: bool = False, dtype=torch.float64) -> torch.nn.Module:
+def train(compression, seed: int, steps: int, *, ddp: bool = False, dtype=torch.float64,
+          horovod: bool = False) -> torch.nn.Module:
     net = model(seed=100 + RANK).to(dtype)
     mt.broadcast_parameters(net.state_dict(), root=0)
     if ddp:
         trained = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.0001)
         trained.register_comm_hook(mt.HookState(compression=compression), mt.allreduce_hook)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    elif horovod:                       # Horovod's optimizer, with mpicoll's compression (a name: no feedback)
+        trained = net
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                                             named_parameters=net.named_parameters(),
+                                             compression=Compression(compression) if isinstance(compression, str)
+                                             else compression)
     else:
         trained = net
         optimizer = mt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
@@ -91,18 +99,22 @@ CASES = {"fp16": ("fp16", 5e-3), "bf16": ("bf16", 3e-2), "fp16+ef": (lambda: Com
          "powersgd-rank1": (lambda: PowerSGD(rank=1, start_step=1, min_compression_rate=0.0), None)}
 
 
-@pytest.mark.parametrize("hook", [False, True], ids=["optimizer", "ddp-hook"])
+@pytest.mark.parametrize("way", ["optimizer", "ddp-hook", "horovod"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_compressed_training_stays_near_the_exact_run_and_replicas_stay_alike(case, hook):
+def test_compressed_training_stays_near_the_exact_run_and_replicas_stay_alike(case, way):
     make, tolerance = CASES[case]
     seed, steps = shared_seed(), 4
-    if hook:
+    if way == "ddp-hook":
         mt.init_process_group("gloo")
+    elif way == "horovod":
+        hvd.init()
     try:
-        net = train(make() if callable(make) else make, seed, steps, ddp=hook)
+        net = train(make() if callable(make) else make, seed, steps, ddp=way == "ddp-hook", horovod=way == "horovod")
     finally:
-        if hook:
+        if way == "ddp-hook":
             torch.distributed.destroy_process_group()
+        elif way == "horovod":
+            hvd.shutdown()
     single = averaged_reference(seed, steps)
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     everywhere(same_everywhere(flat), f"{case}: replicas differ")

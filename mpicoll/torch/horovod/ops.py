@@ -22,6 +22,9 @@ import torch
 from mpi4py import MPI
 
 from ...base.errors import HorovodInternalError, Unsupported
+from ...collectives import api
+from ...collectives.compression import Compression as _Rounding
+from ...collectives.powersgd import PowerSGD
 from ..collectives import TensorBuffer, as_array
 from . import basics
 from .basics import ProcessSet, global_process_set
@@ -34,7 +37,7 @@ __all__ = ["init", "Average", "Sum", "Adasum", "Min", "Max", "Product", "allredu
            "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
            "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
            "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier", "sparse_allreduce_async",
-           "take_part_joined"]
+           "compressed_allreduce_async_", "take_part_joined"]
 
 # Horovod's reduction ops (its values)
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -197,6 +200,64 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     return _allreduce_async(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
+def compressed_allreduce_async_(tensors: list, name, op: int, prescale_factor: float, postscale_factor: float,
+                                process_set: ProcessSet, compression, finish=None) -> int:
+    """Start averaging or summing ``tensors`` (float32 or float64) in place as mpicoll compresses them:
+    ``compression`` a :class:`mpicoll.Compression` (16-bit floats; with error feedback, each tensor's residual
+    kept under the op's name) or a :class:`mpicoll.PowerSGD` (low-rank factors of the tensors together, its
+    state kept under the op's name; host tensors).  The ranks' ``compression`` kinds must agree.  Not
+    Horovod's (whose compressors only cast): what :class:`DistributedOptimizer` runs for mpicoll's compressions."""
+    if op not in (Average, Sum):
+        raise ValueError(f"compressed allreduce: op must be hvd.Average or hvd.Sum, got {_OP_NAMES.get(op, op)}")
+    low_rank = isinstance(compression, PowerSGD)
+    if not low_rank and not isinstance(compression, _Rounding):
+        raise TypeError(f"compression must be an mpicoll Compression or PowerSGD here, got {compression!r}")
+    for tensor in tensors:
+        _check_tensor(tensor, "allreduce")
+        if tensor.dtype not in (torch.float32, torch.float64) or (low_rank and tensor.is_cuda):
+            raise TypeError(f"compressed allreduce: {tensor.dtype} {tensor.device.type} tensor; mpicoll compresses "
+                            "float32 and float64 tensors (PowerSGD: on the host)")
+    name = _name("allreduce", name, process_set)
+    meta = {"tensors": tuple((str(t.dtype), tuple(t.shape)) for t in tensors), "device": tensors[0].device.type,
+            "op": op, "prescale": float(prescale_factor), "postscale": float(postscale_factor),
+            "compression": "powersgd" if low_rank else compression.kind}
+
+    def run(metas, joined):
+        _agree("allreduce", name, metas, "tensors", "device", "op", "prescale", "postscale", "compression")
+        if joined and low_rank:                 # every asking rank sees the same joined ranks: none sends a thing
+            raise HorovodInternalError(f"allreduce {name!r}: PowerSGD cannot run while rank(s) "
+                                       f"{', '.join(map(str, joined))} have joined (hvd.join): their factors are "
+                                       "not there to sum")
+        _reduce_compressed(process_set, tensors, op, prescale_factor, postscale_factor, compression, name)
+        return tensors
+
+    return _start("compressed_allreduce", name, process_set, meta, run, finish)
+
+
+def _reduce_compressed(process_set: ProcessSet, tensors: list, op: int, prescale: float, postscale: float,
+                       compression, name: str) -> None:
+    """``tensors`` = op over the set of each tensor * prescale, moved as ``compression`` says, then postscaled."""
+    buffers = [TensorBuffer(t) for t in tensors]
+    comm = process_set.communicator
+    with torch.no_grad():
+        for buffer in buffers:
+            _scale(buffer.tensor, prescale)
+        if isinstance(compression, PowerSGD):               # averages
+            compression.allreduce([buffer.array for buffer in buffers], comm=comm, key=name)
+            if op == Sum:
+                for buffer in buffers:
+                    buffer.tensor.mul_(process_set.size())
+        else:
+            for index, buffer in enumerate(buffers):
+                api.allreduce(buffer.array, "average" if op == Average else "sum", comm=comm,
+                              compression=compression, key=name if len(buffers) == 1 else (name, index),
+                              out=buffer.array)
+        for buffer in buffers:
+            _scale(buffer.tensor, postscale)
+    for buffer in buffers:
+        buffer.deliver()
+
+
 class _Allreduce(torch.autograd.Function):
     """The backward of an allreduce is an allreduce of the gradient with the same op and factors."""
 
@@ -217,6 +278,10 @@ class _Allreduce(torch.autograd.Function):
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
     """The average (default) or ``op`` of ``tensor`` over the ranks, as a new tensor; differentiable."""
+    if isinstance(compression, (_Rounding, PowerSGD)):
+        raise TypeError("hvd.allreduce: compression takes Horovod's compressors (hvd.Compression.fp16, ...); "
+                        "mpicoll's Compression and PowerSGD keep a state per gradient: pass them to "
+                        "hvd.DistributedOptimizer, or use mpicoll.torch.allreduce(tensor, compression=..., key=...)")
     compressed, context = compression.compress(tensor)
     reduced = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, context)
@@ -669,6 +734,10 @@ def take_part_joined(kind: str, meta: dict, process_set: ProcessSet, asked: dict
         for dtype, shape in meta["tensors"]:
             zeros = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
             _reduce_in_place(process_set, zeros, meta["op"], meta["prescale"], meta["postscale"])
+    elif kind == "compressed_allreduce" and meta["compression"] != "powersgd":   # (PowerSGD refuses joined ranks)
+        zeros = [torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1])) for dtype, shape in meta["tensors"]]
+        _reduce_compressed(process_set, zeros, meta["op"], meta["prescale"], meta["postscale"],
+                           _Rounding(meta["compression"]), "joined")
 
 
 def barrier(process_set=global_process_set) -> None:

@@ -19,10 +19,13 @@ from contextlib import contextmanager
 import torch
 
 from ...base.errors import Unsupported
+from ...collectives.compression import Compression as _Rounding
+from ...collectives.powersgd import PowerSGD
 from .basics import global_process_set, size
 from .compression import Compression
 from .functions import broadcast_object
-from .ops import Adasum, Average, allreduce_async_, grouped_allreduce_async_, sparse_allreduce_async, synchronize
+from .ops import (Adasum, Average, Sum, allreduce_async_, compressed_allreduce_async_, grouped_allreduce_async_,
+                  sparse_allreduce_async, synchronize)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -33,7 +36,9 @@ class _Averaging:
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set):
         super(self.__class__, self).__init__(params)
-        self._compression = compression
+        # mpicoll's compressions (not Horovod's casts) run inside the op, on the values: see _compressible
+        self._compression, self._reducer = (Compression.none, compression) if _is_mpicolls(compression) else \
+            (compression, None)
         if named_parameters is not None:
             named_parameters = list(named_parameters)
         else:
@@ -115,13 +120,27 @@ class _Averaging:
                                               process_set=self.process_set), None
             tensor = tensor.to_dense()
             p.grad = tensor
-        compressed, context = self._compression.compress(tensor)
         prescale, postscale = (1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor) \
             if self.op == Average else (1.0, 1.0)
+        if self._compressible([tensor]):
+            return compressed_allreduce_async_([tensor], self._parameter_names.get(p), self.op, prescale, postscale,
+                                               self.process_set, self._reducer, finish=lambda done: done[0]), None
+        compressed, context = self._compression.compress(tensor)
         return allreduce_async_(compressed, name=self._parameter_names.get(p), op=self.op, prescale_factor=prescale,
                                 postscale_factor=postscale, process_set=self.process_set), context
 
+    def _compressible(self, tensors: list) -> bool:
+        """Whether mpicoll's compression moves these gradients: float32 and float64 ones (PowerSGD: on the
+        host), as in :class:`mpicoll.torch.DistributedOptimizer`; others travel as they are."""
+        return self._reducer is not None and all(
+            t.dtype in (torch.float32, torch.float64) and not (t.is_cuda and isinstance(self._reducer, PowerSGD))
+            for t in tensors)
+
     def _start_group(self, group: tuple):
+        grads = [p.grad for p in group]
+        if self._compressible(grads):
+            return compressed_allreduce_async_(grads, self._parameter_names.get(group[0]), self.op, 1.0, 1.0,
+                                               self.process_set, self._reducer), [None] * len(grads)
         compressed, contexts = zip(*[self._compression.compress(p.grad) for p in group])
         return grouped_allreduce_async_(list(compressed), name=self._parameter_names.get(group[0]), op=self.op,
                                         process_set=self.process_set), contexts
@@ -211,11 +230,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set):
     """Horovod's ``DistributedOptimizer``: an optimizer of ``optimizer``'s class over its parameter groups whose
-    gradients are averaged (``op``) over the ranks of ``process_set`` before each step."""
+    gradients are averaged (``op``) over the ranks of ``process_set`` before each step.
+
+    ``compression``: Horovod's (``hvd.Compression.fp16``, ``.bf16``: the gradient is cast, reduced as 16-bit
+    floats and cast back), or mpicoll's: a :class:`mpicoll.Compression` (16-bit words summed by their owners in
+    full precision, with error feedback if asked: each parameter's residual kept under its name) or a
+    :class:`mpicoll.PowerSGD` (each weight matrix as low-rank factors, its state kept under its name; host
+    gradients); float32 and float64 gradients compress, others travel as they are (docs/compression.md)."""
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if op == Adasum:
         raise Unsupported("DistributedOptimizer: Adasum is not supported by mpicoll's Horovod API")
+    if _is_mpicolls(compression) and op not in (Average, Sum):
+        raise ValueError("DistributedOptimizer: mpicoll's compressions move sums and averages: op must be "
+                         "hvd.Average or hvd.Sum")
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
                       DeprecationWarning)
@@ -235,3 +263,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set)
+
+
+def _is_mpicolls(compression) -> bool:
+    """Whether ``compression`` is one of mpicoll's (a :class:`mpicoll.Compression` or :class:`mpicoll.PowerSGD`),
+    which :class:`DistributedOptimizer` takes beside Horovod's ``hvd.Compression.*``."""
+    return isinstance(compression, (_Rounding, PowerSGD))
