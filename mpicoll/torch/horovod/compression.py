@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
+from ...collectives.compression import Compression as Rounding
+from ...collectives.powersgd import PowerSGD
+
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression", "is_mpicolls"]
 
 
 class Compressor:
@@ -64,3 +67,9 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+def is_mpicolls(compression) -> bool:
+    """Whether ``compression`` is one of mpicoll's (a :class:`mpicoll.Compression` or :class:`mpicoll.PowerSGD`),
+    which keep a state per gradient: Horovod's ``DistributedOptimizer`` takes them beside ``Compression.*``."""
+    return isinstance(compression, (Rounding, PowerSGD))

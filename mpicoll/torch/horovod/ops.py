@@ -23,12 +23,11 @@ from mpi4py import MPI
 
 from ...base.errors import HorovodInternalError, Unsupported
 from ...collectives import api
-from ...collectives.compression import Compression as _Rounding
 from ...collectives.powersgd import PowerSGD
 from ..collectives import TensorBuffer, as_array
 from . import basics
 from .basics import ProcessSet, global_process_set
-from .compression import Compression
+from .compression import Compression, Rounding, is_mpicolls
 from .controller import Request, _by_rank
 
 __all__ = ["init", "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
@@ -210,7 +209,7 @@ def compressed_allreduce_async_(tensors: list, name, op: int, prescale_factor: f
     if op not in (Average, Sum):
         raise ValueError(f"compressed allreduce: op must be hvd.Average or hvd.Sum, got {_OP_NAMES.get(op, op)}")
     low_rank = isinstance(compression, PowerSGD)
-    if not low_rank and not isinstance(compression, _Rounding):
+    if not is_mpicolls(compression):
         raise TypeError(f"compression must be an mpicoll Compression or PowerSGD here, got {compression!r}")
     for tensor in tensors:
         _check_tensor(tensor, "allreduce")
@@ -278,7 +277,7 @@ class _Allreduce(torch.autograd.Function):
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
     """The average (default) or ``op`` of ``tensor`` over the ranks, as a new tensor; differentiable."""
-    if isinstance(compression, (_Rounding, PowerSGD)):
+    if is_mpicolls(compression):
         raise TypeError("hvd.allreduce: compression takes Horovod's compressors (hvd.Compression.fp16, ...); "
                         "mpicoll's Compression and PowerSGD keep a state per gradient: pass them to "
                         "hvd.DistributedOptimizer, or use mpicoll.torch.allreduce(tensor, compression=..., key=...)")
@@ -737,7 +736,7 @@ def take_part_joined(kind: str, meta: dict, process_set: ProcessSet, asked: dict
     elif kind == "compressed_allreduce" and meta["compression"] != "powersgd":   # (PowerSGD refuses joined ranks)
         zeros = [torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1])) for dtype, shape in meta["tensors"]]
         _reduce_compressed(process_set, zeros, meta["op"], meta["prescale"], meta["postscale"],
-                           _Rounding(meta["compression"]), "joined")
+                           Rounding(meta["compression"]), "joined")
 
 
 def barrier(process_set=global_process_set) -> None:

@@ -19,10 +19,9 @@ from contextlib import contextmanager
 import torch
 
 from ...base.errors import Unsupported
-from ...collectives.compression import Compression as _Rounding
 from ...collectives.powersgd import PowerSGD
 from .basics import global_process_set, size
-from .compression import Compression
+from .compression import Compression, is_mpicolls
 from .functions import broadcast_object
 from .ops import (Adasum, Average, Sum, allreduce_async_, compressed_allreduce_async_, grouped_allreduce_async_,
                   sparse_allreduce_async, synchronize)
@@ -37,7 +36,7 @@ class _Averaging:
                  gradient_predivide_factor, groups, sparse_as_dense, process_set):
         super(self.__class__, self).__init__(params)
         # mpicoll's compressions (not Horovod's casts) run inside the op, on the values: see _compressible
-        self._compression, self._reducer = (Compression.none, compression) if _is_mpicolls(compression) else \
+        self._compression, self._reducer = (Compression.none, compression) if is_mpicolls(compression) else \
             (compression, None)
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -241,7 +240,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if op == Adasum:
         raise Unsupported("DistributedOptimizer: Adasum is not supported by mpicoll's Horovod API")
-    if _is_mpicolls(compression) and op not in (Average, Sum):
+    if is_mpicolls(compression) and op not in (Average, Sum):
         raise ValueError("DistributedOptimizer: mpicoll's compressions move sums and averages: op must be "
                          "hvd.Average or hvd.Sum")
     if num_groups != 0:
@@ -263,9 +262,3 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set)
-
-
-def _is_mpicolls(compression) -> bool:
-    """Whether ``compression`` is one of mpicoll's (a :class:`mpicoll.Compression` or :class:`mpicoll.PowerSGD`),
-    which :class:`DistributedOptimizer` takes beside Horovod's ``hvd.Compression.*``."""
-    return isinstance(compression, (_Rounding, PowerSGD))
