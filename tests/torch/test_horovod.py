@@ -355,3 +355,18 @@ def test_mpicolls_compressions_are_refused_where_they_cannot_go_saying_where_the
     with pytest.raises(ValueError, match="op must be hvd.Average or hvd.Sum"):
         hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0), op=hvd.Max,
                                  compression=Compression("bf16"))
+
+
+@pytest.mark.parametrize("differ", ["kind", "powersgd-rank"])
+def test_ranks_that_compress_differently_get_an_error_naming_what_each_passed(differ):
+    if P < 2:
+        pytest.skip("needs ranks that disagree")
+    from mpicoll import Compression, PowerSGD
+    weight = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.float64))
+    made = (Compression("fp16" if RANK == 0 else "bf16") if differ == "kind" else
+            PowerSGD(rank=1 if RANK == 0 else 2, start_step=0, min_compression_rate=0.0))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([weight], lr=1.0), compression=made,
+                                         named_parameters=[("weight", weight)])
+    (weight * 2).sum().backward()
+    with pytest.raises(hvd.HorovodInternalError, match="Mismatched allreduce compression for 'weight'"):
+        optimizer.step()

@@ -219,7 +219,9 @@ def compressed_allreduce_async_(tensors: list, name, op: int, prescale_factor: f
     name = _name("allreduce", name, process_set)
     meta = {"tensors": tuple((str(t.dtype), tuple(t.shape)) for t in tensors), "device": tensors[0].device.type,
             "op": op, "prescale": float(prescale_factor), "postscale": float(postscale_factor),
-            "compression": "powersgd" if low_rank else compression.kind}
+            # what shapes the messages: the 16-bit kind, or PowerSGD's settings (error feedback changes no message)
+            "compression": ("powersgd", compression.rank, compression.start_step, compression.min_compression_rate)
+            if low_rank else (compression.kind,)}
 
     def run(metas, joined):
         _agree("allreduce", name, metas, "tensors", "device", "op", "prescale", "postscale", "compression")
@@ -733,10 +735,10 @@ def take_part_joined(kind: str, meta: dict, process_set: ProcessSet, asked: dict
         for dtype, shape in meta["tensors"]:
             zeros = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
             _reduce_in_place(process_set, zeros, meta["op"], meta["prescale"], meta["postscale"])
-    elif kind == "compressed_allreduce" and meta["compression"] != "powersgd":   # (PowerSGD refuses joined ranks)
+    elif kind == "compressed_allreduce" and meta["compression"][0] != "powersgd":   # (PowerSGD refuses them)
         zeros = [torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1])) for dtype, shape in meta["tensors"]]
         _reduce_compressed(process_set, zeros, meta["op"], meta["prescale"], meta["postscale"],
-                           Rounding(meta["compression"]), "joined")
+                           Rounding(meta["compression"][0]), "joined")
 
 
 def barrier(process_set=global_process_set) -> None:
