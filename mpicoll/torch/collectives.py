@@ -10,13 +10,22 @@ from ..base import ops
 from ..collectives import api
 from ..collectives.compression import bfloat16, is_bfloat16
 from ..collectives.nonblocking import Request
+from ..collectives.powersgd import PowerSGD
 
-__all__ = ["OPS", "allreduce", "allreduce_async", "allgather", "broadcast", "as_array", "TensorBuffer"]
+__all__ = ["OPS", "allreduce", "allreduce_async", "allgather", "broadcast", "as_array", "TensorBuffer", "compressible"]
 
 
 # torch/Horovod names -> the array API's (mpicoll.base.ops, the one op table); "average", a sum divided by the rank
 # count, is the array API's too, which divides
 OPS = {"average": "average", **{op.torch.lower(): op.name for op in ops.OPS if op.kernel}}
+
+
+def compressible(tensor: torch.Tensor, compression) -> bool:
+    """Whether ``compression`` (None, a :class:`~mpicoll.Compression` or a :class:`~mpicoll.PowerSGD`) moves
+    ``tensor``: float32 and float64 tensors, which 16-bit words can carry; PowerSGD's on the host only.  The
+    optimizers send other tensors as they are."""
+    return (compression is not None and tensor.dtype in (torch.float32, torch.float64)
+            and not (tensor.is_cuda and isinstance(compression, PowerSGD)))
 
 
 def as_array(tensor: torch.Tensor):

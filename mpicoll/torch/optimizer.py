@@ -15,7 +15,7 @@ from ..collectives.communicator import Communicator
 from ..collectives.compression import resolve
 from ..collectives.nonblocking import Request
 from ..collectives.powersgd import PowerSGD
-from .collectives import as_array
+from .collectives import as_array, compressible
 
 __all__ = ["DistributedOptimizer"]
 
@@ -57,9 +57,8 @@ class _Bucket:
                     self.flat[self.elements + index] = g is not None
                     offset += size
         array = as_array(self.flat)
-        wide = self.flat.dtype in (torch.float32, torch.float64)     # what 16-bit words can carry
-        low_rank = isinstance(compression, PowerSGD)                 # host arrays only
-        if low_rank and wide and not self.flat.is_cuda:
+        compresses = compressible(self.flat, compression)
+        if compresses and isinstance(compression, PowerSGD):
             gradients, offset = [], 0
             for p, size in zip(self.params, self.sizes):
                 gradients.append(array[offset:offset + size].reshape(p.shape))
@@ -68,7 +67,7 @@ class _Bucket:
             self.request = compression.start(gradients, comm=comm, algorithm=algorithm, key=self.index)
         else:
             self.request = api.iallreduce(array, "average", comm=comm, algorithm=algorithm, out=array,
-                                          compression=compression if wide and not low_rank else None,
+                                          compression=compression if compresses else None,
                                           key=self.index)
 
     def finish(self) -> None:

@@ -24,7 +24,7 @@ from mpi4py import MPI
 from ...base.errors import HorovodInternalError, Unsupported
 from ...collectives import api
 from ...collectives.powersgd import PowerSGD
-from ..collectives import TensorBuffer, as_array
+from ..collectives import TensorBuffer, as_array, compressible
 from . import basics
 from .basics import ProcessSet, global_process_set
 from .compression import Compression, Rounding, is_mpicolls
@@ -213,7 +213,7 @@ def compressed_allreduce_async_(tensors: list, name, op: int, prescale_factor: f
         raise TypeError(f"compression must be an mpicoll Compression or PowerSGD here, got {compression!r}")
     for tensor in tensors:
         _check_tensor(tensor, "allreduce")
-        if tensor.dtype not in (torch.float32, torch.float64) or (low_rank and tensor.is_cuda):
+        if not compressible(tensor, compression):
             raise TypeError(f"compressed allreduce: {tensor.dtype} {tensor.device.type} tensor; mpicoll compresses "
                             "float32 and float64 tensors (PowerSGD: on the host)")
     name = _name("allreduce", name, process_set)
@@ -729,16 +729,20 @@ def join(device=-1) -> int:
 def take_part_joined(kind: str, meta: dict, process_set: ProcessSet, asked: dict, joined: list) -> None:
     """A joined rank's part in an op the other ranks run: zeros in an allreduce; nothing else has one."""
     if kind == "allreduce":
-        zeros = torch.zeros(meta["shape"], dtype=getattr(torch, meta["dtype"].split(".")[-1]))
-        _reduce_in_place(process_set, zeros, meta["op"], meta["prescale"], meta["postscale"])
+        _reduce_in_place(process_set, _zeros(meta["dtype"], meta["shape"]), meta["op"], meta["prescale"],
+                         meta["postscale"])
     elif kind == "grouped_allreduce":
         for dtype, shape in meta["tensors"]:
-            zeros = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
-            _reduce_in_place(process_set, zeros, meta["op"], meta["prescale"], meta["postscale"])
+            _reduce_in_place(process_set, _zeros(dtype, shape), meta["op"], meta["prescale"], meta["postscale"])
     elif kind == "compressed_allreduce" and meta["compression"][0] != "powersgd":   # (PowerSGD refuses them)
-        zeros = [torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1])) for dtype, shape in meta["tensors"]]
+        zeros = [_zeros(dtype, shape) for dtype, shape in meta["tensors"]]
         _reduce_compressed(process_set, zeros, meta["op"], meta["prescale"], meta["postscale"],
                            Rounding(meta["compression"][0]), "joined")
+
+
+def _zeros(dtype: str, shape) -> torch.Tensor:
+    """Zeros of a tensor an op's metadata describes (``str(tensor.dtype)``, its shape)."""
+    return torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
 
 
 def barrier(process_set=global_process_set) -> None:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from ...base.errors import Unsupported
-from ...collectives.powersgd import PowerSGD
+from ..collectives import compressible
 from .basics import global_process_set, size
 from .compression import Compression, is_mpicolls
 from .functions import broadcast_object
@@ -129,11 +129,9 @@ class _Averaging:
                                 postscale_factor=postscale, process_set=self.process_set), context
 
     def _compressible(self, tensors: list) -> bool:
-        """Whether mpicoll's compression moves these gradients: float32 and float64 ones (PowerSGD: on the
-        host), as in :class:`mpicoll.torch.DistributedOptimizer`; others travel as they are."""
-        return self._reducer is not None and all(
-            t.dtype in (torch.float32, torch.float64) and not (t.is_cuda and isinstance(self._reducer, PowerSGD))
-            for t in tensors)
+        """Whether mpicoll's compression moves all these gradients (:func:`mpicoll.torch.collectives.compressible`,
+        the rule :class:`mpicoll.torch.DistributedOptimizer` follows); others travel as they are."""
+        return all(compressible(t, self._reducer) for t in tensors)
 
     def _start_group(self, group: tuple):
         grads = [p.grad for p in group]
