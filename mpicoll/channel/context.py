@@ -373,7 +373,12 @@ class Context:
         off: its detector's verdict), and meets that as a failed call would
         (:meth:`raise_if_ranks_lost`): no request of it can fail to say so, and
         push-sum over windows waited out its timeout for a dead rank, then ended
-        the job, where the point-to-point mailbox went on without it."""
+        the job, where the point-to-point mailbox went on without it.  It also
+        meets a revoke of this channel by another survivor (who heard of a death
+        this rank's ``peers`` do not include) the same way: a rank waiting for a
+        living neighbour that had gone to shrink the communicator without it
+        waited out its whole timeout (20 s in the tests, 300 by default) before
+        joining the other survivors."""
         def give_up():
             raise self._timed_out(self.missing(peers)[0])
 
@@ -386,6 +391,8 @@ class Context:
                 return True
             if len(self.living(peers, stale_after=_DEATHS_EVERY)) < len(peers):
                 raise MPI.Exception(MPI.ERR_PROC_FAILED)    # met below as MPI's own report of the death
+            if failure.is_revoked(self.comm):
+                raise MPI.Exception(MPI.ERR_REVOKED)        # as a call on the revoked channel would fail
             return None
 
         self._poll(ready_or_lost, give_up, joins_roll_calls=True)
