@@ -43,7 +43,7 @@ from . import config, timeline
 from .errors import MpicollError
 
 __all__ = ["end_job", "end_at_exit", "tell_others_with", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge",
-           "meet_survivors", "revoke", "revoke_and_shrink", "job_ranks", "has_quorum", "check_quorum",
+           "meet_survivors", "revoke", "is_revoked", "revoke_and_shrink", "job_ranks", "has_quorum", "check_quorum",
            "outlived_a_death", "end_after_losing"]
 
 EXIT_CODE = 70          # EX_SOFTWARE: what mpiexec returns for a job ended this way
