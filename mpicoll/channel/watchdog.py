@@ -176,11 +176,18 @@ def guard_job(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
 def job_failed(error: BaseException) -> None:
     """This rank stops on ``error`` that its peers cannot know of: print its traceback, tell every other
     rank why (each prints it), and end the job (``MPI_Abort``).  Does not return."""
-    reason = _one_line(error)
     traceback.print_exception(error, file=sys.stderr)
-    rank = MPI.COMM_WORLD.Get_rank()
-    failure.end_job(f"{reason} (an uncaught error on rank {rank}; its traceback is above)", FAILED_EXIT_CODE,
-                    settle=_SETTLE_S, note=f"failed: {reason}")
+    _end_for(error)
+
+
+def _end_for(error: BaseException) -> None:
+    """The end of :func:`job_failed`, once ``error``'s traceback is out: the one line, the others told, the job
+    ended.  One thread ends the job; another that comes here meanwhile waits for the end."""
+    with _ending:
+        reason = _one_line(error)
+        rank = MPI.COMM_WORLD.Get_rank()
+        failure.end_job(f"{reason} (an uncaught error on rank {rank}; its traceback is above)", FAILED_EXIT_CODE,
+                        settle=_SETTLE_S, note=f"failed: {reason}")
 
 
 def _tell_the_others(note: str, lost) -> bool:
@@ -202,10 +209,17 @@ def _tell_the_others(note: str, lost) -> bool:
 
 
 def end_job_on_uncaught_errors() -> None:
-    """From now on, an exception that ends this process's main thread ends the whole job (through
-    :func:`job_failed`) instead of leaving the process in ``MPI_Finalize`` while its peers wait for it until
-    their timeout.  What ``python -m mpi4py`` does, for programs that use mpicoll's communicators (a
-    :class:`~mpicoll.channel.context.Context` installs it); Ctrl-C keeps Python's own handling."""
+    """From now on, an exception that ends this process's main thread ends the whole job (as
+    :func:`job_failed` does) instead of leaving the process in ``MPI_Finalize`` while its peers wait for it
+    until their timeout.  What ``python -m mpi4py`` does, for programs that use mpicoll's communicators (a
+    :class:`~mpicoll.channel.context.Context` installs it); Ctrl-C keeps Python's own handling.
+
+    The hook prints the traceback through the hook it replaced and returns; the job ends just after, at the
+    process's exit (before MPI finalizes) or, where exit is held up (a thread that is not a daemon, stuck),
+    from the watchdog :data:`_SETTLE_S` later.  So a hook that wraps this one sees the traceback it printed:
+    torch's ``init_process_group`` wraps the hook it finds in one that points ``sys.stderr`` at a buffer while
+    calling it, then writes the buffer out, each line prefixed with the rank; a hook that ended the job
+    inside it ended it with the buffer unwritten (no traceback on any rank)."""
     global _hook_installed
     if _hook_installed or MPI.COMM_WORLD.Get_size() == 1:
         return
@@ -213,14 +227,22 @@ def end_job_on_uncaught_errors() -> None:
     previous = sys.excepthook
 
     def hook(kind, error, trace):
+        global _uncaught
         if issubclass(kind, (KeyboardInterrupt, SystemExit)) or not MPI.Is_initialized() or MPI.Is_finalized():
             return previous(kind, error, trace)
-        job_failed(error.with_traceback(trace))
+        try:
+            previous(kind, error, trace)
+        finally:
+            _uncaught = (error.with_traceback(trace), time.monotonic())
+            atexit.register(_end_for, _uncaught[0])     # the last exit hook registered: it runs first
+            start()
 
     sys.excepthook = hook
 
 
 _hook_installed = False
+_uncaught: tuple[BaseException, float] | None = None    # the main thread's uncaught error, and when it was printed
+_ending = threading.Lock()      # held by the thread that ends the job for an uncaught error
 
 
 def _one_line(error: BaseException) -> str:
@@ -249,6 +271,8 @@ def _watch() -> None:
                     MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
                 if _guard is not None:
                     _hear_failures()
+                if _uncaught is not None and time.monotonic() - _uncaught[1] > _SETTLE_S:
+                    _end_for(_uncaught[0])       # the process's exit, which would have ended the job, is held up
                 now = time.monotonic()
                 if now - answered_at >= _ANSWER_EVERY:
                     answered_at = now

@@ -523,6 +523,9 @@ def _create(options, backend_options=None) -> ProcessGroupMpicoll:
                 f"torch.distributed has {options.group_size} ranks but MPI's world has {world.Get_size()}: the "
                 "mpicoll backend needs the processes started by one MPI launcher (mpiexec, mpirun, srun "
                 "--mpi=pmix or pmi2), not torchrun or separate MPI jobs")
+        # A rank that fails tells the others why, and each says so (an uncaught error after init_process_group
+        # names its rank on every rank, as gloo's ranks each print theirs)
+        watchdog.guard_job(world)
         return ProcessGroupMpicoll(world.Dup())
     group = world.Get_group().Incl(ranks)
     try:

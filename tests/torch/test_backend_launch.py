@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -103,3 +104,36 @@ def test_a_torch_world_that_is_not_mpis_is_refused_before_any_work():
                             env=clean_environment(RANK="0", WORLD_SIZE="2"), cwd=ROOT)
     assert result.returncode != 0 and "rank 0 of" not in result.stdout
     assert "LaunchMismatch: torch.distributed was given world size 2, but MPI's is 1" in result.stderr, result.stderr
+
+
+# Rank 1 raises once the group is up; the others are in their next call.  torch's init_process_group has wrapped
+# sys.excepthook in its own (which points sys.stderr at a buffer while the hook it found prints).  With a
+# thread that is not a daemon and never ends, the process's exit (where the job would end) is held up.
+RAISES_ON_RANK_1 = """
+import sys, threading, torch, torch.distributed as dist, mpicoll.torch
+dist.init_process_group("mpicoll")
+assert sys.excepthook.__name__ == "_distributed_excepthook", sys.excepthook     # torch's, around mpicoll's
+t = torch.ones(4)
+dist.all_reduce(t)
+if dist.get_rank() == 1:
+    if sys.argv[1] == "stuck":
+        threading.Thread(target=threading.Event().wait).start()
+    raise ValueError("the loss is not a number on rank 1")
+dist.all_reduce(t)
+"""
+
+
+@pytest.mark.parametrize("ranks, exit", [(2, "clean"), (4, "clean"), (2, "stuck")])
+def test_an_uncaught_error_on_one_rank_is_printed_and_ends_the_job(ranks, exit):
+    """Its traceback (with torch's rank prefix), 'rank 1 ends the job' and, on every other rank, 'rank 1 failed',
+    then the job's end with status 1, in seconds.  (mpicoll's hook used to end the job inside torch's, before torch
+    wrote the traceback out: the job ended with nothing but MPI_Abort's line.)"""
+    start = time.perf_counter()
+    result = launch(ranks, "-c", RAISES_ON_RANK_1, exit, env={"MPICOLL_TIMEOUT": "60"}, timeout=120)
+    seconds = time.perf_counter() - start
+    assert result.returncode == 1 and seconds < 20, (result.returncode, seconds, result.stderr[-3000:])
+    assert "[rank1]: Traceback (most recent call last)" in result.stderr, result.stderr[-3000:]
+    assert "[rank1]: ValueError: the loss is not a number on rank 1" in result.stderr, result.stderr[-3000:]
+    assert "mpicoll: rank 1 ends the job: ValueError: the loss is not a number on rank 1" in result.stderr
+    for other in set(range(ranks)) - {1}:
+        assert f"mpicoll: rank {other} stops: rank 1 failed: ValueError" in result.stderr, result.stderr[-3000:]
