@@ -44,11 +44,15 @@ class MismatchError(MpicollError, ValueError):
 
     Raised on every rank of the communicator with the same message, so no rank
     is left waiting for the others.  ``per_rank`` maps each rank to what it passed.
+    ``settled``: found before any data moved, every rank at the same point with
+    nothing in flight, so the communicator's later calls run as if this one had
+    not been made (a started call's failure otherwise stops the ones after it).
     """
 
-    def __init__(self, collective: str, per_rank: dict[int, str]):
+    def __init__(self, collective: str, per_rank: dict[int, str], settled: bool = False):
         self.collective = collective
         self.per_rank = per_rank
+        self.settled = settled
         groups: dict[str, list[int]] = {}
         for rank, value in sorted(per_rank.items()):
             groups.setdefault(value, []).append(rank)

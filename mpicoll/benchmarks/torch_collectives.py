@@ -6,7 +6,9 @@ and a group of the same ranks over the "mpicoll" backend.
 For each size, one float32 tensor is reduced in place, sum, by each peer:
 gloo's ``all_reduce``, MPI's own ``Allreduce`` on the tensor's memory
 (mpi4py, ``MPI.IN_PLACE``), ``dist.all_reduce`` over the "mpicoll" group
-(``dist``), and ``mpicoll.torch.allreduce(t, "sum", out=t)``
+(``dist``), the same call over a group of a backend that does nothing
+(``floor``: torch's dispatch to any process group written in Python, the
+cost no such backend can go under), and ``mpicoll.torch.allreduce(t, "sum", out=t)``
 for each ``--algorithms``; every peer's result is first checked against the
 exact sum.  The peers then take turns in an order drawn afresh each round, a barrier before
 each call; a call's time is the slowest rank's, and the median over
@@ -52,6 +54,27 @@ def add_parser(commands) -> None:
                           "(default: its own)")
 
 
+def _floor_backend(dist) -> str:
+    """The name of a backend whose groups do nothing, registered once: what torch's own dispatch to a process
+    group written in Python costs a call (the floor under any such backend, mpicoll's included)."""
+    name = "mpicoll-floor"
+    if name.upper() not in dist.Backend._plugins:
+        class Done(dist._Work):
+            def wait(self, timeout=None):
+                return True
+
+        class DoNothing(dist.ProcessGroup):
+            def allreduce(self, tensors, opts=None):
+                return Done()
+
+            def getBackendName(self):
+                return name
+
+        dist.Backend.register_backend(name, lambda store, rank, size, timeout: DoNothing(rank, size),
+                                      devices=["cpu"])
+    return name
+
+
 def run(args) -> int:
     try:
         import torch
@@ -64,6 +87,7 @@ def run(args) -> int:
     algorithms = ["dist"] + [name.strip() for name in args.algorithms.split(",") if name.strip()]
     mt.init_process_group("gloo", comm=comm, master=args.master, timeout=args.timeout)
     group = dist.new_group(backend="mpicoll")          # every rank, over the "mpicoll" backend
+    floor = dist.new_group(backend=_floor_backend(dist))   # torch's dispatch to a Python group doing nothing
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.training:
@@ -75,19 +99,21 @@ def run(args) -> int:
     if rank == 0:
         print(f"# mpicoll bench-torch: {size} ranks, float32, in place, sum; median of {args.iters} calls, "
               "slowest rank; torch " + torch.__version__)
-        print(f"{'size':>10} {'gloo ms':>9} {'MPI ms':>9} " + " ".join(f"{name + ' ms':>12} {'x gloo':>7} {'x MPI':>6}"
-                                                                 for name in algorithms))
+        print(f"{'size':>10} {'gloo ms':>9} {'MPI ms':>9} {'floor ms':>9} "
+              + " ".join(f"{name + ' ms':>12} {'x gloo':>7} {'x MPI':>6}" for name in algorithms)
+              + f" {'dist x (MPI+floor)':>18}")
     for nbytes in parse_sizes(args.sizes):
         tensor = torch.empty(max(1, nbytes // 4), dtype=torch.float32)
         memory = tensor.numpy()
         calls = {"gloo": lambda: dist.all_reduce(tensor), "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, memory),
+                 "floor": lambda: dist.all_reduce(tensor, group=floor),
                  "dist": lambda: dist.all_reduce(tensor, group=group),
                  **{name: lambda name=name: mt.allreduce(tensor, "sum", algorithm=name, out=tensor)
                     for name in algorithms[1:]}}
         for peer, call in calls.items():            # right first (and warm), then timed on zeros: no overflow
             tensor.fill_(rank + 1)
             call()
-            if not bool((tensor == size * (size + 1) / 2).all()):
+            if peer != "floor" and not bool((tensor == size * (size + 1) / 2).all()):
                 raise SystemExit(f"mpicoll bench-torch: {peer} gave a wrong sum at {nbytes} bytes on rank {rank}")
         tensor.zero_()
         seconds = np.median(interleaved_times(comm, list(calls.values()), args.iters), axis=1)
@@ -95,9 +121,11 @@ def run(args) -> int:
         record = {"bytes": tensor.numel() * 4, "ranks": size, **{f"{k}_s": v for k, v in times.items()}}
         records.append(record)
         if rank == 0:
-            print(f"{format_bytes(record['bytes']):>10} {times['gloo'] * 1e3:>9.2f} {times['mpi'] * 1e3:>9.2f} "
-                  + " ".join(f"{times[name] * 1e3:>12.2f} {times['gloo'] / times[name]:>7.2f} "
-                             f"{times['mpi'] / times[name]:>6.2f}" for name in algorithms), flush=True)
+            print(f"{format_bytes(record['bytes']):>10} {times['gloo'] * 1e3:>9.4f} {times['mpi'] * 1e3:>9.4f} "
+                  f"{times['floor'] * 1e3:>9.4f} "
+                  + " ".join(f"{times[name] * 1e3:>12.4f} {times['gloo'] / times[name]:>7.2f} "
+                             f"{times['mpi'] / times[name]:>6.2f}" for name in algorithms)
+                  + f" {times['dist'] / (times['mpi'] + times['floor']):>18.2f}", flush=True)
     dist.destroy_process_group()
     if rank == 0 and args.output:
         write_records(args.output, records)

@@ -103,8 +103,8 @@ class Context:
         oversubscribed = local > config.cores()
         # Oversubscribed ranks yield the core while they wait: the peer they
         # wait for may need it to make progress.
-        self.spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
-        self.background = False      # see :meth:`run_in_background`
+        self.spin_seconds = self._foreground_spin = 0.0 if oversubscribed else _SPIN_SECONDS
+        self.background = self.napping = False      # see :meth:`run_in_background`
         # Measured (docs/benchmarks.md): with a core per rank, point-to-point
         # wins (MPICH's single-copy CMA lands data in cache-sized slots);
         # with more ranks than cores, CMA's kernel copies cost CPU time the
@@ -122,11 +122,15 @@ class Context:
         self._shared: SharedRegions | None = None
         self._scratch: dict[tuple, object] = {}
 
-    def run_in_background(self) -> None:
+    def run_in_background(self, napping: bool = True) -> None:
         """This context serves a background thread that shares its core with the caller's computation
         (:mod:`mpicoll.collectives.nonblocking`): its waits never spin, and MPI's own collectives are started
-        nonblocking and waited for here, with naps and the deadline, rather than in MPI's busy loop."""
-        self.background, self.spin_seconds = True, 0.0
+        nonblocking and waited for here, with naps and the deadline, rather than in MPI's busy loop.
+        ``napping`` False: the call now running is run by a thread that waits for it (its caller), whose
+        waits spin first, as in the foreground; MPI's collectives are still started nonblocking, bounded by
+        the deadline."""
+        self.background, self.napping = True, napping
+        self.spin_seconds = 0.0 if napping else self._foreground_spin
 
     def part(self, comm: MPI.Intracomm, names: list[int]) -> "Context":
         """A context over ``comm``, a part of this one's ranks (``names``: their ranks as errors name them),

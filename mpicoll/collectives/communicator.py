@@ -153,6 +153,22 @@ class Communicator(MPI.Intracomm):
         # leaving on an error: the other ranks may be in a collective, so a collective free would wait forever
         self.close(abandon=exc_type is not None)
 
+    def run_started(self, signature: Signature, start) -> None:
+        """One of MPI's own collectives, started by ``start()`` (mpi4py's nonblocking call on this communicator)
+        and waited for on its channel with its deadline: past it, a :class:`~mpicoll.CollectiveTimeout` on the
+        waiting rank naming the missing ones, where a blocking MPI call cannot be left and the watchdog ends the
+        job.  The communicator's first call is checked across ranks (``signature``), as its collectives' are."""
+        with _OneCall(self, signature.collective):
+            context = self._checked_context(signature)
+            try:
+                request = start()
+                done = request.Test()
+            except MPI.Exception as error:
+                context.raise_if_ranks_lost(error)
+                raise
+            if not done:
+                context.waitall([request], context.others())
+
     def Free(self) -> None:
         """Free the communicator, as mpi4py does, and mpicoll's resources with it."""
         self.close()
@@ -299,12 +315,18 @@ class Communicator(MPI.Intracomm):
         self._bcast_arguments(buf, root)
         return self.start(Request(BCAST.nonblocking, lambda comm: comm.Bcast(buf, root)))
 
-    def start(self, request: Request) -> Request:
-        """Hand ``request`` to this communicator's worker, made by the first nonblocking call (collective)."""
+    def start(self, request: Request, wait: bool = False) -> Request:
+        """Hand ``request`` to this communicator's worker (:meth:`worker`); ``wait``: the caller waits for it at
+        once (:meth:`Worker.start`)."""
+        return self.worker().start(request, wait)
+
+    def worker(self) -> Worker:
+        """The worker that runs this communicator's started calls in order, made by the first call that needs
+        it (collective)."""
         worker = self.__dict__.get("_worker")
         if worker is None:
             worker = self.__dict__["_worker"] = Worker(self, Communicator)
-        return worker.start(request)
+        return worker
 
     def _hand_small_calls_to_mpi(self) -> None:
         """Shadow the collectives with closures that send small numpy calls straight to MPI.

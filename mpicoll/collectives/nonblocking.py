@@ -29,7 +29,7 @@ it completes: do not touch them before ``Wait`` returns.
 from __future__ import annotations
 
 import atexit
-import queue
+import collections
 import threading
 import time
 import traceback
@@ -105,7 +105,10 @@ class Request:
         return True
 
     def Wait(self, status: MPI.Status | None = None) -> bool:
-        """Block until the call has completed; raise its error if it failed."""
+        """Block until the call has completed; raise its error if it failed.  A call the worker's thread has
+        not taken yet is run here, with the calls started before it (:meth:`Worker.run_queued`)."""
+        if not self._done.is_set() and self._worker is not None:
+            self._worker.run_queued(until=self)
         if not self._done.is_set():
             with timeline.span(f"wait {self.collective}", "wait"):
                 while not self._done.wait(1.0):
@@ -172,6 +175,12 @@ class Worker:
     Made in the caller's thread by the first nonblocking call, which every
     rank makes at the same point of its call sequence: duplicating the
     communicator is a collective, done with the same deadline as any call.
+
+    The started calls wait in a queue; whichever thread holds the turn runs them, one at a time, in the
+    order they were started: the worker's thread, or a thread that waits for a call no one has taken yet
+    (:meth:`run_queued`).  So a call started and then waited for at once (torch's blocking collectives) runs
+    in the waiting thread, without the two hand-offs between threads that cost tens of microseconds each,
+    and a call nobody waits for yet runs in the worker's thread while its caller computes.
     """
 
     _warned = False
@@ -186,45 +195,121 @@ class Worker:
         self.comm.background = True         # shares the core with the caller: wait without spinning
         self.failed: BaseException | None = None
         self._running: tuple[Request, float] | None = None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued: collections.deque = collections.deque()
+        self._queue_changed = threading.Condition(threading.Lock())     # guards _queued and _stopping
+        self._stopping = False
+        self._turn = threading.Lock()       # held by the thread running calls
+        self._runner: int | None = None     # that thread's ident
         self._thread = None
+        self._thread_ident: int | None = None
+        self._napping: bool | None = None   # how the channel's waits were last set: napping or spinning first
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             self._thread = threading.Thread(target=self._serve, name="mpicoll-nonblocking", daemon=True)
             self._thread.start()
+            self._thread_ident = self._thread.ident
             _LIVE.add(self)
         elif not Worker._warned:
             warnings.warn("MPI was initialised without MPI_THREAD_MULTIPLE: mpicoll's nonblocking collectives "
                           "run to completion when started, overlapping nothing", RuntimeWarning, stacklevel=3)
             Worker._warned = True
 
-    def start(self, request: Request) -> Request:
+    def start(self, request: Request, wait: bool = False) -> Request:
         """Queue ``request`` behind the calls started before it; or run it now, without a thread, or when it
-        is started by the worker's own thread: by a callback of a call that just completed (``then``,
+        is started by the thread running the calls: by a callback of a call that just completed (``then``,
         ``add_done_callback``, a torch future's chain), which may wait for it.  Queued, it would wait for the
-        worker that waits for it; run there and then, it runs right after the call whose callback started it,
-        on every rank alike."""
+        thread that waits for it; run there and then, it runs right after the call whose callback started it,
+        on every rank alike.  ``wait``: the caller waits for it at once (a blocking call): it runs in this
+        thread after the queued calls, unless the worker's thread is running them (then it runs it)."""
         request._worker = self
         timeline.instant(f"start {request.collective}", "nonblocking")
-        if self._thread is None or threading.current_thread() is self._thread:
+        if self._thread is None or self._runner == threading.get_ident():
             self._serve_one(request)
-        else:
-            self._queue.put(request)
+            return request
+        with self._queue_changed:
+            self._queued.append(request)
+            if not wait:
+                self._queue_changed.notify()
+        if wait:
+            self.run_queued(until=request)
+            if not request._done.is_set():      # the worker's thread holds the turn: it runs this one too
+                with self._queue_changed:
+                    self._queue_changed.notify()
         return request
 
+    def run_queued(self, until: Request | None = None) -> None:
+        """Run the queued calls, in order, in this thread, until ``until`` has completed (all of them with
+        None); at once if no other thread is running calls, else not at all (that thread runs them)."""
+        mine = self._runner == threading.get_ident()      # a callback of a call this thread runs
+        if not mine and not self._turn.acquire(blocking=False):
+            return
+        outer, self._runner = self._runner, threading.get_ident()
+        try:
+            while until is None or not until._done.is_set():
+                with self._queue_changed:
+                    if not self._queued:
+                        return
+                    request = self._queued.popleft()
+                self._serve_one(request)
+        finally:
+            self._runner = outer
+            if not mine:
+                self._turn.release()
+
     def _serve(self) -> None:
-        while (request := self._queue.get()) is not None:
-            self._serve_one(request)
+        while True:
+            with self._queue_changed:
+                while not self._queued and not self._stopping:
+                    self._queue_changed.wait()
+                if not self._queued:
+                    return
+            with self._turn:            # (a waiting thread may be running them: then they are gone when it is done)
+                self._runner = threading.get_ident()
+                try:
+                    self.run_queued()
+                finally:
+                    self._runner = None
+
+    def run_now(self, collective: str, run: Callable) -> None:
+        """Run ``run(self.comm)`` in this thread, as a call started and waited for at once runs, without a
+        :class:`Request`: after the calls queued before it (run here, or by the worker's thread, which this
+        waits for); its error is raised here, and fails the calls after it as a started call's does."""
+        me = threading.get_ident()
+        if self._thread is None or self._runner == me:
+            self._run_here(collective, run)
+            return
+        with self._turn:
+            self._runner = me
+            try:
+                if self._queued:
+                    self.run_queued()
+                self._run_here(collective, run)
+            finally:
+                self._runner = None
 
     def _serve_one(self, request: Request) -> None:
+        try:
+            self._run_here(request.collective, request._execute, request)
+        except BaseException as error:          # raised again by the request's Wait
+            if request._run is not None:        # not run: refused for an earlier failure
+                request._finish(error)
+
+    def _run_here(self, collective: str, run: Callable, request: Request | None = None) -> None:
         if self.failed is not None:
-            request._finish(MpicollError(f"{request.collective}: not run, because an earlier nonblocking call "
-                                         f"on this communicator failed: {self.failed}"))
-            return
+            raise MpicollError(f"{collective}: not run, because an earlier nonblocking call on this communicator "
+                               f"failed: {self.failed}")
+        napping = self._runner is not None and self._runner == self._thread_ident
+        if self._napping is not napping:       # the worker's thread naps in its waits; a caller's spins first
+            context = self.comm.context()
+            if context is not None:
+                context.run_in_background(napping)
+                self._napping = napping
         outer, self._running = self._running, (request, time.monotonic())    # outer: a call whose callback
         try:                                                                  # started this one
-            request._execute(self.comm)
-        except BaseException as error:          # raised again by the request's Wait
-            self.failed = error
+            run(self.comm)
+        except BaseException as error:
+            if not getattr(error, "settled", False):    # (a disagreement every rank met before any data moved)
+                self.failed = error
+            raise
         finally:
             self._running = outer
 
@@ -243,7 +328,7 @@ class Worker:
         """Let the thread run the calls started before this and leave (within the communicator's timeout);
         whether it has left."""
         if self._thread is not None:
-            self._queue.put(None)
+            self._stop_thread()
             limit = config.timeout()
             self._thread.join(limit + _GRACE_S if limit else None)
             if self._thread.is_alive():
@@ -251,11 +336,17 @@ class Worker:
             self._thread = None
         return True
 
+    def _stop_thread(self) -> None:
+        """Tell the thread to leave once the queue is empty."""
+        with self._queue_changed:
+            self._stopping = True
+            self._queue_changed.notify()
+
     def close(self, abandon: bool = False) -> None:
         """Finish the started calls, stop the thread and release the private channel; with ``abandon`` (a
         rank leaving on an error) the thread is told to stop and the channel dropped, without waiting."""
         if abandon and self._thread is not None:
-            self._queue.put(None)
+            self._stop_thread()
         stuck = not abandon and not self.stop()
         self._thread = None
         abandon = abandon or stuck or self.failed is not None

@@ -48,11 +48,15 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ..base import ops
-from ..base.errors import LaunchMismatch, Unsupported
+from ..base.collectives import ALLREDUCE
+from ..base.errors import LaunchMismatch, MismatchError, RootError, Unsupported
 from ..channel import watchdog
+from ..channel.checks import Signature
 from ..channel.context import Context
+from ..collectives.algorithms import auto
 from ..collectives.communicator import Communicator
 from ..collectives.nonblocking import Request
+from ..collectives.reduction import op_name
 from .collectives import TensorBuffer, as_array
 
 __all__ = ["BACKEND", "ProcessGroupMpicoll", "mpi_rendezvous", "rendezvous_address"]
@@ -65,6 +69,10 @@ _R = dist.ReduceOp.RedOpType
 _MPI_OPS = {**{getattr(_R, op.torch): op.mpi_op for op in ops.OPS if op.torch}, _R.AVG: MPI.SUM,
             _R.PREMUL_SUM: MPI.SUM}
 # torch's ops on bool tensors, as MPI's logical ones (MPI defines no arithmetic on bool)
+_UNKNOWN = object()
+# the dtypes every MPI reduces as they are (16-bit floats and bool take mpicoll's paths)
+_MPI_DTYPES = frozenset({torch.float64, torch.float32, torch.int64, torch.int32, torch.int16,
+                         torch.int8, torch.uint8, torch.complex64, torch.complex128})
 _ON_BOOL = {_R.SUM: MPI.LOR, _R.MAX: MPI.LOR, _R.BOR: MPI.LOR, _R.PRODUCT: MPI.LAND, _R.MIN: MPI.LAND,
             _R.BAND: MPI.LAND, _R.BXOR: MPI.LXOR}
 
@@ -159,20 +167,52 @@ class _Started(dist._Work):
         return self.future.done()         # (done with an error too, which wait() raises, as gloo's)
 
 
+class _Done(dist._Work):
+    """What a blocking call returns once it has run in the caller's thread (torch waits for it and drops it:
+    ``dist.all_reduce`` without ``async_op`` returns None).  One for all such calls: making a Work costs a
+    call more than torch's whole dispatch to it; its future holds None."""
+
+    def __init__(self):
+        super().__init__()
+        self.future = torch.futures.Future()
+        self.future.set_result(None)
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 class _PointToPoint(dist._Work):
     """A started send or receive: ``wait()`` completes the MPI request through the group's point-to-point
-    channel, within ``MPICOLL_TIMEOUT`` (past it, a CollectiveTimeout naming the peer)."""
+    channel, within ``MPICOLL_TIMEOUT`` (past it, a CollectiveTimeout naming the peer).  A receive from any
+    source (``peer`` None) reads whom it came from once it has (``_source_rank()``, torch's name)."""
 
-    def __init__(self, channel: Context, request: MPI.Request, peer: int, result, memory: torch.Tensor):
+    def __init__(self, channel: Context, request: MPI.Request, peer: int | None, result, memory: torch.Tensor):
         super().__init__()
         self.channel, self.request, self.peer, self.result = channel, request, peer, result
         self.memory = memory             # the tensor MPI reads or writes, alive until the request completes
         self.future = torch.futures.Future()
+        self.status = MPI.Status() if peer is None else None
+        self.source = peer
 
     def wait(self, timeout=None) -> bool:
         if not self.future.done():
             try:
-                self.channel.waitall([self.request], self.peer)
+                if self.status is None:
+                    self.channel.waitall([self.request], self.peer)
+                else:       # (Get_status leaves the request, and so its status, to read)
+                    others = [rank for rank in range(self.channel.size) if rank != self.channel.rank]
+                    self.channel.wait_until(lambda: self.request.Get_status(self.status), others)
+                    self.source = self.status.Get_source()
+                    self.request.Wait()
             except BaseException as error:
                 self.future.set_exception(error)
                 raise
@@ -180,11 +220,16 @@ class _PointToPoint(dist._Work):
         self.future.wait()
         return True
 
+    def _source_rank(self) -> int:
+        if self.source is None:
+            raise RuntimeError("the sending rank is known once the receive has completed: wait() first")
+        return self.source
+
     def get_future(self) -> torch.futures.Future:
         return self.future
 
     def is_completed(self) -> bool:
-        return self.future.done() or bool(self.request.Test())
+        return self.future.done() or bool(self.request.Get_status())
 
 
 # -- the process group -------------------------------------------------------------------------------------
@@ -201,7 +246,13 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._comm = Communicator(comm)
-        self._comm.start(Request("set-up", lambda worker: None)).Wait()
+        self._worker = self._comm.worker()          # made here, so that later calls from any thread only queue
+        # bytes: below them auto chooses MPI's own allreduce, which small calls then get straight (allreduce);
+        # known once the group's first call, checked across ranks on mpicoll's path, has told the layout
+        self._straight_below = 0
+        self._straight: dict = {}       # (op, dtype) -> what _straight_op answers
+        self._ops: dict = {}            # (op, dtype, call) -> what _op answers, checked once
+        self._others = [peer for peer in range(self._size) if peer != self._rank]
         self._p2p = Context(comm, "point to point")   # apart from the collectives; waits with the deadline
 
     def getBackendName(self) -> str:
@@ -222,26 +273,32 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
 
     # -- how a call runs ----------------------------------------------------------------------------------
 
-    def _start(self, name: str, run, result) -> dist.Work:
-        """Queue ``run(worker_communicator)`` on the group's worker; the Work completes with ``result``."""
-        return _Started(self._comm.start(Request(name, run)), result)
+    def _start(self, name: str, run, result, opts=None) -> dist.Work:
+        """Queue ``run(worker_communicator)`` on the group's worker; the Work completes with ``result``.  A
+        blocking call (torch's ``opts.asyncOp`` False: the caller waits for it at once) runs in the caller's
+        thread, after the calls queued before it: no hand-off to the worker's thread and back."""
+        if opts is not None and not opts.asyncOp:
+            self._worker.run_now(name, run)
+            return _DONE
+        return _Started(self._worker.start(Request(name, run)), result)
 
-    def _mpi(self, name: str, run, result) -> dist.Work:
-        """Queue one of MPI's own blocking collectives, ``run(worker_communicator)``, bounded by the
-        watchdog (a peer that never comes ends the job naming it, as for mpicoll's small calls)."""
-        def bounded(worker):
-            with watchdog.watch_of(worker, name):
-                run(worker)
-        return self._start(name, bounded, result)
+    def _root(self, opts, name: str) -> int:
+        """The call's root, checked here, in the caller's thread: a root outside the group, met on the worker,
+        would fail the call there and every call of the group after it."""
+        root = opts.rootRank
+        if not 0 <= root < self._size:
+            raise RootError(f"{name}: root {root} is not a rank of this group of {self._size} (ranks 0 to "
+                            f"{self._size - 1}, the group's own numbering)")
+        return root
 
-    def _one(self, tensors, name: str) -> torch.Tensor:
+    def _one(self, tensors, name: str, sparse: bool = False) -> torch.Tensor:
         if len(tensors) != 1:
             raise Unsupported(f"{name}: the mpicoll backend takes one tensor per call, got {len(tensors)} "
                               "(torch's several-devices-per-process form); call once per tensor")
         tensor = tensors[0]
-        if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
-            raise Unsupported(f"{name}: sparse tensors are not supported by the mpicoll backend; pass "
-                               "tensor.to_dense()")
+        if isinstance(tensor, torch.Tensor) and tensor.is_sparse and not sparse:
+            raise Unsupported(f"{name}: sparse tensors are not supported by the mpicoll backend's {name} (all_reduce "
+                              "takes them, SUM); pass tensor.to_dense()")
         return tensor
 
     def _op(self, opts, name: str, tensor: torch.Tensor):
@@ -251,12 +308,32 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         there: SUM, MAX and BOR are "any" (LOR), PRODUCT, MIN and BAND "all" (LAND), BXOR LXOR."""
         reduce_op = opts.reduceOp
         kind = reduce_op.op
+        if kind == _R.PREMUL_SUM:             # (its factor may be a tensor: checked every time)
+            return self._checked_op(kind, reduce_op, name, tensor)
+        key = (kind, tensor.dtype, tensor.is_cpu, name)
+        known = self._ops.get(key)
+        if known is None:
+            known = self._ops[key] = self._checked_op(kind, reduce_op, name, tensor)
+        return known
+
+    def _straight_op(self, opts, tensor: torch.Tensor):
+        """(MPI's op, MPI's datatype) where MPI's own allreduce gives torch's answer on ``tensor``'s dtype as it
+        is (no factor, no division), else None; errors as :meth:`_op`'s."""
+        op, factor, average = self._op(opts, "all_reduce", tensor)
+        if factor is not None or average or tensor.dtype not in _MPI_DTYPES:
+            return None
+        return op, MPI._typedict[np.dtype(str(tensor.dtype).removeprefix("torch.")).char]
+
+    def _checked_op(self, kind, reduce_op, name: str, tensor: torch.Tensor):
         if kind not in _MPI_OPS:
             raise Unsupported(f"{name}: reduce op {kind} is not supported by the mpicoll backend")
-        if kind in (_R.AVG, _R.PREMUL_SUM) and not (tensor.is_floating_point() or tensor.is_complex()):
+        if kind == _R.PREMUL_SUM and not (tensor.is_floating_point() or tensor.is_complex()):
             raise Unsupported(f"{name}: {kind.name} needs a floating-point tensor, got {tensor.dtype}; "
-                               "reduce with SUM and divide")
+                              "reduce with SUM and multiply")
         if tensor.dtype == torch.bool:
+            if kind == _R.AVG:
+                raise Unsupported(f"{name}: AVG of bool tensors has no meaning; reduce with SUM of an integer "
+                                  "tensor and divide")
             return _ON_BOOL[kind], None, False
         elements = "c" if tensor.is_complex() else "f" if tensor.is_floating_point() else \
             "u" if torch.iinfo(tensor.dtype).min == 0 else "i"
@@ -264,13 +341,47 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         if takes:
             raise Unsupported(f"{name}: {kind.name} is not defined for {tensor.dtype} tensors: MPI defines it on "
                               f"{takes} tensors only (gloo refuses it too)")
-        return _MPI_OPS[kind], (reduce_op.factor if kind == _R.PREMUL_SUM else None), kind == _R.AVG
+        op = _MPI_OPS[kind]
+        if elements == "f" and tensor.device.type == "cpu":
+            op = ops.keeping_nan(op)            # MPI's own MIN and MAX lose a NaN by where it is
+        return op, (reduce_op.factor if kind == _R.PREMUL_SUM else None), kind == _R.AVG
+
+    def _divide(self, tensor: torch.Tensor) -> None:
+        """AVG's division of a sum by the group's size, in place: integer tensors rounded toward zero, as NCCL's
+        integer AVG (a sum, then C's integer division), which Lightning sends its counters to."""
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.div_(self._size)
+        else:
+            tensor.div_(self._size, rounding_mode="trunc")
 
     # -- the collectives ----------------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         opts = dist.AllreduceOptions() if opts is None else opts
-        tensor = self._one(tensors, "all_reduce")
+        if len(tensors) != 1 or tensors[0].is_sparse:
+            return self._sparse_allreduce(self._one(tensors, "all_reduce", sparse=True), opts)
+        tensor = tensors[0]
+        key = (opts.reduceOp.op.value, tensor.dtype)
+        straight = self._straight.get(key, _UNKNOWN)
+        if straight is _UNKNOWN:
+            straight = self._straight[key] = self._straight_op(opts, tensor)
+        if (straight is not None and tensor.is_cpu and tensor.nbytes < self._straight_below
+                and tensor.is_contiguous()):
+            # a small call: MPI's own, as auto chooses, on the tensor's memory, bounded by the deadline
+            memory, others = [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), straight[1]], self._others
+
+            def run(worker):
+                context = worker.context()
+                if context is None:             # a fresh channel (after an error): its first call is checked
+                    worker.Allreduce(MPI.IN_PLACE, memory, straight[0])
+                    return
+                request = MPI.Intracomm.Iallreduce(worker, MPI.IN_PLACE, memory, straight[0])
+                if not request.Test():          # (done at once where the others came first)
+                    context.waitall([request], others)
+            if opts.asyncOp:
+                return _Started(self._worker.start(Request("all_reduce", run)), tensors)
+            self._worker.run_now("all_reduce", run)         # (what _start does, a frame less: this is the hot path)
+            return _DONE
         op, factor, average = self._op(opts, "all_reduce", tensor)
         buffer = TensorBuffer(tensor)
 
@@ -279,25 +390,59 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
                 buffer.tensor.mul_(factor)
             worker.Allreduce(MPI.IN_PLACE, buffer.array, op)
             if average:
-                buffer.tensor.div_(self._size)
+                self._divide(buffer.tensor)
             buffer.deliver()
-        return self._start("all_reduce", run, tensors)
+            if not self._straight_below:
+                first, limit = auto.rule(ALLREDUCE.name, across_nodes=worker.across_nodes)[0]
+                self._straight_below = limit if first == "mpi" else -1
+        return self._start("all_reduce", run, tensors, opts)
+
+    def _sparse_allreduce(self, tensor: torch.Tensor, opts) -> dist.Work:
+        """The SUM of sparse COO tensors, as gloo's: every rank's indices and values gathered (MPI's Allgatherv,
+        the counts first), summed by torch (``coalesce``) into the tensor, in place."""
+        if opts.reduceOp.op != _R.SUM:
+            raise Unsupported(f"all_reduce: {opts.reduceOp.op.name} of sparse tensors is not supported by the mpicoll "
+                              "backend (SUM is, as gloo's); pass tensor.to_dense()")
+        signature = Signature("Allgatherv", tensor.sparse_dim(), np.dtype(np.int64))
+
+        def gather(worker, part: torch.Tensor, counts: np.ndarray, rows: int, dtype) -> torch.Tensor:
+            """Every rank's ``part`` (``counts[r]`` rows each of ``rows`` elements) in rank order, as bytes."""
+            whole = torch.empty((int(counts.sum()), *part.shape[1:]), dtype=dtype)
+            sizes = counts * rows * part.element_size()
+            send = as_array(part.contiguous().view(-1).view(torch.uint8))
+            worker.run_started(signature, lambda: MPI.Intracomm.Iallgatherv(
+                worker, send, [as_array(whole.view(-1).view(torch.uint8)), (sizes, _offsets(sizes))]))
+            return whole
+
+        def run(worker):
+            local = tensor.detach().coalesce()
+            indices, values = local.indices().t().contiguous(), local.values().contiguous()
+            counts = np.empty(self._size, np.int64)
+            worker.run_started(signature, lambda: MPI.Intracomm.Iallgather(
+                worker, np.array([indices.shape[0]], np.int64), counts))
+            dense_elements = int(np.prod(values.shape[1:], dtype=np.int64))
+            summed = torch.sparse_coo_tensor(gather(worker, indices, counts, indices.shape[1], indices.dtype).t(),
+                                             gather(worker, values, counts, dense_elements, values.dtype),
+                                             tensor.shape).coalesce()
+            with torch.no_grad():
+                tensor.copy_(summed)
+        return self._start("all_reduce", run, [tensor], opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
         for tensor in tensors:
             work = self.allreduce([tensor], opts)
-        return work if tensors else self._start("all_reduce_coalesced", lambda worker: None, tensors)
+        return work if tensors else self._start("all_reduce_coalesced", lambda worker: None, tensors, opts)
 
     def broadcast(self, tensors, opts=None):
         opts = dist.BroadcastOptions() if opts is None else opts
-        tensor = self._one(tensors, "broadcast")
+        tensor, root = self._one(tensors, "broadcast"), self._root(opts, "broadcast")
         buffer = TensorBuffer(tensor)
 
         def run(worker):
-            worker.Bcast(buffer.array, opts.rootRank)
+            worker.Bcast(buffer.array, root)
             buffer.deliver()
-        return self._start("broadcast", run, tensors)
+        return self._start("broadcast", run, tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         tensor = self._one(input_tensors, "all_gather")
@@ -310,19 +455,52 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
             worker.Allgather(source.array, as_array(whole))
             for part, out in zip(whole, outputs):
                 out.copy_(part)
-        return self._start("all_gather", run, output_tensors)
+        return self._start("all_gather", run, output_tensors, opts)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """One all_gather per input tensor, in order (torch's all_gather_coalesced)."""
+        return self._each(lambda outputs, tensor, opts: self.allgather([outputs], [tensor], opts), output_lists,
+                          input_tensors, opts, "all_gather_coalesced")
 
     def all_gather_single(self, output, input, opts=None):
         _check_numel(output, input.numel() * self._size, "all_gather_into_tensor", "output")
         _check_dtypes(output, input, "all_gather_into_tensor")
-        target, source = TensorBuffer(output), TensorBuffer(input, read_only=True)
+        target = TensorBuffer(output)
+        in_place = _is_block(input, output, self._rank) and not target.copied
+        # an input that shares memory with the output otherwise is copied first (MPI may not read and write one
+        # buffer); this rank's own block in place is MPI's IN_PLACE (FSDP2's all-gather of its parameters)
+        source = None if in_place else TensorBuffer(input.clone() if _overlap(input, output) else input,
+                                                    read_only=True)
 
         def run(worker):
-            worker.Allgather(source.array, target.array)
+            worker.Allgather(MPI.IN_PLACE if source is None else source.array, target.array)
             target.deliver()
-        return self._start("all_gather_into_tensor", run, output)
+        return self._start("all_gather_into_tensor", run, output, opts)
 
     _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """One all_gather_into_tensor per pair, in order: what torch's functional collectives (DTensor's
+        ``full_tensor``, FSDP2's state dicts) call, from C++, on a group written in Python."""
+        return self._each(self.all_gather_single, outputs, inputs, opts, "all_gather_into_tensor_coalesced")
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        """One reduce_scatter_tensor per pair, in order (torch's functional reduce-scatter, as above)."""
+        return self._each(self.reduce_scatter_single, outputs, inputs, opts, "reduce_scatter_tensor_coalesced")
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _each(self, call, outputs, inputs, opts, name: str) -> dist.Work:
+        """``call(output, input, opts)`` for each pair; the last one's Work (the worker runs them in order, and a
+        failure fails the calls after it, so it completes, or fails, last)."""
+        if len(outputs) != len(inputs):
+            raise Unsupported(f"{name}: {len(outputs)} outputs for {len(inputs)} inputs: pass one output per input")
+        work = None
+        for output, input in zip(outputs, inputs):
+            work = call(output, input, opts)
+        return work if work is not None else self._start(name, lambda worker: None, [], opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = dist.ReduceScatterOptions() if opts is None else opts
@@ -342,76 +520,108 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
 
     def _reduce_scatter(self, output, whole, opts, name, result):
         op, factor, average = self._op(opts, name, output)
+        # an output inside the input (FSDP2 reduces its gradients so: output = input's block of this rank) is
+        # written from a copy of the input, which is left as it was
         target, source = TensorBuffer(output), TensorBuffer(whole, read_only=True)
+        copy = factor is None and _overlap(whole, output)
 
         def run(worker):
-            send = source.array if factor is None else as_array(source.tensor * factor)   # the input stays
+            send = source.array if factor is None and not copy else \
+                as_array(source.tensor * factor if factor is not None else source.tensor.clone())
             worker.Reduce_scatter_block(send, target.array, op)
             if average:
-                target.tensor.div_(self._size)
+                self._divide(target.tensor)
             target.deliver()
-        return self._start(name, run, result)
+        return self._start(name, run, result, opts)
 
     def reduce(self, tensors, opts=None):
         opts = dist.ReduceOptions() if opts is None else opts
-        tensor = self._one(tensors, "reduce")
+        tensor, root = self._one(tensors, "reduce"), self._root(opts, "reduce")
         op, factor, average = self._op(opts, "reduce", tensor)
-        buffer, root = TensorBuffer(tensor), opts.rootRank
+        buffer = TensorBuffer(tensor, read_only=self._rank != root)
+        signature = Signature("Reduce", tensor.numel(), np.dtype(buffer.array.dtype), op_name(op), root)
 
         def run(worker):
-            if factor is not None:
-                buffer.tensor.mul_(factor)
             if self._rank == root:
-                MPI.Intracomm.Reduce(worker, MPI.IN_PLACE, buffer.array, op, root)
+                if factor is not None:
+                    buffer.tensor.mul_(factor)
+                worker.run_started(signature, lambda: MPI.Intracomm.Ireduce(
+                    worker, MPI.IN_PLACE, buffer.array, op, root))
                 if average:
-                    buffer.tensor.div_(self._size)
+                    self._divide(buffer.tensor)
                 buffer.deliver()
-            else:
-                MPI.Intracomm.Reduce(worker, buffer.array, None, op, root)
-        return self._mpi("reduce", run, tensors)
+            else:           # (a non-root's input is left as it was: PREMUL_SUM scales a copy)
+                send = buffer.array if factor is None else as_array(buffer.tensor * factor)
+                worker.run_started(signature, lambda: MPI.Intracomm.Ireduce(worker, send, None, op, root))
+        return self._start("reduce", run, tensors, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = dist.GatherOptions() if opts is None else opts
-        tensor, root = self._one(input_tensors, "gather"), opts.rootRank
+        tensor, root = self._one(input_tensors, "gather"), self._root(opts, "gather")
         outputs = output_tensors[0] if self._rank == root else []
         if self._rank == root:
             _check_list(outputs, self._size, tensor, "gather", "output tensors")
         source = TensorBuffer(tensor, read_only=True)
+        signature = Signature("Gather", tensor.numel(), np.dtype(source.array.dtype), root=root)
 
         def run(worker):
             whole = (torch.empty((self._size, *tensor.shape), dtype=source.tensor.dtype, device=tensor.device)
                      if self._rank == root else None)
-            MPI.Intracomm.Gather(worker, source.array, None if whole is None else as_array(whole), root)
+            worker.run_started(signature, lambda: MPI.Intracomm.Igather(
+                worker, source.array, None if whole is None else as_array(whole), root))
             for part, out in zip(whole if whole is not None else [], outputs):
                 out.copy_(part)
-        return self._mpi("gather", run, output_tensors)
+        return self._start("gather", run, output_tensors, opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = dist.ScatterOptions() if opts is None else opts
-        output, root = self._one(output_tensors, "scatter"), opts.rootRank
+        output, root = self._one(output_tensors, "scatter"), self._root(opts, "scatter")
         inputs = input_tensors[0] if self._rank == root else []
         if self._rank == root:
             _check_list(inputs, self._size, output, "scatter", "input tensors")
         target = TensorBuffer(output)
+        signature = Signature("Scatter", output.numel(), np.dtype(target.array.dtype), root=root)
 
         def run(worker):
             whole = torch.stack([t.to(target.tensor.dtype) for t in inputs]) if self._rank == root else None
-            MPI.Intracomm.Scatter(worker, None if whole is None else as_array(whole), target.array, root)
+            worker.run_started(signature, lambda: MPI.Intracomm.Iscatter(
+                worker, None if whole is None else as_array(whole), target.array, root))
             target.deliver()
-        return self._mpi("scatter", run, output_tensors)
+        return self._start("scatter", run, output_tensors, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         row_out = output.numel() // max(output.shape[0], 1) if output.dim() else 1
         row_in = input.numel() // max(input.shape[0], 1) if input.dim() else 1
         sends = _splits(input_split_sizes, input, self._size, "input") * row_in
         receives = _splits(output_split_sizes, output, self._size, "output") * row_out
-        target, source = TensorBuffer(output), TensorBuffer(input, read_only=True)
+        target = TensorBuffer(output)
+        source = TensorBuffer(input.clone() if _overlap(input, output) else input, read_only=True)
+        _check_dtypes(output, input, "all_to_all_single")
 
         def run(worker):
-            MPI.Intracomm.Alltoallv(worker, [source.array, (sends, _offsets(sends))],
-                                    [target.array, (receives, _offsets(receives))])
+            self._alltoallv(worker, "all_to_all_single", source.array, sends, target.array, receives)
             target.deliver()
-        return self._mpi("all_to_all_single", run, output)
+        return self._start("all_to_all_single", run, output, opts)
+
+    def _alltoallv(self, worker, name: str, send: np.ndarray, sends: np.ndarray, receive: np.ndarray,
+                   receives: np.ndarray) -> None:
+        """MPI's own Alltoallv, once every rank has seen that what each sends the other receives: the counts go
+        round first (an Alltoall of them, and an Allreduce of whether all agree), so ranks whose split sizes
+        disagree all get a MismatchError naming each rank's sizes, never a part of the output left stale."""
+        signature = Signature("Alltoallv", 0, np.dtype(send.dtype))
+        told = np.empty(self._size, np.int64)
+        worker.run_started(signature, lambda: MPI.Intracomm.Ialltoall(worker, sends, told))
+        agree = np.array([int(np.array_equal(told, receives))], np.int32)
+        worker.run_started(signature, lambda: MPI.Intracomm.Iallreduce(worker, MPI.IN_PLACE, agree, MPI.LAND))
+        if not agree[0]:
+            mine = np.concatenate([sends, receives])
+            everyone = np.empty((self._size, 2 * self._size), np.int64)
+            worker.run_started(signature, lambda: MPI.Intracomm.Iallgather(worker, mine, everyone))
+            raise MismatchError(name, {rank: f"sends {row[:self._size].tolist()} elements, receives "
+                                             f"{row[self._size:].tolist()}" for rank, row in enumerate(everyone)},
+                                settled=True)
+        worker.run_started(signature, lambda: MPI.Intracomm.Ialltoallv(
+            worker, [send, (sends, _offsets(sends))], [receive, (receives, _offsets(receives))]))
 
     alltoall_base = all_to_all_single
 
@@ -426,14 +636,15 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         def run(worker):
             send = torch.cat([t.reshape(-1) for t in input_tensors]) if sends.sum() else torch.empty(0, dtype=dtype)
             receive = torch.empty(int(receives.sum()), dtype=dtype)
-            MPI.Intracomm.Alltoallv(worker, [as_array(send), (sends, _offsets(sends))],
-                                    [as_array(receive), (receives, _offsets(receives))])
+            self._alltoallv(worker, "all_to_all", as_array(send), sends, as_array(receive), receives)
             for out, start, count in zip(output_tensors, _offsets(receives), receives):
                 out.copy_(receive[start: start + count].view_as(out))
-        return self._mpi("all_to_all", run, output_tensors)
+        return self._start("all_to_all", run, output_tensors, opts)
 
     def barrier(self, opts=None):
-        return self._mpi("barrier", lambda worker: MPI.Intracomm.Barrier(worker), [])
+        signature = Signature("Barrier", 0, np.dtype(np.uint8))
+        return self._start("barrier", lambda worker: worker.run_started(
+            signature, lambda: MPI.Intracomm.Ibarrier(worker)), [], opts)
 
     # -- point to point -----------------------------------------------------------------------------------
 
@@ -448,10 +659,12 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
             raise Unsupported("recv: the mpicoll backend receives into contiguous tensors; pass "
                                "tensor.contiguous() and copy from it")
         request = self._p2p.comm.Irecv(as_array(tensor), src, tag)
-        return _PointToPoint(self._p2p, request, src, tensors, tensor)
+        return _PointToPoint(self._p2p, request, None if src == MPI.ANY_SOURCE else src, tensors, tensor)
 
     def recv_anysource(self, tensors, tag):
-        raise Unsupported("recv without src is not supported by the mpicoll backend: name the sending rank")
+        """A receive from whichever rank sends first (torch's ``recv`` without ``src``): its Work's
+        ``_source_rank()`` names it, as torch's MPI and gloo backends' do."""
+        return self.recv(tensors, MPI.ANY_SOURCE, tag)
 
     # -- life ---------------------------------------------------------------------------------------------
 
@@ -477,6 +690,27 @@ def _check_list(tensors, size: int, like: torch.Tensor, name: str, what: str) ->
         if tensor.numel() != like.numel():
             raise Unsupported(f"{name}: {what} of {tensor.numel()} elements where this rank's tensor has "
                                f"{like.numel()}: every one must be of the same size")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two host tensors' memory ranges overlap (their spans, from first to last element)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + _span(a) * a.element_size()
+    b_end = b_start + _span(b) * b.element_size()
+    return a_start < b_end and b_start < a_end
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Elements from a tensor's first to just past its last (its strides' reach)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
+
+
+def _is_block(part: torch.Tensor, whole: torch.Tensor, rank: int) -> bool:
+    """Whether ``part`` is exactly block ``rank`` of the contiguous ``whole`` cut into equal blocks."""
+    return (part.is_contiguous() and whole.is_contiguous() and part.dtype == whole.dtype and part.numel() > 0
+            and part.data_ptr() == whole.data_ptr() + rank * part.numel() * part.element_size())
 
 
 def _check_numel(tensor: torch.Tensor, expected: int, name: str, what: str) -> None:
