@@ -52,8 +52,11 @@ def _all_done(requests: list) -> bool:
 class Context:
     """A private duplicate of a communicator plus the services algorithms share."""
 
-    def __init__(self, comm: MPI.Intracomm, collective: str = "collective", names: list[int] | None = None):
-        self.timeout = config.timeout()
+    def __init__(self, comm: MPI.Intracomm, collective: str = "collective", names: list[int] | None = None,
+                 timeout: float | None = None):
+        # seconds a wait lasts before a CollectiveTimeout (the set-up's own included): MPICOLL_TIMEOUT's, or the
+        # caller's (a torch group's timeout)
+        self.timeout = config.timeout() if timeout is None else timeout
         self.debug = config.debug()
         self.collective = collective
         self.rank, self.size = comm.Get_rank(), comm.Get_size()

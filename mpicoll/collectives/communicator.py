@@ -65,6 +65,7 @@ class Communicator(MPI.Intracomm):
     background = False     # True for a nonblocking worker's channel: see Context.run_in_background
     on_death = "shrink"    # what a death does under ULFM: see Context.on_death ("revoke": a part of a larger whole)
     across_nodes = False   # auto's rules for nodes of several consecutive ranks (learnt on the first call)
+    timeout = None         # seconds a call waits for its peers before a CollectiveTimeout; None: MPICOLL_TIMEOUT's
 
     def __new__(cls, comm: MPI.Intracomm | None = None, *, algorithm: str = "auto"):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -188,7 +189,7 @@ class Communicator(MPI.Intracomm):
         first = context is None
         if first:
             # its set-up waits for every rank first: a rank that never comes is named under this call's name
-            context = self.__dict__["_context"] = Context(self, signature.collective)
+            context = self.__dict__["_context"] = Context(self, signature.collective, timeout=self.timeout)
             context.on_death = self.on_death
             context.fingerprint = Fingerprint(context)      # every rank is here (Context checked)
             if self.background:

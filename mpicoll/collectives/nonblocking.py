@@ -193,6 +193,7 @@ class Worker:
         # module: it hands its class in rather than this module importing it)
         self.comm = communicator(self._channel.comm, algorithm=comm.algorithm)
         self.comm.background = True         # shares the core with the caller: wait without spinning
+        self.comm.timeout = comm.timeout
         self.failed: BaseException | None = None
         self._running: tuple[Request, float] | None = None
         self._queued: collections.deque = collections.deque()

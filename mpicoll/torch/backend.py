@@ -46,10 +46,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from torch.distributed.constants import default_pg_timeout
 
 from ..base import ops
 from ..base.collectives import ALLREDUCE
-from ..base.errors import LaunchMismatch, MismatchError, RootError, Unsupported
+from ..base.errors import CollectiveTimeout, LaunchMismatch, MismatchError, RootError, Unsupported
 from ..channel import watchdog
 from ..channel.checks import Signature
 from ..channel.context import Context
@@ -213,6 +214,9 @@ class _PointToPoint(dist._Work):
                     self.channel.wait_until(lambda: self.request.Get_status(self.status), others)
                     self.source = self.status.Get_source()
                     self.request.Wait()
+            except CollectiveTimeout as error:
+                self.future.set_exception(_in_torch_words(error))
+                raise
             except BaseException as error:
                 self.future.set_exception(error)
                 raise
@@ -242,10 +246,14 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
     later calls from any thread only queue).
     """
 
-    def __init__(self, comm: MPI.Intracomm):
+    def __init__(self, comm: MPI.Intracomm, timeout: timedelta | None = None):
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._comm = Communicator(comm)
+        # the group's timeout (init_process_group's or new_group's), where one was given: every call, mpicoll's
+        # algorithms and MPI's own alike, waits that long for its peers, then raises on the waiting rank
+        if timeout is not None and timeout != default_pg_timeout:
+            self._comm.timeout = timeout.total_seconds()
         self._worker = self._comm.worker()          # made here, so that later calls from any thread only queue
         # bytes: below them auto chooses MPI's own allreduce, which small calls then get straight (allreduce);
         # known once the group's first call, checked across ranks on mpicoll's path, has told the layout
@@ -253,7 +261,8 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         self._straight: dict = {}       # (op, dtype) -> what _straight_op answers
         self._ops: dict = {}            # (op, dtype, call) -> what _op answers, checked once
         self._others = [peer for peer in range(self._size) if peer != self._rank]
-        self._p2p = Context(comm, "point to point")   # apart from the collectives; waits with the deadline
+        # point to point apart from the collectives, waiting with the same deadline
+        self._p2p = Context(comm, "point to point", timeout=self._comm.timeout)
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -277,10 +286,15 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         """Queue ``run(worker_communicator)`` on the group's worker; the Work completes with ``result``.  A
         blocking call (torch's ``opts.asyncOp`` False: the caller waits for it at once) runs in the caller's
         thread, after the calls queued before it: no hand-off to the worker's thread and back."""
+        def worded(worker):
+            try:
+                run(worker)
+            except CollectiveTimeout as error:
+                raise _in_torch_words(error)
         if opts is not None and not opts.asyncOp:
-            self._worker.run_now(name, run)
+            self._worker.run_now(name, worded)
             return _DONE
-        return _Started(self._worker.start(Request(name, run)), result)
+        return _Started(self._worker.start(Request(name, worded)), result)
 
     def _root(self, opts, name: str) -> int:
         """The call's root, checked here, in the caller's thread: a root outside the group, met on the worker,
@@ -376,8 +390,11 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
                     worker.Allreduce(MPI.IN_PLACE, memory, straight[0])
                     return
                 request = MPI.Intracomm.Iallreduce(worker, MPI.IN_PLACE, memory, straight[0])
-                if not request.Test():          # (done at once where the others came first)
-                    context.waitall([request], others)
+                try:
+                    if not request.Test():          # (done at once where the others came first)
+                        context.waitall([request], others)
+                except CollectiveTimeout as error:
+                    raise _in_torch_words(error)
             if opts.asyncOp:
                 return _Started(self._worker.start(Request("all_reduce", run)), tensors)
             self._worker.run_now("all_reduce", run)         # (what _start does, a frame less: this is the hot path)
@@ -458,8 +475,13 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         return self._start("all_gather", run, output_tensors, opts)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        """One all_gather per input tensor, in order (torch's all_gather_coalesced)."""
-        return self._each(lambda outputs, tensor, opts: self.allgather([outputs], [tensor], opts), output_lists,
+        """One all_gather per input tensor, in order (torch's all_gather_coalesced): ``output_lists[r][i]`` gets
+        rank r's ``input_tensors[i]``."""
+        if len(output_lists) != self._size or any(len(outputs) != len(input_tensors) for outputs in output_lists):
+            raise Unsupported(f"all_gather_coalesced: pass one output list per rank of the group ({self._size}), each "
+                              f"with one tensor per input ({len(input_tensors)})")
+        by_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_tensors))]
+        return self._each(lambda outputs, tensor, opts: self.allgather([outputs], [tensor], opts), by_input,
                           input_tensors, opts, "all_gather_coalesced")
 
     def all_gather_single(self, output, input, opts=None):
@@ -692,6 +714,16 @@ def _check_list(tensors, size: int, like: torch.Tensor, name: str, what: str) ->
                                f"{like.numel()}: every one must be of the same size")
 
 
+def _in_torch_words(error: CollectiveTimeout) -> CollectiveTimeout:
+    """``error``, its message opened with torch's words for it (" Timed out ", as gloo's and NCCL's say, which
+    programs and torch's own tests look for), once."""
+    text = str(error)
+    if " Timed out after " not in text:
+        error.args = (f"{error.collective}: Timed out after {error.seconds:g} s (the group's timeout). {text}",
+                      *error.args[1:])
+    return error
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two host tensors' memory ranges overlap (their spans, from first to last element)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
@@ -760,13 +792,13 @@ def _create(options, backend_options=None) -> ProcessGroupMpicoll:
         # A rank that fails tells the others why, and each says so (an uncaught error after init_process_group
         # names its rank on every rank, as gloo's ranks each print theirs)
         watchdog.guard_job(world)
-        return ProcessGroupMpicoll(world.Dup())
+        return ProcessGroupMpicoll(world.Dup(), options.timeout)
     group = world.Get_group().Incl(ranks)
     try:
         comm = world.Create_group(group)
     finally:
         group.Free()
-    return ProcessGroupMpicoll(comm)
+    return ProcessGroupMpicoll(comm, options.timeout)
 
 
 def register() -> None:

@@ -151,9 +151,9 @@ def test_all_gather_coalesced_is_an_all_gather_per_tensor():
     rng = np.random.default_rng(shared_seed())
     shapes = [(3,), (2, 2), (0,), (5,)]
     data = [torch.from_numpy(rng.standard_normal((P, *shape))) for shape in shapes]
-    outputs = [[torch.empty(shape, dtype=torch.float64) for _ in range(P)] for shape in shapes]
+    outputs = [[torch.empty(shape, dtype=torch.float64) for shape in shapes] for _ in range(P)]   # [rank][tensor]
     dist.all_gather_coalesced(outputs, [d[RANK].clone() for d in data])
-    ok = all(torch.equal(torch.stack(out), d) for out, d in zip(outputs, data))
+    ok = all(torch.equal(torch.stack([outputs[r][i] for r in range(P)]), d) for i, d in enumerate(data))
     everywhere(ok, "all_gather_coalesced differs from every rank's tensors")
 
 
