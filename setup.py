@@ -61,7 +61,8 @@ setup(
         # cuda-core, cuda-pathfinder: 68 MB, no toolkit or driver); its simulator does not import without
         # them (measured).  The environment is about 1.6 GB, torch's CPU build 0.75 GB of it.
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-xdist>=3.2", "matplotlib", "numba>=0.59", "numba-cuda",
-                 "scikit-learn", "mnist1d", "torch==2.13.0", "import-linter>=2.13"],
+                 "scikit-learn", "mnist1d", "torch==2.13.0", "import-linter>=2.13",
+                 "expecttest"],     # torch's own distributed test suite needs it (tests/torch/torch_suite.py)
     },
     entry_points={"console_scripts": ["mpicoll = mpicoll.cli:main"]},
     classifiers=[

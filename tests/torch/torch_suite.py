@@ -31,6 +31,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mpicoll.torch  # noqa: E402,F401  (registers the backend)
 
+pytestmark = pytest.mark.mpi
 WORLD = MPI.COMM_WORLD
 BACKEND = os.environ.get("MPICOLL_TORCH_SUITE_BACKEND", "mpicoll")
 
