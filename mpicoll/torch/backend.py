@@ -99,27 +99,36 @@ def rendezvous_address(comm: MPI.Intracomm, master: str | None = None) -> tuple[
 
 
 def mpi_rendezvous(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs):
-    """torch's ``env://`` rendezvous, arranged from MPI when ``MASTER_ADDR`` is not set.
+    """torch's ``env://`` rendezvous, with rank and size from MPI wherever the launcher did not give them.
 
-    Yields (store, rank, world size) as torch's rendezvous handlers do: a TCP
-    store served by MPI rank 0 on a free port, MPI's rank and size.  A rank or
-    world size torch was given (``RANK``, ``WORLD_SIZE``, arguments) must be
-    MPI's.  With ``MASTER_ADDR`` set, torch's own ``env://`` handler runs.
+    Yields (store, rank, world size) as torch's rendezvous handlers do.  A launcher that gave torch its rank
+    and size with ``MASTER_ADDR`` (torchrun; ``RANK`` and ``WORLD_SIZE``, or the arguments) gets torch's own
+    handler.  Otherwise rank and size are MPI's, as torch's MPI backend takes them, ``world_size=0`` (that
+    backend's "ask MPI", which torch's tutorial passes) included, and the store is served by MPI rank 0: at
+    ``MASTER_ADDR``:``MASTER_PORT`` where they are set (``accelerate launch``'s MPI path sets them, and
+    ``RANK`` only later), else on a free port of its host, told to the others through MPI.  A rank or world
+    size that was given must then be MPI's.
     """
-    if "MASTER_ADDR" in os.environ:
+    query = {key: values[-1] for key, values in parse_qs(urlparse(url).query).items()}
+    asked = {"rank": query.get("rank", os.environ.get("RANK")),
+             "world size": query.get("world_size", os.environ.get("WORLD_SIZE"))}
+    ask_mpi = asked["world size"] in (None, "", "-1", "0") or asked["rank"] in (None, "", "-1")
+    if "MASTER_ADDR" in os.environ and not ask_mpi:
         yield from _TORCH_ENV_RENDEZVOUS(url, timeout=timeout, **kwargs)
         return
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    query = {key: values[-1] for key, values in parse_qs(urlparse(url).query).items()}
-    for name, asked, mine in (("rank", query.get("rank", os.environ.get("RANK")), rank),
-                              ("world size", query.get("world_size", os.environ.get("WORLD_SIZE")), size)):
-        if asked not in (None, "", "-1") and int(asked) != mine:
-            raise LaunchMismatch(f"torch.distributed was given {name} {asked}, but MPI's is {mine} (MPI rank "
-                                 f"{rank} of {size}): without MASTER_ADDR, mpicoll takes both from MPI; unset "
-                                 "RANK and WORLD_SIZE, or set MASTER_ADDR and MASTER_PORT for torch's own "
-                                 "rendezvous")
-    host, port = rendezvous_address(world)
+    if asked["world size"] != "0":          # (with world size 0 torch's MPI backend ignores the rank given)
+        for name, mine in (("rank", rank), ("world size", size)):
+            if asked[name] not in (None, "", "-1") and int(asked[name]) != mine:
+                raise LaunchMismatch(f"torch.distributed was given {name} {asked[name]}, but MPI's is {mine} (MPI "
+                                     f"rank {rank} of {size}): where the launcher did not give both with "
+                                     "MASTER_ADDR, mpicoll takes them from MPI; unset RANK and WORLD_SIZE, or set "
+                                     "both with MASTER_ADDR and MASTER_PORT for torch's own rendezvous")
+    if "MASTER_ADDR" in os.environ:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
+    else:
+        host, port = rendezvous_address(world)
     if rank == 0:
         store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
     else:

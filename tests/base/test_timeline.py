@@ -9,7 +9,7 @@ import pytest
 from tests.support.jobs import launch
 
 SCRIPT = """
-import sys, numpy as np
+import sys, time, numpy as np
 from mpi4py import MPI
 import mpicoll
 from mpicoll import timeline
@@ -19,6 +19,7 @@ with timeline.span("my phase", size=x.nbytes):
     comm.Allreduce(MPI.IN_PLACE, x)
 request = comm.Iallreduce(MPI.IN_PLACE, x)
 timeline.instant("marker")
+time.sleep(0.5)                              # computing meanwhile: the worker's thread runs the call
 request.Wait()
 mpicoll.allreduce(np.ones(3))                # a small call, which auto hands to MPI: recorded too
 comm.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from mpicoll.base.config import cores
-from tests.support.jobs import ROOT, launch
+from tests.support.jobs import ROOT, command, launch
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
 
@@ -137,3 +138,32 @@ def test_an_uncaught_error_on_one_rank_is_printed_and_ends_the_job(ranks, exit):
     assert "mpicoll: rank 1 ends the job: ValueError: the loss is not a number on rank 1" in result.stderr
     for other in set(range(ranks)) - {1}:
         assert f"mpicoll: rank {other} stops: rank 1 failed: ValueError" in result.stderr, result.stderr[-3000:]
+
+
+# torch's tutorial ("Writing Distributed Applications") starts its MPI recipe so; accelerate's MPI launch exports
+# MASTER_ADDR and MASTER_PORT, and RANK only later, inside Accelerator()
+TUTORIAL = """
+import sys, torch, torch.distributed as dist, mpicoll.torch
+if sys.argv[1] == "tutorial":
+    dist.init_process_group("mpicoll", rank=0, world_size=0)
+else:
+    dist.init_process_group("mpicoll")
+t = torch.full((3,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.tolist()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["tutorial", "master only"])
+def test_rank_and_size_come_from_mpi_where_the_launcher_gave_only_the_master(how):
+    """MASTER_ADDR and MASTER_PORT set, no RANK: rank and size are MPI's (they were handed to torch's env://,
+    which wanted RANK; and world_size=0 gave "TCPStore world size cannot be 0")."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result = subprocess.run([*command(3), sys.executable, "-c", TUTORIAL, how], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=ROOT, start_new_session=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    reports = sorted(re.findall(r"rank (\d) of (\d): (\[[^]]*\])", result.stdout))
+    assert reports == [(str(r), "3", "[6.0, 6.0, 6.0]") for r in range(3)], result.stdout
