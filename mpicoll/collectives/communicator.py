@@ -159,16 +159,15 @@ class Communicator(MPI.Intracomm):
         and waited for on its channel with its deadline: past it, a :class:`~mpicoll.CollectiveTimeout` on the
         waiting rank naming the missing ones, where a blocking MPI call cannot be left and the watchdog ends the
         job.  The communicator's first call is checked across ranks (``signature``), as its collectives' are."""
+        signature.algorithm = "mpi"             # (MPI's own call: no fingerprint travels with it)
         with _OneCall(self, signature.collective):
             context = self._checked_context(signature)
             try:
                 request = start()
-                done = request.Test()
             except MPI.Exception as error:
                 context.raise_if_ranks_lost(error)
                 raise
-            if not done:
-                context.waitall([request], context.others())
+            context.waitall([request], context.others())
 
     def Free(self) -> None:
         """Free the communicator, as mpi4py does, and mpicoll's resources with it."""
@@ -316,10 +315,9 @@ class Communicator(MPI.Intracomm):
         self._bcast_arguments(buf, root)
         return self.start(Request(BCAST.nonblocking, lambda comm: comm.Bcast(buf, root)))
 
-    def start(self, request: Request, wait: bool = False) -> Request:
-        """Hand ``request`` to this communicator's worker (:meth:`worker`); ``wait``: the caller waits for it at
-        once (:meth:`Worker.start`)."""
-        return self.worker().start(request, wait)
+    def start(self, request: Request) -> Request:
+        """Hand ``request`` to this communicator's worker (:meth:`worker`)."""
+        return self.worker().start(request)
 
     def worker(self) -> Worker:
         """The worker that runs this communicator's started calls in order, made by the first call that needs

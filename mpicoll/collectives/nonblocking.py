@@ -203,7 +203,6 @@ class Worker:
         self._runner: int | None = None     # that thread's ident
         self._thread = None
         self._thread_ident: int | None = None
-        self._napping: bool | None = None   # how the channel's waits were last set: napping or spinning first
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             self._thread = threading.Thread(target=self._serve, name="mpicoll-nonblocking", daemon=True)
             self._thread.start()
@@ -214,13 +213,12 @@ class Worker:
                           "run to completion when started, overlapping nothing", RuntimeWarning, stacklevel=3)
             Worker._warned = True
 
-    def start(self, request: Request, wait: bool = False) -> Request:
+    def start(self, request: Request) -> Request:
         """Queue ``request`` behind the calls started before it; or run it now, without a thread, or when it
         is started by the thread running the calls: by a callback of a call that just completed (``then``,
         ``add_done_callback``, a torch future's chain), which may wait for it.  Queued, it would wait for the
         thread that waits for it; run there and then, it runs right after the call whose callback started it,
-        on every rank alike.  ``wait``: the caller waits for it at once (a blocking call): it runs in this
-        thread after the queued calls, unless the worker's thread is running them (then it runs it)."""
+        on every rank alike."""
         request._worker = self
         timeline.instant(f"start {request.collective}", "nonblocking")
         if self._thread is None or self._runner == threading.get_ident():
@@ -228,13 +226,7 @@ class Worker:
             return request
         with self._queue_changed:
             self._queued.append(request)
-            if not wait:
-                self._queue_changed.notify()
-        if wait:
-            self.run_queued(until=request)
-            if not request._done.is_set():      # the worker's thread holds the turn: it runs this one too
-                with self._queue_changed:
-                    self._queue_changed.notify()
+            self._queue_changed.notify()
         return request
 
     def run_queued(self, until: Request | None = None) -> None:
@@ -299,11 +291,9 @@ class Worker:
             raise MpicollError(f"{collective}: not run, because an earlier nonblocking call on this communicator "
                                f"failed: {self.failed}")
         napping = self._runner is not None and self._runner == self._thread_ident
-        if self._napping is not napping:       # the worker's thread naps in its waits; a caller's spins first
-            context = self.comm.context()
-            if context is not None:
-                context.run_in_background(napping)
-                self._napping = napping
+        context = self.comm.context()          # the worker's thread naps in its waits; a caller's spins first
+        if context is not None and context.napping is not napping:
+            context.run_in_background(napping)
         outer, self._running = self._running, (request, time.monotonic())    # outer: a call whose callback
         try:                                                                  # started this one
             run(self.comm)

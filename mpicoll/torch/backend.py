@@ -4,34 +4,36 @@
     dist.init_process_group("mpicoll")           # under mpiexec, mpirun or srun: nothing else to set
     model = DistributedDataParallel(model)       # no gloo anywhere
 
-Rank and size are MPI's.  torch insists on a rendezvous store before it
-builds any process group; with no ``MASTER_ADDR`` set, its ``env://``
-rendezvous is arranged from MPI: rank 0 opens a TCP store on a free port and
-tells the others through MPI (:func:`mpi_rendezvous`).  With ``MASTER_ADDR``
-set (torchrun), torch's own rendezvous runs, and the backend refuses a torch
-world that is not MPI's world (separate one-rank MPI jobs would otherwise
-each reduce alone).
+Rank and size are MPI's wherever the launcher did not give both.  torch
+insists on a rendezvous store before it builds any process group; its
+``env://`` rendezvous is arranged from MPI (:func:`mpi_rendezvous`): rank 0
+serves a TCP store at ``MASTER_ADDR`` where it is set, else on a free port it
+tells the others through MPI.  A launcher that gave rank and size with
+``MASTER_ADDR`` (torchrun) gets torch's own rendezvous, and the backend refuses
+a torch world that is not MPI's world (separate one-rank MPI jobs would
+otherwise each reduce alone).
 
 Each process group is an MPI communicator of its ranks (``new_group`` makes
 one with ``MPI_Comm_create_group``, among the members only) wrapped in a
-:class:`mpicoll.Communicator`.  Every collective is a started call on that
-communicator's nonblocking worker (:mod:`mpicoll.collectives.nonblocking`):
-one thread runs them in the order they were issued, from whichever thread
-issued them (DDP's autograd threads included), on the tensors' own memory
-(CPU tensors through numpy without a copy).  ``allreduce``, ``broadcast``,
-``all_gather(_into_tensor)`` and ``reduce_scatter(_tensor)`` run mpicoll's
-algorithms (``auto`` chooses by size); ``reduce``, ``gather``, ``scatter``,
-``all_to_all(_single)`` and ``barrier`` are MPI's own, run by the same
-thread.  A call returns a ``Work`` whose future completes when the worker
-has run it, so ``async_op=True`` overlaps and the blocking form waits.
-Point-to-point ``send``/``recv``/``isend``/``irecv`` use a communicator of
-their own, so a pending receive never holds up a collective.
+:class:`mpicoll.Communicator`, whose nonblocking worker
+(:mod:`mpicoll.collectives.nonblocking`) runs the group's calls one at a time
+in the order they were issued: a blocking one (torch's ``async_op=False``) in
+the calling thread, after those queued before it; a started one on the
+worker's thread, while its caller computes (DDP's autograd threads included).
+Calls run on the tensors' own memory (CPU tensors through numpy without a
+copy).  A small ``allreduce`` goes straight to MPI's own, as ``auto`` would
+choose; larger ones, ``broadcast``, ``all_gather(_into_tensor)`` and
+``reduce_scatter(_tensor)`` run mpicoll's algorithms; ``reduce``, ``gather``,
+``scatter``, ``all_to_all(_single)`` and ``barrier`` are MPI's own, started
+nonblocking; every wait is bounded by the group's timeout (or
+``MPICOLL_TIMEOUT``) and raises on the waiting rank.  Point-to-point
+``send``/``recv``/``isend``/``irecv`` use a communicator of their own, so a
+pending receive never holds up a collective.
 
-Not supported, with an error saying so: ``recv`` without a source, reduce
-ops other than SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR and PREMUL_SUM,
-several tensors per call (torch's multi-device form), and sparse tensors.
-bfloat16 tensors are reduced in float32 and rounded back (numpy has no
-bfloat16 arithmetic of its own).
+Not supported, with an error saying so: several tensors per call (torch's
+multi-device form), sparse tensors but in ``all_reduce`` with SUM.  bfloat16
+tensors are reduced in float32 and rounded back (numpy has no bfloat16
+arithmetic of its own).
 """
 
 from __future__ import annotations
@@ -69,11 +71,11 @@ _R = dist.ReduceOp.RedOpType
 # multiplied by the op's factor)
 _MPI_OPS = {**{getattr(_R, op.torch): op.mpi_op for op in ops.OPS if op.torch}, _R.AVG: MPI.SUM,
             _R.PREMUL_SUM: MPI.SUM}
-# torch's ops on bool tensors, as MPI's logical ones (MPI defines no arithmetic on bool)
 _UNKNOWN = object()
 # the dtypes every MPI reduces as they are (16-bit floats and bool take mpicoll's paths)
 _MPI_DTYPES = frozenset({torch.float64, torch.float32, torch.int64, torch.int32, torch.int16,
                          torch.int8, torch.uint8, torch.complex64, torch.complex128})
+# torch's ops on bool tensors, as MPI's logical ones (MPI defines no arithmetic on bool)
 _ON_BOOL = {_R.SUM: MPI.LOR, _R.MAX: MPI.LOR, _R.BOR: MPI.LOR, _R.PRODUCT: MPI.LAND, _R.MIN: MPI.LAND,
             _R.BAND: MPI.LAND, _R.BXOR: MPI.LXOR}
 
@@ -219,8 +221,7 @@ class _PointToPoint(dist._Work):
                 if self.status is None:
                     self.channel.waitall([self.request], self.peer)
                 else:       # (Get_status leaves the request, and so its status, to read)
-                    others = [rank for rank in range(self.channel.size) if rank != self.channel.rank]
-                    self.channel.wait_until(lambda: self.request.Get_status(self.status), others)
+                    self.channel.wait_until(lambda: self.request.Get_status(self.status), self.channel.others())
                     self.source = self.status.Get_source()
                     self.request.Wait()
             except CollectiveTimeout as error:
@@ -269,9 +270,9 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         self._straight_below = 0
         self._straight: dict = {}       # (op, dtype) -> what _straight_op answers
         self._ops: dict = {}            # (op, dtype, call) -> what _op answers, checked once
-        self._others = [peer for peer in range(self._size) if peer != self._rank]
         # point to point apart from the collectives, waiting with the same deadline
         self._p2p = Context(comm, "point to point", timeout=self._comm.timeout)
+        self._others = self._p2p.others()     # (every rank but this one: what a small allreduce waits for)
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -397,17 +398,9 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
                 context = worker.context()
                 if context is None:             # a fresh channel (after an error): its first call is checked
                     worker.Allreduce(MPI.IN_PLACE, memory, straight[0])
-                    return
-                request = MPI.Intracomm.Iallreduce(worker, MPI.IN_PLACE, memory, straight[0])
-                try:
-                    if not request.Test():          # (done at once where the others came first)
-                        context.waitall([request], others)
-                except CollectiveTimeout as error:
-                    raise _in_torch_words(error)
-            if opts.asyncOp:
-                return _Started(self._worker.start(Request("all_reduce", run)), tensors)
-            self._worker.run_now("all_reduce", run)         # (what _start does, a frame less: this is the hot path)
-            return _DONE
+                else:
+                    context.waitall([MPI.Intracomm.Iallreduce(worker, MPI.IN_PLACE, memory, straight[0])], others)
+            return self._start("all_reduce", run, tensors, opts)
         op, factor, average = self._op(opts, "all_reduce", tensor)
         buffer = TensorBuffer(tensor)
 
