@@ -5,7 +5,9 @@ installed torch) as a test case.
 
     mpiexec -n 3 python -m pytest tests/torch/torch_suite.py --with-mpi -p no:cacheprovider
 
-Not named ``test_*``: the suite's tiers collect it only where scripts/run-tests names it (at 3 ranks).
+Not named ``test_*``: the suite's tiers collect it only where scripts/run-tests names it (at 3 ranks), in a
+pytest of its own (it makes the default group at import; the other torch modules' fixtures make it too, and
+collected beside them their tests error with "trying to initialize the default process group twice").
 
 The suite gates tests on the backend's name, read once at import (``BACKEND``): by default it is told
 "mpicoll", and runs what torch runs for a backend it does not know (its gloo- and nccl-only tests skip);
