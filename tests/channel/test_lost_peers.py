@@ -27,6 +27,7 @@ _ONE_DIES = """
 import os, sys, time, numpy as np
 from mpi4py import MPI
 import mpicoll
+from tests.support.outcomes import leave_outcome
 world = MPI.COMM_WORLD
 comm = mpicoll.Communicator(world, algorithm="ring")
 comm.Allreduce(np.ones(50000), np.empty(50000))
@@ -40,10 +41,7 @@ try:
     outcome = "finished"
 except mpicoll.CollectiveTimeout as error:
     outcome = str(error)
-# stdout may be lost when the job is torn down: leave the outcome in a file
-with open(os.path.join(sys.argv[1], f"rank{{world.rank}}.txt"), "w") as handle:
-    handle.write(outcome)
-time.sleep(0.5)
+leave_outcome(sys.argv[1], world.rank, outcome)
 world.Abort(0)
 """
 
@@ -119,6 +117,7 @@ def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(t
         import os, sys, time, numpy as np
         from mpi4py import MPI
         import mpicoll
+        from tests.support.outcomes import leave_outcome
         world = MPI.COMM_WORLD
         if world.rank == world.size - 1:
             time.sleep(8)
@@ -134,9 +133,7 @@ def test_a_rank_that_never_makes_the_first_call_is_named_under_that_calls_name(t
             mine = np.zeros(3)
             world.Recv(mine, 0, 99)
             outcome += f" (the program's message: {mine.tolist()})"
-        with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
-            handle.write(outcome)
-        time.sleep(0.5)   # the other survivor writes its outcome too before the abort ends it
+        leave_outcome(sys.argv[1], world.rank, outcome)
         world.Abort(0)
     """))
     outcomes = outcomes_of(script, tmp_path)
@@ -156,6 +153,7 @@ def test_a_late_peers_message_never_lands_in_memory_the_survivors_let_go(tmp_pat
         os.environ["MPICOLL_CHANNEL"] = "p2p"         # messages (3 ranks on 2 cores would share memory)
         from mpi4py import MPI
         import mpicoll
+        from tests.support.outcomes import leave_outcome, wait_for_outcomes
         world = MPI.COMM_WORLD
         late = world.rank == world.size - 1
         comm = mpicoll.Communicator(world, algorithm="ring")
@@ -167,6 +165,7 @@ def test_a_late_peers_message_never_lands_in_memory_the_survivors_let_go(tmp_pat
             except mpicoll.CollectiveTimeout:
                 pass
             world.Barrier()
+            wait_for_outcomes(sys.argv[1])
         else:
             try:
                 comm.Allreduce(np.ones(1000), np.empty(1000))
@@ -181,9 +180,7 @@ def test_a_late_peers_message_never_lands_in_memory_the_survivors_let_go(tmp_pat
                 world.Barrier()                       # waits while the late rank's messages arrive
                 overwritten = sum(int((array != 7.0).any()) for array in made)
                 outcome = f"{overwritten} arrays overwritten"
-            with open(os.path.join(sys.argv[1], f"rank{world.rank}.txt"), "w") as handle:
-                handle.write(outcome)
-        time.sleep(0.5)
+            leave_outcome(sys.argv[1], world.rank, outcome)
         world.Abort(0)
     """))
     outcomes = outcomes_of(script, tmp_path)
