@@ -20,6 +20,8 @@ and round once, allgather and broadcast move the bits.  Host arrays only.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from mpi4py import MPI
 
@@ -221,14 +223,18 @@ def _bfloat16_out(out):
 
     def convert(bits):
         if out is None:
-            return bits.view(_BFLOAT16_OP.dtype)
+            return bits.view(_bfloat16_op().dtype)
         if not aliased:
-            out[...] = bits.view(_BFLOAT16_OP.dtype)
+            out[...] = bits.view(_bfloat16_op().dtype)
         return out
     return (_bits(out) if aliased else None), convert
 
 
-_BFLOAT16_OP = Compression("bf16")    # the op that adds bfloat16 words in float32, rounding each sum once
+@functools.cache
+def _bfloat16_op() -> Compression:
+    """The op that adds bfloat16 words in float32, rounding each sum once (made at first use: ml_dtypes takes
+    about 1 s to import, which every process of every job would pay at ``import mpicoll``)."""
+    return Compression("bf16")
 
 
 def _bfloat16_reduction(collective: Collective, x, op, comm, algorithm, out, communicator: Communicator, kind):
@@ -257,9 +263,9 @@ def _bfloat16_reduction(collective: Collective, x, op, comm, algorithm, out, com
     if collective is ALLREDUCE:
         if result is not x:
             result[...] = x
-        args = (MPI.IN_PLACE, result.view(np.uint16), _BFLOAT16_OP.op)
+        args = (MPI.IN_PLACE, result.view(np.uint16), _bfloat16_op().op)
     else:
-        args = (_bits(x), result.view(np.uint16), _BFLOAT16_OP.op)
+        args = (_bits(x), result.view(np.uint16), _bfloat16_op().op)
     return _Call(communicator, collective, args, result, copy_into, divide_by)
 
 
