@@ -30,6 +30,10 @@
                            default where the compiled path was built at install)
                            or ``python`` (the same path in Python, ~0.1 us a
                            call slower)
+``MPICOLL_JOIN_JOBS``      0 (default) or 1: join the separate MPI jobs of a
+                           torch world (torchrun's workers) with MPI's
+                           connect/accept under MPICH (mpicoll.torch.joining:
+                           it crashed in some runs here, so it is opt-in)
 =========================  =======================================================
 
 Switches take 1/0, yes/no, true/false or on/off.  Every value is checked where
@@ -44,7 +48,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["debug", "timeout", "segment_bytes", "channel", "end_broken_jobs", "kernels", "cuda_aware",
-           "ucx_defaults", "fast_path", "parse_bytes", "cores", "check_all"]
+           "ucx_defaults", "fast_path", "join_jobs", "parse_bytes", "cores", "check_all"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -146,10 +150,15 @@ def check_launch() -> bool:
     return _switch("MPICOLL_CHECK_LAUNCH", True)
 
 
+def join_jobs() -> bool:
+    """Whether a torch world of separate MPI jobs is joined into one communicator (mpicoll.torch.joining)."""
+    return _switch("MPICOLL_JOIN_JOBS", False)
+
+
 def check_all() -> None:
     """Read every setting above, raising the first bad one's ValueError."""
     timeout(), segment_bytes(), channel(), end_broken_jobs(), debug(), kernels(), cuda_aware(), ucx_defaults()
-    fast_path(), check_launch(), restart()
+    fast_path(), check_launch(), join_jobs(), restart()
 
 
 def cores() -> int:

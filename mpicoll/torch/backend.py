@@ -9,9 +9,10 @@ insists on a rendezvous store before it builds any process group; its
 ``env://`` rendezvous is arranged from MPI (:func:`mpi_rendezvous`): rank 0
 serves a TCP store at ``MASTER_ADDR`` where it is set, else on a free port it
 tells the others through MPI.  A launcher that gave rank and size with
-``MASTER_ADDR`` (torchrun) gets torch's own rendezvous, and the backend refuses
-a torch world that is not MPI's world (separate one-rank MPI jobs would
-otherwise each reduce alone).
+``MASTER_ADDR`` (torchrun) gets torch's own rendezvous; a torch world that is
+not MPI's world (torchrun's workers) is joined into one communicator where the
+MPI can, and asked to (:mod:`.joining`), else refused in one line (separate
+MPI jobs would otherwise each reduce alone).
 
 Each process group is an MPI communicator of its ranks (``new_group`` makes
 one with ``MPI_Comm_create_group``, among the members only) wrapped in a
@@ -60,6 +61,7 @@ from ..collectives.algorithms import auto
 from ..collectives.communicator import Communicator
 from ..collectives.nonblocking import Request
 from ..collectives.reduction import op_name
+from . import joining
 from .collectives import TensorBuffer, as_array
 
 __all__ = ["BACKEND", "ProcessGroupMpicoll", "mpi_rendezvous", "rendezvous_address"]
@@ -273,6 +275,12 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         # point to point apart from the collectives, waiting with the same deadline
         self._p2p = Context(comm, "point to point", timeout=self._comm.timeout)
         self._others = self._p2p.others()     # (every rank but this one: what a small allreduce waits for)
+
+    def _get_backend(self, device) -> "ProcessGroupMpicoll":
+        """torch asks a group for its backend of a device (2.14's ``batch_isend_irecv`` asks whether it
+        coalesces, on any ProcessGroup): a group written in Python is its own backend, on every device; it does
+        not coalesce, so torch sends the batch's operations one by one."""
+        return self
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -781,20 +789,24 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
 
 # -- making groups -----------------------------------------------------------------------------------------
 
+# torch's world as an MPI communicator: MPI's world, or the MPI jobs torchrun started joined into one
+_WORLD: MPI.Intracomm = MPI.COMM_WORLD
+
+
 def _create(options, backend_options=None) -> ProcessGroupMpicoll:
     """torch's creator (extended form): a group over MPI's world, or over the ranks ``new_group`` lists."""
-    world = MPI.COMM_WORLD
+    global _WORLD
     ranks = list(options.global_ranks_in_group)
-    if not ranks:                                   # the default group: torch's world must be MPI's
-        if options.group_size != world.Get_size():
-            raise LaunchMismatch(
-                f"torch.distributed has {options.group_size} ranks but MPI's world has {world.Get_size()}: the "
-                "mpicoll backend needs the processes started by one MPI launcher (mpiexec, mpirun, srun "
-                "--mpi=pmix or pmi2), not torchrun or separate MPI jobs")
+    if not ranks:                                   # the default group: torch's world, MPI's or joined
+        _WORLD = MPI.COMM_WORLD
+        if options.group_size != _WORLD.Get_size():      # (torchrun's workers, each an MPI job)
+            _WORLD = joining.join(options.store, options.group_rank, options.group_size, options.timeout)
+        world = _WORLD
         # A rank that fails tells the others why, and each says so (an uncaught error after init_process_group
         # names its rank on every rank, as gloo's ranks each print theirs)
         watchdog.guard_job(world)
         return ProcessGroupMpicoll(world.Dup(), options.timeout)
+    world = _WORLD
     group = world.Get_group().Incl(ranks)
     try:
         comm = world.Create_group(group)
