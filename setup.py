@@ -62,7 +62,10 @@ setup(
         # them (measured).  The environment is about 1.6 GB, torch's CPU build 0.75 GB of it.
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-xdist>=3.2", "matplotlib", "numba>=0.59", "numba-cuda",
                  "scikit-learn", "mnist1d", "torch==2.13.0", "import-linter>=2.13",
-                 "expecttest"],     # torch's own distributed test suite needs it (tests/torch/torch_suite.py)
+                 "expecttest",      # torch's own distributed test suite needs it (tests/torch/torch_suite.py)
+                 # programs nobody here wrote, run over the backend (tests/torch/test_lightning.py,
+                 # test_accelerate.py): 66 MB with their dependencies, about 45 s of the single-process tier
+                 "lightning", "accelerate"],
     },
     entry_points={"console_scripts": ["mpicoll = mpicoll.cli:main"]},
     classifiers=[

@@ -2,7 +2,7 @@
 DDPStrategy and MPIEnvironment under mpiexec, ``self.log(..., sync_dist=True, on_epoch=True)`` (the epoch's
 aggregate carries an int64 batch-size counter, which Lightning averages with AVG on every backend not named gloo,
 as NCCL takes it: refused, it ended the job), its weights and logged values bit-identical to the same run over
-gloo.  Skipped where Lightning is not installed (``pip install lightning``)."""
+gloo; and a Fabric program likewise.  Skipped where Lightning is not installed (the test extra installs it)."""
 
 from __future__ import annotations
 
@@ -66,3 +66,44 @@ def test_a_lightning_trainer_with_sync_dist_trains_as_over_gloo():
         runs[backend] = sorted(re.findall(r"rank (\d): ([0-9a-f]{64}) (\S+)", result.stdout))
         assert len(runs[backend]) == 2, result.stdout
     assert runs["mpicoll"] == runs["gloo"], runs
+
+
+FABRIC = """
+import sys, hashlib, torch
+import lightning as L
+from lightning.fabric.plugins.environments import MPIEnvironment
+from lightning.fabric.strategies import DDPStrategy
+import mpicoll.torch
+
+fabric = L.Fabric(accelerator="cpu", devices=2,
+                  strategy=DDPStrategy(process_group_backend=sys.argv[1], cluster_environment=MPIEnvironment()))
+fabric.launch()
+fabric.seed_everything(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+x = torch.randn(256, 6)
+data = fabric.setup_dataloaders(torch.utils.data.DataLoader(
+    torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16))
+for epoch in range(2):
+    for inputs, target in data:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), target)
+        fabric.backward(loss)
+        optimizer.step()
+seen = fabric.all_reduce(torch.tensor(len(x) // 2), reduce_op="mean")     # an int64 averaged, as Lightning does
+fabric.barrier()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+print(f"rank {fabric.global_rank}: {digest} {seen.item()} {fabric.world_size}", flush=True)
+"""
+
+
+def test_a_fabric_program_trains_as_over_gloo():
+    """Fabric with one changed argument (``process_group_backend``): weights, an averaged int64 and the world
+    size bit-identical to the same run over gloo."""
+    runs = {}
+    for backend in ("gloo", "mpicoll"):
+        result = launch(2, "-c", FABRIC, backend, timeout=240, env={"PYTHONPATH": PATH})
+        assert result.returncode == 0, f"{backend}: {result.stderr[-3000:]}"
+        runs[backend] = sorted(re.findall(r"rank (\d): ([0-9a-f]{64}) (\S+) (\d)", result.stdout))
+        assert len(runs[backend]) == 2, result.stdout
+    assert runs["mpicoll"] == runs["gloo"] and runs["gloo"][0][2:] == ("128", "2"), runs
