@@ -58,13 +58,19 @@ print(f"rank {trainer.global_rank}: {digest} {trainer.callback_metrics['seen'].i
 """
 
 
-def test_a_lightning_trainer_with_sync_dist_trains_as_over_gloo():
+def over_gloo_and_mpicoll(program: str, printed: str) -> dict[str, list]:
+    """{backend: each rank's ``printed`` groups, in rank order} of ``program`` run at 2 ranks over each."""
     runs = {}
     for backend in ("gloo", "mpicoll"):
-        result = launch(2, "-c", TRAIN, backend, timeout=240, env={"PYTHONPATH": PATH})
+        result = launch(2, "-c", program, backend, timeout=240, env={"PYTHONPATH": PATH})
         assert result.returncode == 0, f"{backend}: {result.stderr[-3000:]}"
-        runs[backend] = sorted(re.findall(r"rank (\d): ([0-9a-f]{64}) (\S+)", result.stdout))
+        runs[backend] = sorted(re.findall(printed, result.stdout))
         assert len(runs[backend]) == 2, result.stdout
+    return runs
+
+
+def test_a_lightning_trainer_with_sync_dist_trains_as_over_gloo():
+    runs = over_gloo_and_mpicoll(TRAIN, r"rank (\d): ([0-9a-f]{64}) (\S+)")
     assert runs["mpicoll"] == runs["gloo"], runs
 
 
@@ -100,10 +106,5 @@ print(f"rank {fabric.global_rank}: {digest} {seen.item()} {fabric.world_size}", 
 def test_a_fabric_program_trains_as_over_gloo():
     """Fabric with one changed argument (``process_group_backend``): weights, an averaged int64 and the world
     size bit-identical to the same run over gloo."""
-    runs = {}
-    for backend in ("gloo", "mpicoll"):
-        result = launch(2, "-c", FABRIC, backend, timeout=240, env={"PYTHONPATH": PATH})
-        assert result.returncode == 0, f"{backend}: {result.stderr[-3000:]}"
-        runs[backend] = sorted(re.findall(r"rank (\d): ([0-9a-f]{64}) (\S+) (\d)", result.stdout))
-        assert len(runs[backend]) == 2, result.stdout
+    runs = over_gloo_and_mpicoll(FABRIC, r"rank (\d): ([0-9a-f]{64}) (\S+) (\d)")
     assert runs["mpicoll"] == runs["gloo"] and runs["gloo"][0][2:] == ("128", "2"), runs
