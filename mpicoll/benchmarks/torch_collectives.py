@@ -9,8 +9,11 @@ gloo's ``all_reduce``, MPI's own ``Allreduce`` on the tensor's memory
 (``dist``), the same call over a group of a backend that does nothing
 (``floor``: torch's dispatch to any process group written in Python, the
 cost no such backend can go under), and ``mpicoll.torch.allreduce(t, "sum", out=t)``
-for each ``--algorithms``; every peer's result is first checked against the
-exact sum.  The peers then take turns in an order drawn afresh each round, a barrier before
+for each ``--algorithms``; ``--peers`` leaves some of the first four out (each
+peer's calls leave the caches and cores as they leave them, and gloo's threads
+spin on: the price of a small call beside MPI and the floor alone is
+``--peers mpi,floor,dist --algorithms ''``).  Every peer's result is first
+checked against the exact sum.  The peers then take turns in an order drawn afresh each round, a barrier before
 each call; a call's time is the slowest rank's, and the median over
 ``--iters`` rounds is reported, with each column's speed against gloo's and
 MPI's.  Multi-node runs need gloo's
@@ -27,7 +30,9 @@ from ..base.config import parse_bytes
 from . import torch_training
 from .common import format_bytes, interleaved_times, parse_sizes, write_records
 
-__all__ = ["run"]
+__all__ = ["run", "PEERS"]
+
+PEERS = ("gloo", "mpi", "floor", "dist")      # torch's gloo, MPI's own call, torch's floor, the backend
 
 
 def add_parser(commands) -> None:
@@ -36,7 +41,9 @@ def add_parser(commands) -> None:
                             "MPI's own, in place",
         description="Run under mpiexec, e.g.: mpiexec -n 4 mpicoll bench-torch --sizes 1M,16M")
     bench.add_argument("--sizes", default="64K,1M,16M", help="bytes: '1M,16M' or LOW:HIGH[:FACTOR]")
-    bench.add_argument("--algorithms", default="auto", help="mpicoll algorithms to time (default auto)")
+    bench.add_argument("--algorithms", default="auto", help="mpicoll algorithms to time (default auto; '' none)")
+    bench.add_argument("--peers", default=",".join(PEERS),
+                       help=f"which of {', '.join(PEERS)} to time beside them (default all)")
     bench.add_argument("--iters", type=int, default=10, help="timed calls per size and peer (default 10)")
     bench.add_argument("--master", help="host for gloo's rendezvous (default: rank 0's; 127.0.0.1 on one node)")
     bench.add_argument("--timeout", type=float, default=60, help="seconds for gloo's set-up and calls")
@@ -84,7 +91,11 @@ def run(args) -> int:
         raise SystemExit(f"mpicoll bench-torch needs PyTorch (pip install -e '.[torch]'): {error}") from None
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    algorithms = ["dist"] + [name.strip() for name in args.algorithms.split(",") if name.strip()]
+    peers = [name.strip() for name in args.peers.split(",") if name.strip()]
+    if not peers or set(peers) - set(PEERS):
+        raise SystemExit(f"mpicoll bench-torch: --peers takes some of {', '.join(PEERS)}, got {args.peers!r}")
+    algorithms = [name for name in PEERS if name in peers and name == "dist"] + \
+        [name.strip() for name in args.algorithms.split(",") if name.strip()]
     mt.init_process_group("gloo", comm=comm, master=args.master, timeout=args.timeout)
     group = dist.new_group(backend="mpicoll")          # every rank, over the "mpicoll" backend
     floor = dist.new_group(backend=_floor_backend(dist))   # torch's dispatch to a Python group doing nothing
@@ -96,20 +107,24 @@ def run(args) -> int:
         finally:
             dist.destroy_process_group()
     records = []
+    gloo, mpi, ratio = "gloo" in peers, "mpi" in peers, {"dist", "mpi", "floor"} <= set(peers)
     if rank == 0:
         print(f"# mpicoll bench-torch: {size} ranks, float32, in place, sum; median of {args.iters} calls, "
               "slowest rank; torch " + torch.__version__)
-        print(f"{'size':>10} {'gloo ms':>9} {'MPI ms':>9} {'floor ms':>9} "
-              + " ".join(f"{name + ' ms':>12} {'x gloo':>7} {'x MPI':>6}" for name in algorithms)
-              + f" {'dist x (MPI+floor)':>18}")
+        print(f"{'size':>10}" + "".join(f" {label + ' ms':>9}" for name, label in
+                                          (("gloo", "gloo"), ("mpi", "MPI"), ("floor", "floor")) if name in peers)
+              + "".join(f" {name + ' ms':>12}" + (f" {'x gloo':>7}" if gloo else "") + (f" {'x MPI':>6}" if mpi else "")
+                        for name in algorithms)
+              + (f" {'dist x (MPI+floor)':>18}" if ratio else ""))
     for nbytes in parse_sizes(args.sizes):
         tensor = torch.empty(max(1, nbytes // 4), dtype=torch.float32)
         memory = tensor.numpy()
         calls = {"gloo": lambda: dist.all_reduce(tensor), "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, memory),
                  "floor": lambda: dist.all_reduce(tensor, group=floor),
-                 "dist": lambda: dist.all_reduce(tensor, group=group),
+                 "dist": lambda: dist.all_reduce(tensor, group=group)}
+        calls = {**{name: calls[name] for name in PEERS if name in peers},
                  **{name: lambda name=name: mt.allreduce(tensor, "sum", algorithm=name, out=tensor)
-                    for name in algorithms[1:]}}
+                    for name in algorithms if name != "dist"}}
         for peer, call in calls.items():            # right first (and warm), then timed on zeros: no overflow
             tensor.fill_(rank + 1)
             call()
@@ -121,11 +136,11 @@ def run(args) -> int:
         record = {"bytes": tensor.numel() * 4, "ranks": size, **{f"{k}_s": v for k, v in times.items()}}
         records.append(record)
         if rank == 0:
-            print(f"{format_bytes(record['bytes']):>10} {times['gloo'] * 1e3:>9.4f} {times['mpi'] * 1e3:>9.4f} "
-                  f"{times['floor'] * 1e3:>9.4f} "
-                  + " ".join(f"{times[name] * 1e3:>12.4f} {times['gloo'] / times[name]:>7.2f} "
-                             f"{times['mpi'] / times[name]:>6.2f}" for name in algorithms)
-                  + f" {times['dist'] / (times['mpi'] + times['floor']):>18.2f}", flush=True)
+            print(f"{format_bytes(record['bytes']):>10}"
+                  + "".join(f" {times[name] * 1e3:>9.4f}" for name in ("gloo", "mpi", "floor") if name in peers)
+                  + "".join(f" {times[name] * 1e3:>12.4f}" + (f" {times['gloo'] / times[name]:>7.2f}" if gloo else "")
+                            + (f" {times['mpi'] / times[name]:>6.2f}" if mpi else "") for name in algorithms)
+                  + (f" {times['dist'] / (times['mpi'] + times['floor']):>18.2f}" if ratio else ""), flush=True)
     dist.destroy_process_group()
     if rank == 0 and args.output:
         write_records(args.output, records)

@@ -40,10 +40,14 @@ from typing import Callable
 from mpi4py import MPI
 
 from ..base import config, timeline
+from ..base.collectives import ALLREDUCE
+from ..base.abandoned import abandon_requests
 from ..channel.context import Context
 from ..base.errors import CollectiveTimeout, MpicollError
 
 __all__ = ["Request", "Worker"]
+
+_iallreduce = MPI.Intracomm.Iallreduce
 
 _GRACE_S = 10.0        # past the communicator's timeout, how long Wait trusts a call that is still running
 
@@ -194,6 +198,7 @@ class Worker:
         self.comm = communicator(self._channel.comm, algorithm=comm.algorithm)
         self.comm.background = True         # shares the core with the caller: wait without spinning
         self.comm.timeout = comm.timeout
+        self._comm_state = self.comm.__dict__       # where the channel of its calls is kept, read by reduce_now
         self.failed: BaseException | None = None
         self._running: tuple[Request, float] | None = None
         self._queued: collections.deque = collections.deque()
@@ -278,6 +283,43 @@ class Worker:
                 self._run_here(collective, run)
             finally:
                 self._runner = None
+
+    def reduce_now(self, buffer, op: MPI.Op) -> bool:
+        """MPI's own allreduce of ``buffer`` in place (``[memory, datatype]``), started nonblocking and waited
+        for here with the deadline, as :meth:`run_now` runs a call, where nothing stands before it: no call
+        queued or running, a channel that has made its checked first call and whose last call ran in a
+        caller's thread, no earlier failure.  Whether it ran; False: nothing was done, and the caller takes
+        :meth:`run_now`.
+
+        The short way of torch's small blocking ``all_reduce`` (mpicoll.torch's backend), whose price is
+        counted in frames and attribute reads: no closure, no Request, no frame between the turn and MPI's
+        call.  It keeps :meth:`run_now`'s rules: the calls' order (the turn, taken without blocking), the
+        failure that refuses the calls after it, the caller's spinning waits, the deadline.  (No ``_runner``
+        and no ``_running``: nothing runs in this thread while it holds the turn but MPI, and the call's own
+        wait raises past the deadline, where :meth:`check_alive` bounds calls that have none.)"""
+        turn = self._turn
+        if self._queued or self.failed is not None or not turn.acquire(False):
+            return False
+        try:
+            context = self._comm_state.get("_context")      # (Communicator.context(), without its frame)
+            if context is None or context.napping or context.broken or self._queued:
+                return False
+            context.collective = ALLREDUCE.method           # (what its errors name: Context.begin's part)
+            request = _iallreduce(self.comm, MPI.IN_PLACE, buffer, op)
+            try:
+                if request.Test():          # the last rank to come finds the others' parts there: no wait
+                    return True
+            except MPI.Exception as error:
+                abandon_requests([request])
+                context.raise_failed_wait(error, [request], self.others)
+            context.waitall([request], self.others)
+            return True
+        except BaseException as error:
+            if not getattr(error, "settled", False):
+                self.failed = error
+            raise
+        finally:
+            turn.release()
 
     def _serve_one(self, request: Request) -> None:
         try:

@@ -74,6 +74,7 @@ _R = dist.ReduceOp.RedOpType
 _MPI_OPS = {**{getattr(_R, op.torch): op.mpi_op for op in ops.OPS if op.torch}, _R.AVG: MPI.SUM,
             _R.PREMUL_SUM: MPI.SUM}
 _UNKNOWN = object()
+_address = MPI.buffer.fromaddress
 # the dtypes every MPI reduces as they are (16-bit floats and bool take mpicoll's paths)
 _MPI_DTYPES = frozenset({torch.float64, torch.float32, torch.int64, torch.int32, torch.int16,
                          torch.int8, torch.uint8, torch.complex64, torch.complex128})
@@ -389,25 +390,45 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
     # -- the collectives ----------------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
+        if opts is not None and len(tensors) == 1:
+            # the short way of a small blocking call (torch's dist.all_reduce without async_op; metrics, DDP's
+            # small buckets, FSDP2's norms): MPI's own, as auto chooses, on the tensor's memory, run here at once
+            # where nothing stands before it (Worker.reduce_now).  Every read counts here: the op is taken by its
+            # hash, its number (reduceOp.op.value costs a microsecond more), and (op, dtype) gives MPI's op and
+            # datatype where MPI's own allreduce answers as torch; a sparse tensor is not contiguous
+            tensor = tensors[0]
+            straight = self._straight.get((hash(opts.reduceOp), tensor.dtype))
+            if (straight is not None and tensor.is_contiguous() and tensor.is_cpu
+                    and tensor.nbytes < self._straight_below and not opts.asyncOp):
+                try:
+                    memory = [_address(tensor.data_ptr(), tensor.nbytes), straight[1]]
+                    if self._worker.reduce_now(memory, straight[0]):
+                        return _DONE
+                except CollectiveTimeout as error:
+                    raise _in_torch_words(error)
         opts = dist.AllreduceOptions() if opts is None else opts
         if len(tensors) != 1 or tensors[0].is_sparse:
             return self._sparse_allreduce(self._one(tensors, "all_reduce", sparse=True), opts)
         tensor = tensors[0]
-        key = (opts.reduceOp.op.value, tensor.dtype)
+        reduce_op = opts.reduceOp
+        key = (hash(reduce_op), tensor.dtype)
         straight = self._straight.get(key, _UNKNOWN)
         if straight is _UNKNOWN:
-            straight = self._straight[key] = self._straight_op(opts, tensor)
-        if (straight is not None and tensor.is_cpu and tensor.nbytes < self._straight_below
-                and tensor.is_contiguous()):
-            # a small call: MPI's own, as auto chooses, on the tensor's memory, bounded by the deadline
-            memory, others = [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), straight[1]], self._others
+            straight = self._straight_op(opts, tensor)
+            if key[0] == reduce_op.op.value:            # (kept only where the hash is the op's number)
+                self._straight[key] = straight
+        if (straight is not None and tensor.is_contiguous() and tensor.is_cpu
+                and tensor.nbytes < self._straight_below):
+            # a small call the short way did not take (started, or behind other calls): MPI's own all the same
+            memory, op = [_address(tensor.data_ptr(), tensor.nbytes), straight[1]], straight[0]
 
             def run(worker):
                 context = worker.context()
                 if context is None:             # a fresh channel (after an error): its first call is checked
-                    worker.Allreduce(MPI.IN_PLACE, memory, straight[0])
+                    worker.Allreduce(MPI.IN_PLACE, memory, op)
                 else:
-                    context.waitall([MPI.Intracomm.Iallreduce(worker, MPI.IN_PLACE, memory, straight[0])], others)
+                    context.begin(ALLREDUCE.method)
+                    context.waitall([MPI.Intracomm.Iallreduce(worker, MPI.IN_PLACE, memory, op)], self._others)
             return self._start("all_reduce", run, tensors, opts)
         op, factor, average = self._op(opts, "all_reduce", tensor)
         buffer = TensorBuffer(tensor)

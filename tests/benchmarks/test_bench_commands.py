@@ -146,3 +146,16 @@ def test_bench_torch_times_mpicoll_against_gloo_and_mpi(tmp_path):
     assert [r["bytes"] for r in records] == [4096, 65536] and all(r["ranks"] == 2 for r in records)
     assert all(r[f"{peer}_s"] > 0 for r in records for peer in ("gloo", "mpi", "auto", "ring")), records
     assert "x gloo" in result.stdout and "x MPI" in result.stdout
+
+
+def test_bench_torch_times_only_the_peers_asked_for(tmp_path):
+    """``--peers mpi,floor,dist --algorithms ''``: the price of a small call beside MPI and torch's floor alone
+    (no gloo, whose threads spin on between calls); a peer it does not know is refused, naming those it does."""
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    result, records = bench(tmp_path, 2, "bench-torch", "--sizes", "8,1K", "--peers", "mpi,floor,dist",
+                            "--algorithms", "", "--iters", "3")
+    assert [r["bytes"] for r in records] == [8, 1024], records
+    assert all(set(r) == {"bytes", "ranks", "mpi_s", "floor_s", "dist_s"} for r in records), records
+    assert "dist x (MPI+floor)" in result.stdout and "gloo" not in result.stdout.split("\n", 2)[1], result.stdout
+    refused = launch(2, "-m", "mpicoll", "bench-torch", "--peers", "mpi,nccl", "--sizes", "8")
+    assert refused.returncode != 0 and "--peers takes some of gloo, mpi, floor, dist" in refused.stderr, refused.stderr

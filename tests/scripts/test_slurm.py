@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.jobs import ROOT
+from tests.support.jobs import ROOT, free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch")
 pytestmark = [
@@ -60,12 +60,6 @@ SlurmdLogFile={dir}/slurmd.log
 NodeName={host} CPUs={cpus} RealMemory={memory} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

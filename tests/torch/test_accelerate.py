@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install accelerate)")
-from tests.support.jobs import script_env  # noqa: E402
+from tests.support.jobs import free_port, script_env  # noqa: E402
 
 PROGRAM = """
 import sys, torch, torch.distributed as dist
@@ -45,6 +45,7 @@ def test_accelerates_mpi_launch_trains_as_over_gloo(tmp_path):
     for backend in ("gloo", "mpicoll"):
         run = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--cpu",
                               "--num_processes", "2", "--num_machines", "1", "--mpirun_hostfile", "hosts",
+                              "--main_process_port", str(free_port()),
                               "train.py", backend], cwd=tmp_path, env=script_env(MPICOLL_TIMEOUT="30"),
                              capture_output=True, text=True, timeout=240)
         results[backend] = re.findall(r"^result .*$", run.stdout, re.MULTILINE)

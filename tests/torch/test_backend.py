@@ -3,6 +3,8 @@ process on the combined batch, torch's own DDP comm hooks over it; at 1 to 4 ran
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -90,6 +92,35 @@ def test_all_reduce_in_place_on_views_async_and_premultiplied():
     if not torch.allclose(mine, data.sum(0) * 0.5):
         failures.append("PREMUL_SUM")
     everywhere(not failures, f"seed {seed}: {failures}")
+
+
+def test_small_blocking_calls_run_after_the_started_calls_before_them():
+    """Started all_reduces (large ones on mpicoll's algorithms, small ones MPI's own), each followed at once by a
+    small blocking one, which takes the short way only where nothing is queued or running before it
+    (Worker.reduce_now): every sum right on every rank.  A short way that ran ahead of the queue would pair one
+    rank's small call with another rank's started one: a wrong sum or an error."""
+    seed, failures = shared_seed(), []
+    group = dist.group.WORLD
+    dist.all_reduce(torch.zeros(1))             # (the group's first call, checked, tells where small calls go)
+    below = group._straight_below
+    sizes = [3, below // 8 + 5, 1, 1000]            # float64 elements: one over MPI's limit
+    for round_ in range(6):
+        data = {n: everyone(seed + round_ * 10 + i, (n,), torch.float64) for i, n in enumerate(sizes)}
+        started = [(n, data[n][RANK].clone()) for n in sizes]
+        works = [dist.all_reduce(tensor, async_op=True) for _, tensor in started[:2]]
+        small = data[1][RANK].clone() * (round_ + 1)
+        if RANK % 2 == round_ % 2:
+            time.sleep(0.01)                    # here the worker's thread has taken them; elsewhere not yet
+        dist.all_reduce(small)                  # blocking, behind the two started ones
+        works += [dist.all_reduce(tensor, async_op=True) for _, tensor in started[2:]]
+        for work in works:
+            work.wait()
+        for n, tensor in started:
+            if not torch.equal(tensor, data[n].sum(0)):
+                failures.append(f"round {round_}: the started call of {n} elements")
+        if not torch.equal(small, data[1].sum(0) * (round_ + 1)):
+            failures.append(f"round {round_}: the blocking call")
+    everywhere(not failures, f"seed {seed}: {failures[:6]}")
 
 
 def test_broadcast_from_every_root():

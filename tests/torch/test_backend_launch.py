@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import time
 import pytest
 
 from mpicoll.base.config import cores
-from tests.support.jobs import ROOT, command, launch
+from tests.support.jobs import ROOT, command, free_port, launch
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
 
@@ -158,12 +157,59 @@ print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.tolist()}", flush=
 def test_rank_and_size_come_from_mpi_where_the_launcher_gave_only_the_master(how):
     """MASTER_ADDR and MASTER_PORT set, no RANK: rank and size are MPI's (they were handed to torch's env://,
     which wanted RANK; and world_size=0 gave "TCPStore world size cannot be 0")."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = clean_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     result = subprocess.run([*command(3), sys.executable, "-c", TUTORIAL, how], capture_output=True, text=True,
                             timeout=120, env=env, cwd=ROOT, start_new_session=True)
     assert result.returncode == 0, result.stderr[-2000:]
     reports = sorted(re.findall(r"rank (\d) of (\d): (\[[^]]*\])", result.stdout))
     assert reports == [(str(r), "3", "[6.0, 6.0, 6.0]") for r in range(3)], result.stdout
+
+
+# A small blocking all_reduce of a group with a timeout, once the group's first calls have set it on the short
+# way (the backend's Worker.reduce_now), that rank 1 joins only after rank 0 gave up on it
+LATE_SMALL_CALL = """
+import time, datetime, torch, torch.distributed as dist, mpicoll, mpicoll.torch
+dist.init_process_group("mpicoll")
+group = dist.new_group(timeout=datetime.timedelta(seconds=2))
+t = torch.ones(5)
+for _ in range(3):
+    dist.all_reduce(t, group=group)
+dist.broadcast(t, 0, group=group)               # (the group's last call before: not what the error names)
+short = 0 < t.nbytes < group._straight_below
+if dist.get_rank() == 0:
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t, group=group)
+        said = "no error"
+    except mpicoll.CollectiveTimeout as error:
+        said = str(error)
+    waited = time.monotonic() - start
+    try:
+        dist.all_reduce(t, group=group)
+        then = "ran"
+    except mpicoll.MpicollError as error:
+        then = str(error)
+    print(f"rank 0: short {short}, waited {waited:.1f} s: {said} || then: {then}", flush=True)
+dist.barrier()
+if dist.get_rank() != 0:
+    dist.all_reduce(t, group=group)             # (what rank 0's abandoned call waits for: MPI finalizes cleanly)
+w = torch.ones(1)
+dist.all_reduce(w)
+print(f"rank {dist.get_rank()}: world {w.item()}", flush=True)
+"""
+
+
+def test_a_small_call_past_the_groups_timeout_raises_on_the_waiting_rank_and_the_job_goes_on():
+    """Rank 0's all_reduce of 20 bytes, on the short way of small blocking calls, raises a CollectiveTimeout in
+    torch's words within the group's 2 s (and the roll call after it), naming the call (not the broadcast before
+    it) and rank 1; the group refuses its later calls, the job's default group goes on."""
+    result = launch(2, "-c", LATE_SMALL_CALL, env={"MPICOLL_TIMEOUT": "60", "MPICOLL_END_BROKEN_JOBS": "0"},
+                    timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = re.search(r"rank 0: short (\w+), waited ([\d.]+) s: (.*) \|\| then: (.*)", result.stdout)
+    assert report, result.stdout[-2000:] + result.stderr[-2000:]
+    short, waited, said, then = report.groups()
+    assert short == "True" and 2 <= float(waited) < 15, report.group(0)
+    assert said.startswith("Allreduce: Timed out after 2 s (the group's timeout).") and "rank(s) 1" in said, said
+    assert "not run, because an earlier" in then, then
+    assert sorted(re.findall(r"rank (\d): world 2.0", result.stdout)) == ["0", "1"], result.stdout[-2000:]
