@@ -35,7 +35,7 @@ import time
 import traceback
 import warnings
 import weakref
-from typing import Callable
+from typing import Callable, NoReturn
 
 from mpi4py import MPI
 
@@ -310,8 +310,7 @@ class Worker:
                 if request.Test():          # the last rank to come finds the others' parts there: no wait
                     return True
             except MPI.Exception as error:
-                abandon_requests([request])
-                context.raise_failed_wait(error, [request], self.others)
+                self.reduce_test_failed(context, error, request)
             context.waitall([request], self.others)
             return True
         except BaseException as error:
@@ -320,6 +319,19 @@ class Worker:
             raise
         finally:
             turn.release()
+
+    def reduce_test_failed(self, context: Context, error: MPI.Exception, request: MPI.Request) -> NoReturn:
+        """Raise what MPI's ``error``, met testing a short way's ``request``, means (Context.raise_failed_wait);
+        the request is abandoned."""
+        abandon_requests([request])
+        context.raise_failed_wait(error, [request], self.others)
+
+    def reduce_now_parts(self) -> dict:
+        """What :meth:`reduce_now` reads, for its compiled twin (``mpicoll.torch._shortway``, which does the
+        torch backend's reads and this together): this worker, its queue, turn, communicator, the
+        communicator's ``__dict__`` (where its channel is kept), the others' ranks, :meth:`reduce_test_failed`."""
+        return {"worker": self, "queued": self._queued, "turn": self._turn, "comm_state": self._comm_state,
+                "comm": self.comm, "others": self.others, "on_test_error": self.reduce_test_failed}
 
     def _serve_one(self, request: Request) -> None:
         try:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.distributed.constants import default_pg_timeout
 
-from ..base import ops
+from ..base import config, ops
 from ..base.collectives import ALLREDUCE
 from ..base.errors import CollectiveTimeout, LaunchMismatch, MismatchError, RootError, Unsupported
 from ..channel import watchdog
@@ -63,6 +63,11 @@ from ..collectives.nonblocking import Request
 from ..collectives.reduction import op_name
 from . import joining
 from .collectives import TensorBuffer, as_array
+
+try:                    # the short way of small blocking all_reduces in C: optional (setup.py)
+    from ._shortway import ShortWay
+except ImportError:
+    ShortWay = None
 
 __all__ = ["BACKEND", "ProcessGroupMpicoll", "mpi_rendezvous", "rendezvous_address"]
 
@@ -272,6 +277,8 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         # known once the group's first call, checked across ranks on mpicoll's path, has told the layout
         self._straight_below = 0
         self._straight: dict = {}       # (op, dtype) -> what _straight_op answers
+        self._compiled = _compiled_short_way(self._straight, self._worker)      # None: none built, or not asked
+        self._short_way = self._compiled or self._short_way_in_python
         self._ops: dict = {}            # (op, dtype, call) -> what _op answers, checked once
         # point to point apart from the collectives, waiting with the same deadline
         self._p2p = Context(comm, "point to point", timeout=self._comm.timeout)
@@ -387,25 +394,38 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
         else:
             tensor.div_(self._size, rounding_mode="trunc")
 
+    def _short_way_in_python(self, tensors, opts) -> bool:
+        """The short way of a small blocking all_reduce (torch's ``dist.all_reduce`` without ``async_op``:
+        metrics, barriers' sums, DDP's small buckets, FSDP2's norms): MPI's own, as ``auto`` chooses under the
+        group's limit, on a contiguous host tensor's memory, run here at once where nothing stands before it
+        (:meth:`mpicoll.collectives.nonblocking.Worker.reduce_now`); whether it ran (False: :meth:`allreduce`'s
+        own path runs the call).  Every read counts: the op is taken by its hash, its number (``reduceOp.op.value``
+        costs a microsecond more), and (op, dtype) gives MPI's op and datatype where MPI's own allreduce answers
+        as torch (filled by :meth:`allreduce`); a sparse tensor is not contiguous.  Where a compiler built it,
+        ``mpicoll.torch._shortway`` does the same in C (``MPICOLL_FAST_PATH=python`` keeps this one)."""
+        if opts is None or len(tensors) != 1 or self._straight_below <= 0:
+            return False
+        tensor = tensors[0]
+        straight = self._straight.get((hash(opts.reduceOp), tensor.dtype))
+        if (straight is None or not tensor.is_contiguous() or not tensor.is_cpu
+                or tensor.nbytes >= self._straight_below or opts.asyncOp):
+            return False
+        try:
+            return self._worker.reduce_now([_address(tensor.data_ptr(), tensor.nbytes), straight[1]], straight[0])
+        except CollectiveTimeout as error:
+            raise _in_torch_words(error)
+
+    def _limit_small_calls(self, below: int) -> None:
+        """Bytes below which an allreduce is MPI's own (auto's rule; -1: none is), known from the first call."""
+        self._straight_below = below
+        if self._compiled is not None:
+            self._compiled.limit = max(below, 0)
+
     # -- the collectives ----------------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        if opts is not None and len(tensors) == 1:
-            # the short way of a small blocking call (torch's dist.all_reduce without async_op; metrics, DDP's
-            # small buckets, FSDP2's norms): MPI's own, as auto chooses, on the tensor's memory, run here at once
-            # where nothing stands before it (Worker.reduce_now).  Every read counts here: the op is taken by its
-            # hash, its number (reduceOp.op.value costs a microsecond more), and (op, dtype) gives MPI's op and
-            # datatype where MPI's own allreduce answers as torch; a sparse tensor is not contiguous
-            tensor = tensors[0]
-            straight = self._straight.get((hash(opts.reduceOp), tensor.dtype))
-            if (straight is not None and tensor.is_contiguous() and tensor.is_cpu
-                    and tensor.nbytes < self._straight_below and not opts.asyncOp):
-                try:
-                    memory = [_address(tensor.data_ptr(), tensor.nbytes), straight[1]]
-                    if self._worker.reduce_now(memory, straight[0]):
-                        return _DONE
-                except CollectiveTimeout as error:
-                    raise _in_torch_words(error)
+        if self._short_way(tensors, opts):
+            return _DONE
         opts = dist.AllreduceOptions() if opts is None else opts
         if len(tensors) != 1 or tensors[0].is_sparse:
             return self._sparse_allreduce(self._one(tensors, "all_reduce", sparse=True), opts)
@@ -442,7 +462,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
             buffer.deliver()
             if not self._straight_below:
                 first, limit = auto.rule(ALLREDUCE.name, across_nodes=worker.across_nodes)[0]
-                self._straight_below = limit if first == "mpi" else -1
+                self._limit_small_calls(limit if first == "mpi" else -1)
         return self._start("all_reduce", run, tensors, opts)
 
     def _sparse_allreduce(self, tensor: torch.Tensor, opts) -> dist.Work:
@@ -743,6 +763,16 @@ def _check_list(tensors, size: int, like: torch.Tensor, name: str, what: str) ->
         if tensor.numel() != like.numel():
             raise Unsupported(f"{name}: {what} of {tensor.numel()} elements where this rank's tensor has "
                                f"{like.numel()}: every one must be of the same size")
+
+
+def _compiled_short_way(straight: dict, worker):
+    """The short way of small blocking all_reduces in C (``_shortway.c``), or None where no compiler built it
+    or ``MPICOLL_FAST_PATH=python`` asks for the Python one (:meth:`ProcessGroupMpicoll._short_way_in_python`)."""
+    if ShortWay is None or config.fast_path() != "c":
+        return None
+    return ShortWay(straight=straight, **worker.reduce_now_parts(), address=_address,
+                    iallreduce=MPI.Intracomm.Iallreduce, in_place=MPI.IN_PLACE, mpi_error=MPI.Exception,
+                    timeout_error=CollectiveTimeout, worded=_in_torch_words, collective=ALLREDUCE.method)
 
 
 def _in_torch_words(error: CollectiveTimeout) -> CollectiveTimeout:

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import mpicoll  # noqa: E402
 import mpicoll.torch  # noqa: E402,F401  (registers the backend)
+from mpicoll.torch import backend  # noqa: E402
 from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -57,6 +58,57 @@ def test_the_default_group_is_mpis_world():
                f"rank {dist.get_rank()} of {dist.get_world_size()}, backend {dist.get_backend()}")
 
 
+@pytest.fixture(params=["c", "python"])
+def short_way(request, monkeypatch):
+    """A group of every rank whose small blocking all_reduces take the compiled short way (mpicoll.torch._shortway)
+    or its Python twin (MPICOLL_FAST_PATH, the same on every rank), its first call made (which sets the limit)."""
+    if request.param == "c" and backend.ShortWay is None:
+        pytest.skip("the compiled short way was not built here (no C compiler at install)")
+    monkeypatch.setenv("MPICOLL_FAST_PATH", request.param)
+    group = dist.new_group(list(range(P)))
+    dist.all_reduce(torch.zeros(1), group=group)
+    everywhere((group._compiled is not None) == (request.param == "c") and group._straight_below > 0,
+               f"{type(group._short_way)}, limit {group._straight_below}")
+    yield group
+    dist.destroy_process_group(group)
+
+
+def test_small_blocking_calls_take_the_short_way(short_way, monkeypatch):
+    """Small blocking all_reduces of ops and dtypes MPI reduces as torch run without the worker's run_now, from the
+    second of each (op, dtype) (the first finds what MPI's op and datatype are); AVG, bfloat16, a started call
+    and a strided view take the group's other paths; every sum right."""
+    for op, dtype in OPS_MPI_REDUCES_AS_TORCH:
+        dist.all_reduce(torch.ones(2, dtype=dtype), op=op, group=short_way)
+    taken = []
+    run_now = short_way._worker.run_now
+    monkeypatch.setattr(short_way._worker, "run_now", lambda name, run: (taken.append(name), run_now(name, run)))
+    failures = []
+    for op, dtype in OPS_MPI_REDUCES_AS_TORCH:
+        data = everyone(shared_seed(), (5,), dtype)
+        mine = data[RANK].clone()
+        dist.all_reduce(mine, op=op, group=short_way)
+        want = _xor(data) if op == dist.ReduceOp.BXOR else REDUCE[op](data.double()).to(dtype)
+        if not close(mine, want):
+            failures.append(f"{op} {dtype}")
+    short = len(taken)
+    dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG, group=short_way)
+    dist.all_reduce(torch.ones(4, dtype=torch.bfloat16), group=short_way)
+    dist.all_reduce(torch.ones((4, 2))[:, 0], group=short_way)
+    dist.all_reduce(torch.ones(4), group=short_way, async_op=True).wait()
+    everywhere(not failures and short == 0 and len(taken) == 3, f"{failures}; run_now ran {taken}")
+
+
+OPS_MPI_REDUCES_AS_TORCH = [(dist.ReduceOp.SUM, torch.float32), (dist.ReduceOp.MAX, torch.int64),
+                            (dist.ReduceOp.PRODUCT, torch.float64), (dist.ReduceOp.BXOR, torch.uint8)]
+
+
+def _xor(data: torch.Tensor) -> torch.Tensor:
+    result = data[0].clone()
+    for row in data[1:]:
+        result ^= row
+    return result
+
+
 def test_all_reduce_matches_numpy_for_every_op_dtype_and_size():
     seed, failures = shared_seed(), []
     for dtype in DTYPES:
@@ -94,25 +146,23 @@ def test_all_reduce_in_place_on_views_async_and_premultiplied():
     everywhere(not failures, f"seed {seed}: {failures}")
 
 
-def test_small_blocking_calls_run_after_the_started_calls_before_them():
+def test_small_blocking_calls_run_after_the_started_calls_before_them(short_way):
     """Started all_reduces (large ones on mpicoll's algorithms, small ones MPI's own), each followed at once by a
     small blocking one, which takes the short way only where nothing is queued or running before it
     (Worker.reduce_now): every sum right on every rank.  A short way that ran ahead of the queue would pair one
     rank's small call with another rank's started one: a wrong sum or an error."""
     seed, failures = shared_seed(), []
-    group = dist.group.WORLD
-    dist.all_reduce(torch.zeros(1))             # (the group's first call, checked, tells where small calls go)
-    below = group._straight_below
+    below = short_way._straight_below
     sizes = [3, below // 8 + 5, 1, 1000]            # float64 elements: one over MPI's limit
     for round_ in range(6):
         data = {n: everyone(seed + round_ * 10 + i, (n,), torch.float64) for i, n in enumerate(sizes)}
         started = [(n, data[n][RANK].clone()) for n in sizes]
-        works = [dist.all_reduce(tensor, async_op=True) for _, tensor in started[:2]]
+        works = [dist.all_reduce(tensor, async_op=True, group=short_way) for _, tensor in started[:2]]
         small = data[1][RANK].clone() * (round_ + 1)
         if RANK % 2 == round_ % 2:
             time.sleep(0.01)                    # here the worker's thread has taken them; elsewhere not yet
-        dist.all_reduce(small)                  # blocking, behind the two started ones
-        works += [dist.all_reduce(tensor, async_op=True) for _, tensor in started[2:]]
+        dist.all_reduce(small, group=short_way)     # blocking, behind the two started ones
+        works += [dist.all_reduce(tensor, async_op=True, group=short_way) for _, tensor in started[2:]]
         for work in works:
             work.wait()
         for n, tensor in started:

@@ -15,6 +15,7 @@ from mpicoll.base.config import cores
 from tests.support.jobs import ROOT, command, free_port, launch
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
+from mpicoll.torch.backend import ShortWay  # noqa: E402
 
 SCRIPT = """
 import torch, torch.distributed as dist, mpicoll.torch
@@ -168,14 +169,14 @@ def test_rank_and_size_come_from_mpi_where_the_launcher_gave_only_the_master(how
 # A small blocking all_reduce of a group with a timeout, once the group's first calls have set it on the short
 # way (the backend's Worker.reduce_now), that rank 1 joins only after rank 0 gave up on it
 LATE_SMALL_CALL = """
-import time, datetime, torch, torch.distributed as dist, mpicoll, mpicoll.torch
+import sys, time, datetime, torch, torch.distributed as dist, mpicoll, mpicoll.torch
 dist.init_process_group("mpicoll")
 group = dist.new_group(timeout=datetime.timedelta(seconds=2))
 t = torch.ones(5)
 for _ in range(3):
     dist.all_reduce(t, group=group)
 dist.broadcast(t, 0, group=group)               # (the group's last call before: not what the error names)
-short = 0 < t.nbytes < group._straight_below
+short = 0 < t.nbytes < group._straight_below and (group._compiled is not None) == (sys.argv[1] == "c")
 if dist.get_rank() == 0:
     start = time.monotonic()
     try:
@@ -199,12 +200,16 @@ print(f"rank {dist.get_rank()}: world {w.item()}", flush=True)
 """
 
 
-def test_a_small_call_past_the_groups_timeout_raises_on_the_waiting_rank_and_the_job_goes_on():
+@pytest.mark.parametrize("way", ["c", "python"])
+def test_a_small_call_past_the_groups_timeout_raises_on_the_waiting_rank_and_the_job_goes_on(way):
     """Rank 0's all_reduce of 20 bytes, on the short way of small blocking calls, raises a CollectiveTimeout in
     torch's words within the group's 2 s (and the roll call after it), naming the call (not the broadcast before
-    it) and rank 1; the group refuses its later calls, the job's default group goes on."""
-    result = launch(2, "-c", LATE_SMALL_CALL, env={"MPICOLL_TIMEOUT": "60", "MPICOLL_END_BROKEN_JOBS": "0"},
-                    timeout=120)
+    it) and rank 1; the group refuses its later calls, the job's default group goes on.  On the compiled short
+    way and on its Python twin (MPICOLL_FAST_PATH)."""
+    if way == "c" and ShortWay is None:
+        pytest.skip("the compiled short way was not built here (no C compiler at install)")
+    result = launch(2, "-c", LATE_SMALL_CALL, way, timeout=120,
+                    env={"MPICOLL_TIMEOUT": "60", "MPICOLL_END_BROKEN_JOBS": "0", "MPICOLL_FAST_PATH": way})
     assert result.returncode == 0, result.stderr[-3000:]
     report = re.search(r"rank 0: short (\w+), waited ([\d.]+) s: (.*) \|\| then: (.*)", result.stdout)
     assert report, result.stdout[-2000:] + result.stderr[-2000:]
