@@ -26,10 +26,11 @@
                            (default: chosen by size)
 ``MPICOLL_CUDA_AWARE``     0 or 1: whether device buffers go to MPI directly
                            (default: asked of the MPI library)
-``MPICOLL_FAST_PATH=F``    how ``auto`` hands small calls to MPI: ``c`` (the
-                           default where the compiled path was built at install)
-                           or ``python`` (the same path in Python, ~0.1 us a
-                           call slower)
+``MPICOLL_FAST_PATH=F``    how ``auto`` and the torch backend hand small calls to
+                           MPI: ``c`` (the default where the compiled paths were
+                           built at install) or ``python`` (the same paths in
+                           Python: ~0.1 us a call slower through ``auto``, ~1-2 us
+                           through ``dist.all_reduce``)
 ``MPICOLL_JOIN_JOBS``      0 (default) or 1: join the separate MPI jobs of a
                            torch world (torchrun's workers) with MPI's
                            connect/accept under MPICH (mpicoll.torch.joining:
@@ -141,7 +142,7 @@ def ucx_defaults() -> bool:
 
 
 def fast_path() -> str:
-    """``MPICOLL_FAST_PATH``: "c" or "python" (mpicoll.collectives.communicator)."""
+    """``MPICOLL_FAST_PATH``: "c" or "python" (mpicoll.collectives.communicator, mpicoll.torch.backend)."""
     return _choice("MPICOLL_FAST_PATH", ("c", "python"), "c")
 
 
