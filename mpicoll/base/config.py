@@ -6,7 +6,7 @@
 ``MPICOLL_TIMEOUT=S``      seconds a rank waits for a peer inside mpicoll's own
                            algorithms before raising CollectiveTimeout (default
                            300; 0 waits forever)
-``MPICOLL_SEGMENT=BYTES``  pipeline segment of the ring algorithm (default 1M)
+``MPICOLL_SEGMENT=BYTES``  pipeline segment of the ring algorithm, 1 to 1G (default 1M)
 ``MPICOLL_CHANNEL=C``      how mpicoll's algorithms move data: ``shared``
                            (one-sided, through a shared-memory window; only
                            when all ranks share a node), ``p2p`` (MPI
@@ -110,9 +110,13 @@ def segment_bytes() -> int:
         value = parse_bytes(text)
     except ValueError as error:
         raise ValueError(f"MPICOLL_SEGMENT: {error}") from None
-    if value <= 0:
-        raise ValueError(f"MPICOLL_SEGMENT must be a positive byte count such as 1M, got {text!r}")
+    if not 0 < value <= _MAX_SEGMENT:
+        raise ValueError(f"MPICOLL_SEGMENT must be a byte count from 1 to 1G, such as 1M (one message of the ring's "
+                         f"pipeline: a segment as large as the whole message leaves it unpipelined), got {text!r}")
     return value
+
+
+_MAX_SEGMENT = 1 << 30      # bytes: a message MPI counts in int elements of any type, and scratch numpy can make
 
 
 def channel() -> str:

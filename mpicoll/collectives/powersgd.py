@@ -102,6 +102,8 @@ class PowerSGD:
         if len(shape) < 2:
             return False
         n, m = shape[0], int(np.prod(shape[1:]))
+        if n == 0 or m == 0:                # nothing to factor: an empty gradient travels whole (as nothing)
+            return False
         r = min(self.rank, n, m)
         return n * m >= self.min_compression_rate * (n + m) * r
 

@@ -38,6 +38,16 @@ def test_a_rank_that_covers_every_matrix_gives_the_exact_average(algorithm):
     everywhere(all(len(set(WORLD.allgather(g.tobytes()))) == 1 for g in grads), "ranks got different bits")
 
 
+def test_empty_gradients_travel_whole_beside_compressed_ones():
+    """A (0, 4) or (3, 0) gradient has nothing to factor: it passes through (it raised numpy's "cannot reshape
+    array of size 0"), and the others beside it are compressed as ever."""
+    compressor = PowerSGD(rank=2, start_step=0)
+    grads = gradients(shared_seed(), [(0, 4), (40, 40), (3, 0)])
+    compressor.allreduce(grads)
+    everywhere([g.shape for g in grads] == [(0, 4), (40, 40), (3, 0)] and not compressor.compresses((0, 4))
+               and compressor.compresses((40, 40)), f"{[g.shape for g in grads]}")
+
+
 def test_the_first_steps_are_exact_and_then_only_the_factors_travel():
     compressor = PowerSGD(rank=2, start_step=2)
     for step in range(3):
