@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Op", "OPS", "KERNEL_OPS", "AVERAGE", "find", "of_mpi", "names", "not_defined_for", "keeping_nan"]
+__all__ = ["Op", "OPS", "KERNEL_OPS", "AVERAGE", "find", "of_mpi", "names", "not_defined_for", "keeping_nan", "as_numpy_has_it"]
 
 _INTEGER = "iu"
 _NUMERIC = "iufc"
@@ -114,3 +114,11 @@ def keeping_nan(op: MPI.Op) -> MPI.Op:
 
 
 _KEEPING_NAN: dict[str, MPI.Op] = {}
+
+
+def as_numpy_has_it(op: MPI.Op, array) -> MPI.Op:
+    """``op`` for MPI's own call on ``array``: :func:`keeping_nan` on host (numpy) floating-point arrays, where
+    numpy's MIN and MAX keep a NaN; ``op`` on any other (a device array's reduction is the CUDA-aware MPI's)."""
+    if isinstance(array, np.ndarray) and array.dtype.kind == "f":
+        return keeping_nan(op)
+    return op

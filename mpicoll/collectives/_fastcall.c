@@ -5,7 +5,8 @@
  * of one token, shared with the checked path) and numbering the call in flight for the watchdog to time
  * (``in_flight``: a number costs nothing, a clock read ~20 ns), and hands
  * every other call (other types, keywords, overlapping or viewed buffers it cannot clear, larger ones) to the
- * checked path unchanged.  The Python closures stay as the fallback where no compiler built this; both are
+ * checked path unchanged.  MPI.MIN and MPI.MAX on floating-point arrays become their NaN-keeping ops
+ * (mpicoll.base.ops.keeping_nan), as on every other path.  The Python closures stay as the fallback where no compiler built this; both are
  * tested.  Measured at 2 ranks: the closure costs ~150 ns over mpi4py's own call, most of it the Python
  * frame and attribute lookups; this nothing measurable back to back, and less than it did when the caches
  * are cold, reading arrays through numpy's C API (docs/failures.md, docs/benchmarks.md).
@@ -38,6 +39,7 @@ typedef struct {
     PyObject *apart;        /* apart(sendbuf, recvbuf) -> bool, for pairs not both owning their memory */
     PyObject *turn;         /* list of one token; empty while a call holds it */
     PyObject *ndarray, *in_place, *mpi_error, *default_op, *zero;
+    PyObject *min_op, *max_op, *nan_min, *nan_max;   /* MPI.MIN and MPI.MAX, and what replaces them on floats */
     Py_ssize_t limit;       /* bytes: calls from this size go the checked path */
     int kind;
     unsigned long long calls;      /* calls taken so far */
@@ -87,6 +89,9 @@ static PyObject *fastcall_vectorcall(PyObject *callable, PyObject *const *args, 
                 n = 4;
             }
             take = small_array(self, args[1]);
+            if (take == 1 && self->kind == REDUCE && (call[3] == self->min_op || call[3] == self->max_op)
+                    && PyArray_DESCR((PyArrayObject *)args[1])->kind == 'f')
+                call[3] = call[3] == self->min_op ? self->nan_min : self->nan_max;   /* a NaN kept, as numpy */
             if (take == 1)
                 take = send_apart(self, args[0], args[1]);
         }
@@ -136,14 +141,16 @@ static PyObject *fastcall_vectorcall(PyObject *callable, PyObject *const *args, 
 
 static int fastcall_init(FastCall *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"owner", "collective", "kind", "limit", "mpi_call", "checked_call", "on_mpi_error",
-                            "refuse", "apart", "turn", "ndarray", "in_place", "mpi_error", "default_op", NULL};
+                            "refuse", "apart", "turn", "ndarray", "in_place", "mpi_error", "default_op", "min_op",
+                            "max_op", "nan_min", "nan_max", NULL};
     PyObject *owner, *collective, *mpi_call, *checked_call, *on_mpi_error, *refuse, *apart, *turn, *ndarray,
-             *in_place, *mpi_error, *default_op;
+             *in_place, *mpi_error, *default_op, *min_op, *max_op, *nan_min, *nan_max;
     int kind;
     Py_ssize_t limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOinOOOOOO!OOOO", names, &owner, &collective, &kind, &limit,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOinOOOOOO!OOOOOOOO", names, &owner, &collective, &kind, &limit,
                                      &mpi_call, &checked_call, &on_mpi_error, &refuse, &apart, &PyList_Type,
-                                     &turn, &ndarray, &in_place, &mpi_error, &default_op))
+                                     &turn, &ndarray, &in_place, &mpi_error, &default_op, &min_op, &max_op,
+                                     &nan_min, &nan_max))
         return -1;
     if (!PyType_Check(ndarray) || kind < ROOTED || kind > REDUCE) {
         PyErr_SetString(PyExc_ValueError, "FastCall: ndarray must be a type and kind ROOTED, GATHER or REDUCE");
@@ -156,7 +163,7 @@ static int fastcall_init(FastCall *self, PyObject *args, PyObject *kwds) {
     KEEP(owner, owner); KEEP(collective, collective); KEEP(mpi_call, mpi_call); KEEP(checked_call, checked_call);
     KEEP(on_mpi_error, on_mpi_error); KEEP(refuse, refuse); KEEP(apart, apart); KEEP(turn, turn);
     KEEP(ndarray, ndarray); KEEP(in_place, in_place); KEEP(mpi_error, mpi_error); KEEP(default_op, default_op);
-    KEEP(zero, zero);
+    KEEP(zero, zero); KEEP(min_op, min_op); KEEP(max_op, max_op); KEEP(nan_min, nan_min); KEEP(nan_max, nan_max);
 #undef KEEP
     Py_DECREF(zero);
     self->kind = kind;
@@ -170,7 +177,8 @@ static int fastcall_traverse(FastCall *self, visitproc visit, void *arg) {
     Py_VISIT(self->owner); Py_VISIT(self->collective); Py_VISIT(self->mpi_call); Py_VISIT(self->checked_call);
     Py_VISIT(self->on_mpi_error); Py_VISIT(self->refuse); Py_VISIT(self->apart); Py_VISIT(self->turn);
     Py_VISIT(self->ndarray); Py_VISIT(self->in_place); Py_VISIT(self->mpi_error); Py_VISIT(self->default_op);
-    Py_VISIT(self->zero);
+    Py_VISIT(self->zero); Py_VISIT(self->min_op); Py_VISIT(self->max_op); Py_VISIT(self->nan_min);
+    Py_VISIT(self->nan_max);
     return 0;
 }
 
@@ -178,7 +186,8 @@ static int fastcall_clear(FastCall *self) {
     Py_CLEAR(self->owner); Py_CLEAR(self->collective); Py_CLEAR(self->mpi_call); Py_CLEAR(self->checked_call);
     Py_CLEAR(self->on_mpi_error); Py_CLEAR(self->refuse); Py_CLEAR(self->apart); Py_CLEAR(self->turn);
     Py_CLEAR(self->ndarray); Py_CLEAR(self->in_place); Py_CLEAR(self->mpi_error); Py_CLEAR(self->default_op);
-    Py_CLEAR(self->zero);
+    Py_CLEAR(self->zero); Py_CLEAR(self->min_op); Py_CLEAR(self->max_op); Py_CLEAR(self->nan_min);
+    Py_CLEAR(self->nan_max);
     return 0;
 }
 

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from . import algorithms
 from .. import arrays
-from ..base import config, failure, timeline
+from ..base import config, failure, ops, timeline
 from ..base.collectives import ALLGATHER, ALLREDUCE, BCAST, COLLECTIVES, REDUCE_SCATTER_BLOCK, Collective
 from ..channel import watchdog
 from .algorithms import auto
@@ -224,7 +224,7 @@ class Communicator(MPI.Intracomm):
         self._run(self._choose(ALLREDUCE, recv, reduction, send),
                   Signature(ALLREDUCE.method, recv.count, recv.array.dtype, op_name(op)), recv if send is None else send,
                   lambda a, ctx: a.allreduce(ctx, _array(send), recv.array, reduction),
-                  lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, op))
+                  lambda: MPI.Intracomm.Allreduce(self, sendbuf, recvbuf, _as_numpy_has_it(op, recv)))
 
     def _allreduce_compressed(self, send: np.ndarray | None, recv: np.ndarray, compression, key=None) -> None:
         """``recv`` <- the sum over the ranks of ``send`` (None: of ``recv``), C-contiguous float32 or float64
@@ -256,7 +256,7 @@ class Communicator(MPI.Intracomm):
         self._run(self._choose(REDUCE_SCATTER_BLOCK, send, reduction, recv),
                   Signature(REDUCE_SCATTER_BLOCK.method, recv.count, recv.array.dtype, op_name(op)), send,
                   lambda a, ctx: a.reduce_scatter_block(ctx, send.array, recv.array, reduction),
-                  lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, op))
+                  lambda: MPI.Intracomm.Reduce_scatter_block(self, sendbuf, recvbuf, _as_numpy_has_it(op, recv)))
 
     def _allgather_arguments(self, sendbuf, recvbuf):
         """(send, recv, block) of an Allgather (send None: in place; block: the elements of one rank)."""
@@ -465,10 +465,15 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
                     give_back(token)
             return checked_call(sendbuf, recvbuf)
     else:
+        minimum, maximum = MPI.MIN, MPI.MAX
+        nan_min, nan_max = ops.keeping_nan(MPI.MIN), ops.keeping_nan(MPI.MAX)
+
         def call(sendbuf, recvbuf, op=MPI.SUM):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
                     sendbuf is in_place or type(sendbuf) is ndarray and (
                         sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or _apart(sendbuf, recvbuf))):
+                if (op is minimum or op is maximum) and recvbuf.dtype.kind == "f":
+                    op = nan_min if op is minimum else nan_max    # (_as_numpy_has_it: a NaN kept, as numpy)
                 try:
                     token = take()
                 except IndexError:
@@ -498,7 +503,8 @@ def _compiled_straight_to_mpi(owner: Communicator, collective: Collective, mpi_c
     call = FastCall(owner=owner, collective=collective.method, kind=kind, limit=limit,
                     mpi_call=mpi_call, checked_call=checked_call, on_mpi_error=owner._raise_if_ranks_lost,
                     refuse=refuse, apart=_apart, turn=_turn(owner), ndarray=np.ndarray, in_place=MPI.IN_PLACE,
-                    mpi_error=MPI.Exception, default_op=MPI.SUM)
+                    mpi_error=MPI.Exception, default_op=MPI.SUM, min_op=MPI.MIN, max_op=MPI.MAX,
+                    nan_min=ops.keeping_nan(MPI.MIN), nan_max=ops.keeping_nan(MPI.MAX))
     watchdog.watch_numbered_calls_of(call)
     return call
 
@@ -563,6 +569,13 @@ def _check_pair(send: Message | None, recv: Message, collective: str, send_count
 
 
 _REDUCTIONS: dict[tuple[int, int], Reduction] = {}
+
+
+def _as_numpy_has_it(op: MPI.Op, message: Message) -> MPI.Op:
+    """``op`` for MPI's own call on ``message``: on host floating-point elements of a native datatype, MIN and MAX
+    as numpy has them, a NaN anywhere giving NaN (:func:`mpicoll.base.ops.as_numpy_has_it`), as mpicoll's
+    algorithms give at the sizes they take; any other op, and any other buffer, as it is."""
+    return ops.as_numpy_has_it(op, message.array) if message.native else op
 
 
 def _reduction(op: MPI.Op, message: Message, other: Message | None = None) -> Reduction | None:

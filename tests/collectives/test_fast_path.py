@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll.collectives import communicator
+from mpicoll.collectives.reduction import op_name
 from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed
 
 pytestmark = pytest.mark.mpi
@@ -122,3 +123,34 @@ def test_a_second_thread_is_refused_while_the_first_call_is_in_mpi(fast_path):
     everywhere(np.array_equal(out, np.full(2, P * (P + 1) / 2)) and np.array_equal(again, np.full(2, float(P)))
                and (RANK != 0 or len(refused) == 1 and "Bcast" in refused[0]), f"refused: {refused}")
     comm.close()
+
+
+@pytest.mark.parametrize("count", [2, 1003, (1 << 18) + 3])       # MPI's own (fast, then checked), mpicoll's
+def test_min_and_max_keep_a_nan_whichever_rank_holds_it(fast_path, count):
+    """Element k holds a NaN on rank k % p only: MIN and MAX give NaN there and numpy's answer elsewhere, at every
+    size (MPI's own predefined MIN and MAX, which small calls use, dropped a NaN held by some ranks: 1.0 where
+    rank 0 or 1 of 3 held it), through the fast path, the checked path, a started call and Reduce_scatter_block
+    (float32 and float64)."""
+    comm = mpicoll.Communicator(WORLD)
+    comm.Allreduce(np.ones(3), np.empty(3))                 # the first call, checked in full on every rank
+    rng = np.random.default_rng(shared_seed())
+    failures = []
+    for dtype in (np.float32, np.float64):
+        everyone = rng.standard_normal((P, count * P)).astype(dtype)
+        for k in range(P):
+            everyone[k % P, k] = np.nan
+        x = everyone[RANK].copy()
+        for op, ufunc in ((MPI.MIN, np.minimum), (MPI.MAX, np.maximum)):
+            want = ufunc.reduce(everyone, axis=0)
+            out = np.empty_like(x)
+            comm.Allreduce(x, out, op)
+            started = np.empty_like(x)
+            comm.Iallreduce(x, started, op).Wait()
+            block = np.empty(count, dtype)
+            comm.Reduce_scatter_block(x, block, op)
+            for name, got, wanted in (("Allreduce", out, want), ("Iallreduce", started, want),
+                                      ("Reduce_scatter_block", block, want[RANK * count:(RANK + 1) * count])):
+                if not np.array_equal(got, wanted, equal_nan=True):
+                    failures.append(f"{name} {op_name(op)} {np.dtype(dtype)}: {got[:P]} want {wanted[:P]}")
+    comm.close()
+    everywhere(not failures, f"{failures[:4]}")

@@ -1,5 +1,8 @@
 """The MPI library's own collectives, for comparison and as a candidate of ``auto``.
 
+MIN and MAX on host floating-point arrays keep a NaN, as numpy's and mpicoll's other algorithms do
+(:func:`mpicoll.base.ops.as_numpy_has_it`; MPI's predefined ones drop it or not by which rank holds it).
+
 Device arrays go to MPI as they are when it is CUDA-aware; otherwise through
 pinned host copies (:class:`~mpicoll.collectives.algorithms.base.MpiBuffers`), and MPI
 reduces on the host.
@@ -10,6 +13,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from ...base.collectives import ALLGATHER, ALLREDUCE, BCAST, REDUCE_SCATTER_BLOCK, Collective
+from ...base.ops import as_numpy_has_it
 from ...channel import watchdog
 from .base import Algorithm, MpiBuffers
 
@@ -26,21 +30,24 @@ class Mpi(Algorithm):
         buffers, datatype = MpiBuffers(ctx, recv, "mpi"), reduction.datatype
         if send is None:
             data = buffers.readable("recv", recv)
-            _call(ctx, ALLREDUCE, MPI.IN_PLACE, [data, data.size, datatype], reduction.op)
+            _call(ctx, ALLREDUCE, MPI.IN_PLACE, [data, data.size, datatype], as_numpy_has_it(reduction.op, data))
         else:
             source, data = buffers.readable("send", send), buffers.writable("recv", recv)
-            _call(ctx, ALLREDUCE, [source, source.size, datatype], [data, data.size, datatype], reduction.op)
+            _call(ctx, ALLREDUCE, [source, source.size, datatype], [data, data.size, datatype],
+                  as_numpy_has_it(reduction.op, data))
         buffers.deliver(data, recv)
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
         buffers, datatype = MpiBuffers(ctx, recv, "mpi"), reduction.datatype
         source, block = buffers.readable("send", send), recv.size    # mpi4py's explicit counts here are per rank
         if _same_memory(send, recv):
-            _call(ctx, REDUCE_SCATTER_BLOCK, MPI.IN_PLACE, [source, block, datatype], reduction.op)
+            _call(ctx, REDUCE_SCATTER_BLOCK, MPI.IN_PLACE, [source, block, datatype],
+                  as_numpy_has_it(reduction.op, source))
             data = source[:block]
         else:
             data = buffers.writable("recv", recv)
-            _call(ctx, REDUCE_SCATTER_BLOCK, [source, block, datatype], [data, block, datatype], reduction.op)
+            _call(ctx, REDUCE_SCATTER_BLOCK, [source, block, datatype], [data, block, datatype],
+                  as_numpy_has_it(reduction.op, source))
         buffers.deliver(data, recv)
 
     def allgather(self, ctx, send, recv):
