@@ -290,18 +290,47 @@ def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, comp
 
 class _CompressedCall(_Call):
     """A sum or average moved as 16-bit floats by the communicator's algorithm
-    (:meth:`~mpicoll.collectives.algorithms.base.Algorithm.allreduce_compressed`); an overflow of float16 is
-    refused when it completes.  ``staged``: for a device array, (the device array the host result is copied
-    into, the caller's ``out`` to copy that into or None)."""
+    (:meth:`~mpicoll.collectives.algorithms.base.Algorithm.allreduce_compressed`).  ``staged``: for a device
+    array, (the device array the host result is copied into, the caller's ``out`` to copy that into or None).
+
+    A result with NaN or inf elements (the same bits, so the same elements, on every rank) is settled together
+    (:meth:`_settle_non_finite`): where some rank's input was NaN or inf already, the uncompressed sum is NaN or
+    inf too and the result stands; where none was, the 16-bit sum overflowed, and every rank raises the same
+    OverflowError.  ``non_finite``: the flat indices of this rank's own NaN or inf inputs."""
 
     def __init__(self, communicator: Communicator, compression, key, source, result, copy_into, divide_by: int,
-                 finite: bool, staged: tuple | None = None):
+                 non_finite: np.ndarray, staged: tuple | None = None):
         super().__init__(communicator, ALLREDUCE, (), result, copy_into, divide_by)
-        self.compression, self.key, self.source, self.finite = compression, key, source, finite
+        self.compression, self.key, self.source, self.non_finite = compression, key, source, non_finite
         self.staged = staged
+        self.ran_on = communicator          # the communicator the call ran on (a started one: its worker's)
 
     def _reduce(self, communicator: Communicator) -> None:
+        self.ran_on = communicator
         communicator._allreduce_compressed(self.source, self.result, self.compression, self.key)
+
+    def _settle_non_finite(self) -> None:
+        """Decide a result with NaN or inf elements on every rank alike, by one small allreduce of which of them
+        some rank's input held (every rank meets the same elements, so all make it); with error feedback the
+        residual is dropped there (what could not be sent is not carried into the next call)."""
+        if np.isfinite(self.result).all():
+            return
+        where = np.flatnonzero(~np.isfinite(self.result))
+        if self.compression.error_feedback and self.key in self.compression.residuals:
+            self.compression.residuals[self.key].flat[where] = 0
+        held = np.isin(where, self.non_finite).astype(np.uint8)
+        self.ran_on.Allreduce(MPI.IN_PLACE, held, MPI.MAX)
+        overflowed = where[held == 0]
+        if overflowed.size:
+            inputs = where.size - overflowed.size
+            raise OverflowError(
+                f"compression {self.compression.kind}: the sum overflowed the 16-bit type at {overflowed.size} "
+                f"element(s) (the first at index {overflowed[0]}), on every rank"
+                + (f"; {inputs} other element(s) are NaN or inf because an input was" if inputs else "")
+                + ("; float16 ends at 65504: use bf16, which has float32's range, or scale the values down"
+                   if self.compression.kind == "fp16" else "; scale the values down")
+                + ("; the error feedback's residual was dropped at those elements"
+                   if self.compression.error_feedback else ""))
 
     def run(self):
         self._reduce(self.communicator)
@@ -313,9 +342,7 @@ class _CompressedCall(_Call):
         return self.communicator.start(Request(ALLREDUCE.nonblocking, self._reduce)).then(lambda _: self._finish())
 
     def _finish(self):
-        if self.finite and not np.all(np.isfinite(self.result)):
-            raise OverflowError(f"compression {self.compression.kind}: the sum overflowed the 16-bit type (float16 "
-                                "ends at 65504); use bf16, which has float32's range, or scale the values down")
+        self._settle_non_finite()
         result = super()._finish()
         if self.staged is None:
             return result
@@ -346,8 +373,13 @@ def _compressed_allreduce(x, op, comm, algorithm, out, compression, key) -> _Com
     source = arrays.contiguous(x, kind)
     compression.residual(key, source)            # a buffer of another shape under this key: refused here
     result, copy_into = _output(x if out is x else out, x.shape, x, kind)
+    finite = np.isfinite(source)
+    non_finite = _NO_INDICES if finite.all() else np.flatnonzero(~finite)
     return _CompressedCall(communicator, compression, key, None if result is source else source, result, copy_into,
-                           divide_by, finite=bool(np.all(np.isfinite(x))), staged=staged)
+                           divide_by, non_finite, staged=staged)
+
+
+_NO_INDICES = np.empty(0, np.intp)
 
 
 def reduce_scatter(x, op="sum", *, comm=None, algorithm: str = "auto", out=None):

@@ -119,6 +119,70 @@ def test_what_cannot_compress_is_refused_in_one_line():
     everywhere(bool(np.all(np.abs(summed - 40000.0 * P) <= 40000.0 * P * 2 * 2.0 ** -8)), "bf16 lost the range")
 
 
+def outcome(call):
+    """What a call gave: its result, or its error's type and text (what every rank can compare)."""
+    try:
+        return call()
+    except Exception as error:          # (the test compares what each rank met)
+        return f"{type(error).__name__}: {error}"
+
+
+def alike_everywhere(got) -> bool:
+    """Whether every rank met the same outcome: the same bits, or the same error."""
+    return len(set(WORLD.allgather(got if isinstance(got, str) else got.tobytes()))) == 1
+
+
+@pytest.mark.parametrize("count", [100, 1 << 20])
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "direct"])
+@pytest.mark.parametrize("started", [False, True])
+def test_a_nan_or_inf_in_one_ranks_input_gives_every_rank_the_same_outcome(count, algorithm, started):
+    """A NaN or inf in rank 0's input only: every rank gets NaN or inf there, as the uncompressed sum, and no
+    error (rank 0 returned inf while the others raised 'the sum overflowed'); a sum that does overflow raises the
+    same OverflowError on every rank, naming the elements, and the NaN from an input as such."""
+    def call(x):
+        if started:
+            return mpicoll.iallreduce(x, compression="fp16", algorithm=algorithm).wait()
+        return mpicoll.allreduce(x, compression="fp16", algorithm=algorithm)
+
+    failures = []
+    for bad in (np.inf, -np.inf, np.nan):
+        x = np.ones(count, np.float32)
+        if RANK == 0:
+            x[3] = bad
+        got = outcome(lambda: call(x))
+        want = np.full(count, float(P), np.float32)
+        want[3] = bad
+        if not alike_everywhere(got) or isinstance(got, str) or not np.array_equal(got, want, equal_nan=True):
+            failures.append(f"{bad}: {got if isinstance(got, str) else got[:6]}")
+    x = np.ones(count, np.float32)
+    x[5] = 40000.0 if P > 1 else 70000.0          # overflows float16 once summed (alone: once rounded)
+    if RANK == 0:
+        x[3] = np.nan
+    said = outcome(lambda: call(x))
+    if not alike_everywhere(said) or not isinstance(said, str) or not said.startswith(
+            "OverflowError: compression fp16: the sum overflowed the 16-bit type at 1 element(s) (the first at "
+            "index 5), on every rank; 1 other element(s) are NaN or inf because an input was"):
+        failures.append(f"overflow: {said if isinstance(said, str) else said[:6]}")
+    everywhere(not failures, f"{algorithm} {count}: {failures}")
+
+
+def test_error_feedback_goes_on_after_a_call_that_overflowed():
+    """A contribution past float16's 65504 is refused on every rank, and the residual is dropped at that element:
+    the next calls of the same buffer sum as ever (the residual kept what could not be sent, -inf, and every
+    later call raised OverflowError)."""
+    compression = Compression("fp16", error_feedback=True)
+    x = np.ones(10, np.float32)
+    if RANK == 0:
+        x[1] = 70000.0
+    first = outcome(lambda: mpicoll.allreduce(x, compression=compression, key="w"))
+    later = [outcome(lambda: mpicoll.allreduce(np.full(10, 0.5, np.float32), compression=compression, key="w"))
+             for _ in range(2)]
+    residual = compression.residuals["w"]
+    everywhere(isinstance(first, str) and first.startswith("OverflowError") and "residual was dropped" in first
+               and all(not isinstance(got, str) and np.array_equal(got, np.full(10, 0.5 * P)) for got in later)
+               and bool(np.all(np.isfinite(residual))), f"{first}; then {later}; residual {residual}")
+
+
 def test_a_started_compressed_allreduce_gives_the_blocking_ones_bits():
     """iallreduce(compression=...): x is taken when started (it may change at once), the sum given when waited for."""
     compression = Compression("fp16", error_feedback=True)
