@@ -35,6 +35,7 @@ import ctypes
 import functools
 import os
 import sys
+import threading
 import time
 
 from mpi4py import MPI
@@ -42,7 +43,7 @@ from mpi4py import MPI
 from . import config, timeline
 from .errors import MpicollError
 
-__all__ = ["end_job", "end_at_exit", "tell_others_with", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge",
+__all__ = ["end_job", "hold_if_ending", "on_ending", "end_at_exit", "tell_others_with", "failed_ranks", "fault_tolerant", "is_process_failure", "acknowledge",
            "meet_survivors", "revoke", "is_revoked", "revoke_and_shrink", "job_ranks", "has_quorum", "check_quorum",
            "outlived_a_death", "end_after_losing"]
 
@@ -52,6 +53,8 @@ _FORWARD_S = 0.3
 _ABORT_TURN_S = 0.5     # under fault tolerance, between one rank's MPI_Abort and the next rank's (end_job)
 _ABORT_TURNS = 8        # at most this many turns: later ranks abort together at the last
 _TOLD_S = 1.0           # after telling the other ranks why (end_job): time for them to print it
+ending = threading.Event()      # set once end_job has begun: the job is ending (hold_if_ending)
+_on_ending: list = []           # hooks end_job calls as it begins (on_ending)
 _reasons: list[str] = []
 _lost: set[int] = set()  # the world ranks that end_at_exit's reasons name as lost: no last word goes to them
 _tell_others = None     # tell(note, lost): what mpicoll.channel.watchdog.guard_job sets (tell_others_with)
@@ -74,6 +77,9 @@ def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0, note: str |
     abort ends the others during their wait; a rank hung before it came here leaves the next its turn.  The
     last living rank (every other one known dead) leaves with ``code`` instead: its ``MPI_Abort`` ended the
     job with status 0."""
+    ending.set()                    # a call of this process that returns now does not return to the program
+    for hook in _on_ending:
+        hook()
     sys.stdout.flush()
     print(f"mpicoll: rank {MPI.COMM_WORLD.Get_rank()} ends the job: {reason}", file=sys.stderr, flush=True)
     timeline.write_own()            # MPI_Abort skips the exit hooks that would write the whole trace
@@ -90,6 +96,19 @@ def end_job(reason: str, code: int = EXIT_CODE, settle: float = 0.0, note: str |
         time.sleep(_abort_turn() * _ABORT_TURN_S)
     MPI.COMM_WORLD.Abort(code)
     os._exit(code)                  # not reached where MPI_Abort ends the process, as it should
+
+
+def on_ending(hook) -> None:
+    """Call ``hook()`` when :func:`end_job` begins (the compiled fast path's switch to :func:`hold_if_ending`)."""
+    _on_ending.append(hook)
+
+
+def hold_if_ending() -> None:
+    """Where this process is ending its job (:func:`end_job`, in another thread: the watchdog's, on a call stuck
+    past its deadline), never return: a call that completes meanwhile (its late peer came) would otherwise hand
+    its result to a program that was told the job ends, and the program went on to its next calls."""
+    while ending.is_set():
+        time.sleep(1.0)             # (until end_job's MPI_Abort, or its os._exit, ends the process)
 
 
 def _last_living() -> bool:

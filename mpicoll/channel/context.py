@@ -502,12 +502,22 @@ class Context:
         rank, still waiting (in :meth:`_poll`, or stuck in MPI's own call: the watchdog asks), should give up and
         answer now.  Also once the watchdog has taken and answered such a note here (:meth:`answer_roll_calls`).
         Safe from another thread: a channel being freed is not probed."""
+        return self.roll_caller() is not None
+
+    def roll_caller(self) -> int | None:
+        """The rank (of this channel) whose roll call :meth:`roll_call_heard` hears, or None: the survivor that
+        gave up on the call first, which a rank late to the call names (mpicoll.channel.watchdog)."""
         top = self.top
         if not top._looks_for_roll_calls():
-            return False
+            return None
         with top._channel_lock:
-            return _IN_THE_ROLL_CALL in top._notes_taken.values() or (
-                top.comm != MPI.COMM_NULL and top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL))
+            for sender, note in top._notes_taken.items():
+                if note == _IN_THE_ROLL_CALL:
+                    return sender
+            status = MPI.Status()
+            if top.comm != MPI.COMM_NULL and top.comm.Iprobe(MPI.ANY_SOURCE, Tag.ROLL_CALL, status):
+                return status.Get_source()
+        return None
 
     def answer_roll_calls(self) -> None:
         """Take every other survivor's roll-call note waiting on this channel and answer each sender once with

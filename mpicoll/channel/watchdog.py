@@ -61,6 +61,7 @@ _start_lock = threading.Lock()
 # beside MPI_Finalize is erroneous (MPICH ends the process on a call after it).
 _calls_lock = threading.Lock()
 _finalizing = False
+_job_ending = failure.ending               # (read on every blocking call's way out: watching, the fast paths)
 
 
 class watching:
@@ -84,6 +85,8 @@ class watching:
 
     def __exit__(self, *exc_info):
         self.started = 0.0
+        if _job_ending.is_set():         # the watchdog ended the job on this call: it does not return
+            failure.hold_if_ending()
 
 
 def watch_numbered_calls_of(caller) -> None:
@@ -398,11 +401,21 @@ def _expired(owner, context, collective: str, limit: float, causes: str | None =
             # MPI's dead are named without a roll call, which a channel revoked for them fails (met: the failure
             # was printed at every look and the job never ended: a one-sided unlock toward a rank cut off)
             missing, sure = context.missing(context.others(), trust_mpi=True)
-            some_of = not sure
-            reason = str(context.broken_by(CollectiveTimeout(
-                f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=some_of,
-                also_silent=context.silent_seen, alive_outside=context.outside_seen, causes=causes,
-                cut_short=cut_short)))
+            caller = _on_the_channel(context.roll_caller) if cut_short else None
+            if caller is not None and context.names[caller] in missing:
+                # the rank whose roll call cut this wait short gave up first and is ending the job (so it did not
+                # answer this one's): it is no missing peer, and where it is the only one, this rank was late
+                missing = [peer for peer in missing if peer != context.names[caller]]
+            if caller is not None and not missing:
+                reason = (f"{collective} (MPI's own): rank {context.names[caller]} gave up waiting on this "
+                          f"communicator past its timeout and ends the job; rank {context.names[context.rank]} "
+                          "came late to its call (computing, or in other calls): raise MPICOLL_TIMEOUT if a rank "
+                          "is just slow")
+            else:
+                reason = str(context.broken_by(CollectiveTimeout(
+                    f"{collective} (MPI's own)", context.names[context.rank], missing, limit, some_of=not sure,
+                    also_silent=context.silent_seen, alive_outside=context.outside_seen, causes=causes,
+                    cut_short=cut_short)))
         except Exception:  # noqa: BLE001 - naming the missing must never keep the job from ending
             pass
     if reason is None:

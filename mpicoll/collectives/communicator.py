@@ -39,6 +39,8 @@ try:
     from ._fastcall import FastCall
 except ImportError:        # pragma: no cover - a machine that built no extension
     FastCall = None
+else:       # a compiled call that completes once the job is ending does not return (failure.hold_if_ending)
+    failure.on_ending(lambda: _fastcall.hold_calls(failure.hold_if_ending))
 
 __all__ = ["Communicator", "FINGERPRINT_FROM"]
 
@@ -429,6 +431,7 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
     take, give_back = turn.pop, turn.append
     ndarray, in_place = np.ndarray, MPI.IN_PLACE
     mpi_call = mpi_call.__get__(owner)
+    is_ending = failure.ending.is_set
 
     if collective.rooted:
         def call(buf, root=0):
@@ -444,6 +447,8 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
                     raise
                 finally:
                     give_back(token)
+                    if is_ending():         # the watchdog ended the job on this call: it does not return
+                        failure.hold_if_ending()
             return checked_call(buf, root)
     # Allgather's and the reductions' closures differ only in the op: written twice, since forwarding
     # ``*args, **keywords`` costs ~150 ns a call (measured), as much as the rest of this path
@@ -463,6 +468,8 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
                     raise
                 finally:
                     give_back(token)
+                    if is_ending():
+                        failure.hold_if_ending()
             return checked_call(sendbuf, recvbuf)
     else:
         minimum, maximum = MPI.MIN, MPI.MAX
@@ -485,6 +492,8 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
                     raise
                 finally:
                     give_back(token)
+                    if is_ending():
+                        failure.hold_if_ending()
             return checked_call(sendbuf, recvbuf, op)
     call.__doc__ = getattr(Communicator, name).__doc__
     watchdog.watch_calls_of(call)        # bounds each call by its frame: nothing to set per call

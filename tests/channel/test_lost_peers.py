@@ -209,3 +209,40 @@ def test_a_message_of_the_programs_own_with_the_roll_calls_tag_is_not_taken_for_
     program.Free()
     everywhere(np.all(total == WORLD.Get_size()) and (RANK != 1 or np.all(got == np.arange(3.0))),
                f"rank {RANK}: {total} {got}")
+
+
+# Rank 1 computes for longer than MPICOLL_TIMEOUT before a small (MPI's own) call rank 0 waits in, then makes
+# two more; every rank says when a call returns to the program.
+_LATE_RANK = """
+import sys, time, numpy as np
+from mpi4py import MPI
+import mpicoll
+comm = mpicoll.Communicator(MPI.COMM_WORLD)
+x, out = np.ones(8), np.empty(8)
+comm.Allreduce(x, out)
+if comm.rank == 1:
+    time.sleep(8)
+for call in (2, 3):
+    comm.Allreduce(x, out)
+    print(f"rank {comm.rank}: call {call} returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fast_path", ["c", "python"])
+def test_a_rank_late_past_the_timeout_is_named_late_and_the_job_ends_where_it_says(tmp_path, fast_path):
+    """Rank 0's watchdog ends the job on the call rank 1 is 8 s late to (MPICOLL_TIMEOUT=3), naming rank 1; that
+    call never returns to rank 0's program (it did, once rank 1 came, and rank 0 went on to its next calls before
+    the abort), and rank 1, late, says so rather than blame rank 0 ("rank 1 waited 0 s for rank(s) 0")."""
+    script = tmp_path / "late_rank.py"
+    script.write_text(_LATE_RANK)
+    start = time.monotonic()
+    result = launch(2, str(script), env={"MPICOLL_TIMEOUT": "3", "MPICOLL_FAST_PATH": fast_path}, timeout=120)
+    seconds = time.monotonic() - start
+    lines = (result.stdout + result.stderr).splitlines()
+    ended = [line for line in lines if line.startswith("mpicoll: rank 0 ends the job:")]
+    assert result.returncode != 0 and seconds < 30, (result.returncode, seconds, result.stderr[-2000:])
+    assert ended and "rank 0 waited 3 s for rank(s) 1" in ended[0], result.stderr[-3000:]
+    assert not any(line.startswith("rank 0: call") for line in lines), result.stdout
+    assert not any("for rank(s) 0" in line for line in lines), result.stderr[-3000:]
+    late = [line for line in lines if line.startswith("mpicoll: rank 1 ends the job:")]
+    assert all("rank 1 came late to its call" in line for line in late), late
