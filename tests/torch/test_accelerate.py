@@ -35,6 +35,8 @@ weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(mode
 if accelerator.is_main_process:
     print("result", accelerator.num_processes, ranks.item(), weights.tolist(), flush=True)
 accelerator.end_training()
+if dist.is_initialized():       # torch's advice before exit (gloo's threads, left running, once aborted the exit)
+    dist.destroy_process_group()
 """
 
 
