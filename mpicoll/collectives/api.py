@@ -313,9 +313,10 @@ class _CompressedCall(_Call):
         """Decide a result with NaN or inf elements on every rank alike, by one small allreduce of which of them
         some rank's input held (every rank meets the same elements, so all make it); with error feedback the
         residual is dropped there (what could not be sent is not carried into the next call)."""
-        if np.isfinite(self.result).all():
+        finite = np.isfinite(self.result)
+        if finite.all():
             return
-        where = np.flatnonzero(~np.isfinite(self.result))
+        where = np.flatnonzero(~finite)
         if self.compression.error_feedback and self.key in self.compression.residuals:
             self.compression.residuals[self.key].flat[where] = 0
         held = np.isin(where, self.non_finite).astype(np.uint8)

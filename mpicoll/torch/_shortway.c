@@ -44,7 +44,7 @@ typedef struct {
 
 /* names, interned once */
 static PyObject *s_reduceOp, *s_asyncOp, *s_dtype, *s_is_contiguous, *s_is_cpu, *s_nbytes, *s_data_ptr,
-                *s_failed, *s_context, *s_napping, *s_collective, *s_Test, *s_waitall, *s_settled;
+                *s_failed, *s_context, *s_napping, *s_broken, *s_collective, *s_Test, *s_waitall, *s_settled;
 
 /* The raised error, taken (with its traceback), and raised again: what Python 3.12's PyErr_GetRaisedException
    and PyErr_SetRaisedException do, for 3.10 and 3.11 too */
@@ -129,6 +129,9 @@ static PyObject *run_under_turn(ShortWay *self, PyObject *tensor, PyObject *stra
     int napping = truth_of(PyObject_GetAttr(context, s_napping));
     if (napping != 0)               /* the worker's thread ran the last call: run_now sets the channel to spin */
         return napping < 0 ? NULL : Py_NewRef(Py_False);
+    int broken = truth_of(PyObject_GetAttr(context, s_broken));
+    if (broken != 0)                /* a channel a lost peer broke: the Python path refuses the call */
+        return broken < 0 ? NULL : Py_NewRef(Py_False);
     Py_ssize_t queued = PyObject_Size(self->queued);
     if (queued != 0)
         return queued < 0 ? NULL : Py_NewRef(Py_False);
@@ -339,7 +342,7 @@ PyMODINIT_FUNC PyInit__shortway(void) {
     INTERN(s_reduceOp, "reduceOp") INTERN(s_asyncOp, "asyncOp") INTERN(s_dtype, "dtype")
     INTERN(s_is_contiguous, "is_contiguous") INTERN(s_is_cpu, "is_cpu") INTERN(s_nbytes, "nbytes")
     INTERN(s_data_ptr, "data_ptr") INTERN(s_failed, "failed") INTERN(s_context, "_context")
-    INTERN(s_napping, "napping") INTERN(s_collective, "collective") INTERN(s_Test, "Test")
+    INTERN(s_napping, "napping") INTERN(s_broken, "broken") INTERN(s_collective, "collective") INTERN(s_Test, "Test")
     INTERN(s_waitall, "waitall") INTERN(s_settled, "settled")
 #undef INTERN
     if (PyType_Ready(&ShortWayType) < 0)
