@@ -11,10 +11,14 @@ a window from ``Win.Allocate``; a sender accumulates its packet into slot
 ``round % slots`` of each out-peer under a shared lock, without the receiver
 posting anything.  MPICH completes such an operation only when the target
 enters MPI, so the receiver runs a progress thread (:mod:`mpicoll.channel.progress`)
-while it computes.  The receiver looks for a round's packets under a shared lock
-on its own window, then takes the slot under an exclusive one, so it never sees
-half a packet, then tells the ranks that will next write into that slot that it
-is free (a ``Put`` into their window).
+while it computes.  A sender's count goes in last, after a flush has completed
+the rest of its packet at the receiver, so a slot whose count is whole holds
+whole packets: the receiver reads it under no lock (no sender writes into it
+until it is freed) and so never holds its own window against its senders (a
+lock left by a rank that dies holding it is never let go, and its senders'
+next accesses would wait for ever).  Freeing a slot tells the ranks that will
+next write into it (a ``Put`` into their window).  Windows must have MPI's
+unified memory model (every MPI this was run on gives it).
 
 ``PointToPointMailbox`` (the default): nonblocking sends, and receives posted
 when a round starts; messages between two ranks arrive in order, so packets
@@ -106,8 +110,13 @@ class OneSidedMailbox:
         self.outgoing = outgoing
         stride = outgoing.stride
         self.acks_at = slots * stride
+        self._one = np.ones(1)                    # a sender's count, accumulated once its packet is whole
         ctx.rendezvous()                          # allocating a window blocks until every rank is here
         self.win = MPI.Win.Allocate(self.acks_at + ctx.size * 8, 1, comm=ctx.comm)
+        if self.win.Get_attr(MPI.WIN_MODEL) != MPI.WIN_UNIFIED:
+            self.win.Free()
+            raise RuntimeError("push-sum over windows needs MPI's unified memory model, which this MPI's windows "
+                               "do not have: use --transport p2p (transport='p2p')")
         memory = np.frombuffer(self.win.tomemory(), np.uint8)
         memory[:] = 0
         self.inbox = _Packets(memory[:self.acks_at], count, dtype, slots)
@@ -130,15 +139,19 @@ class OneSidedMailbox:
     def send(self, round: int, shares: dict[int, float], x: np.ndarray, weight: float) -> None:
         """Accumulate each out-peer's share of (x, weight) into its slot for ``round``."""
         offset = (round % self.slots) * self.outgoing.stride
+        header = self.outgoing.headers[0]
         for share, peers in _by_share(shares):
             self.outgoing.fill(0, share, x, weight, round)
+            header[1] = 0.0                       # the count goes alone, last
             for peer in peers:
                 self._wait_for_free_slot(round, peer)
                 with locked(self.win, peer, self._access):
-                    self.win.Accumulate(self.outgoing.headers[0], peer, (offset, HEADER, MPI.DOUBLE), MPI.SUM)
+                    self.win.Accumulate(header, peer, (offset, HEADER, MPI.DOUBLE), MPI.SUM)
                     if self.outgoing.count:
                         self.win.Accumulate(self.outgoing.payloads[0], peer,
                                             (offset + _HEADER_BYTES, self.outgoing.count, self.mpi_type), MPI.SUM)
+                    self.win.Flush(peer)          # the packet is whole at the peer before its count says so
+                    self.win.Accumulate(self._one, peer, (offset + 8, 1, MPI.DOUBLE), MPI.SUM)
 
     def _wait_for_free_slot(self, round: int, peer: int) -> None:
         """``peer`` must have taken round - slots, the last user of this slot, from its mailbox."""
@@ -158,25 +171,14 @@ class OneSidedMailbox:
         header = self.inbox.headers[round % self.slots]
 
         def landed() -> bool:
-            # looked for under a shared lock, which does not hold the senders' shared locks off (polled under
-            # an exclusive one, Open MPI's fault-tolerant windows gave senders their locks late: a slower run
-            # with three times the packets, docs/elastic.md); then the exclusive lock, taken once every sender's
-            # access has ended (its payload whole) and kept until release(): nobody writes into the slot meanwhile
+            # looked for under a shared lock, which holds no sender off; a whole count means whole packets
             see_own(self.win, self.rank, self._access)
-            if header[1] < len(peers):
-                return False
-            with self._access:
-                self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-            self.win.Sync()
-            return True
+            return header[1] >= len(peers)
 
         if not landed():
             self.ctx.wait_until(landed, list(peers))
-        try:
-            _check_round(header, round, self.rank, peers)
-        except RuntimeError:
-            self.win.Unlock(self.rank)            # never leave senders locked out
-            raise
+        see_own(self.win, self.rank, self._access)     # no read of the packets before the count's
+        _check_round(header, round, self.rank, peers)
         self._taking = round
         return [(float(header[0]), self.inbox.payloads[round % self.slots])] if peers else []
 
@@ -186,7 +188,7 @@ class OneSidedMailbox:
         slot = round % self.slots
         self.inbox.headers[slot][:] = 0
         self.inbox.payloads[slot][...] = 0
-        self.win.Unlock(self.rank)
+        see_own(self.win, self.rank, self._access)     # emptied before any sender hears it is free
         marker = np.array([float(round)])
         for peer in self.graph.in_peers(self.rank, round + self.slots):
             with locked(self.win, peer, self._access):

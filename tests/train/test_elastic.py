@@ -185,6 +185,36 @@ def test_a_rank_killed_as_the_run_ends_is_recovered_from_and_the_survivors_finis
         assert summary["replicas_identical"] is True and summary["final_loss"] == whole["final_loss"], (summary, whole)
 
 
+# push-sum over windows: rank DYING dies in its 60th fold (epoch 3), between taking its packets and releasing
+# the slot, where the receiver once held its own window exclusively
+_IN_A_FOLD = """    import mpicoll.gossip.pushsum as run
+    folds = iter(range(60))
+    def accumulate(*args):
+        next(folds, None) is None and die()
+        return real(*args)
+    real = run.compute.scaled_accumulate
+    run.compute = types.SimpleNamespace(**{**vars(run.compute), "scaled_accumulate": accumulate})"""
+
+
+def test_a_rank_killed_while_taking_its_packets_locks_no_sender_out(tmp_path):
+    """A push-sum rank over windows dies between taking a round's packets and freeing their slot: its senders'
+    next accesses to its window must not wait on it.  The receiver held its own window under an exclusive
+    lock while it folded the packets in, and a lock left by the dead is never let go: the senders waited out
+    the timeout and the job ended (exit 70, "push-sum's one-sided transfer ... waited 20 s for rank(s) 3"; seen
+    in CI with a kill from outside, every time with this patch)."""
+    script = tmp_path / "die_in_a_fold.py"
+    script.write_text(DIE_IN_A_STEP.format(patch=_IN_A_FOLD))
+    killed, logged = train(tmp_path, "killed", "--method", "sgp", "--elastic", *SLOW, "--transport", "onesided",
+                           program=(str(script),), settings={"DYING": "3"})
+    said = killed.stderr_text
+    assert killed.returncode == 0, said[-3000:]
+    events = [r for r in logged if r.get("event") == "ranks_lost"]
+    assert len(events) == 1 and events[0]["lost"] == [3] and events[0]["epoch"] == 3, events
+    assert [r["epoch"] for r in logged if "epoch" in r and not r.get("event")] == list(range(1, 7))
+    assert "Traceback" not in said, said[-3000:]
+    assert summary_of(logged)["ranks"] == 3
+
+
 def test_a_rank_lost_in_the_checks_before_the_run_is_named_by_every_survivor(tmp_path):
     """Rank 2 dies in the checks every rank makes before training (its options, files, checkpoints): each
     survivor names it in one line and the job ends, nothing trained (was: an uncaught MPI_ERR_PROC_FAILED from
