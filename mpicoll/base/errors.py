@@ -59,7 +59,8 @@ class MismatchError(MpicollError, ValueError):
         lines = [f"  ranks {_ranks(ranks)}: {value}" for value, ranks in groups.items()]
         super().__init__(
             f"{collective}: ranks disagree on the call; every rank must pass the same "
-            "count, datatype, op and root, and use the same algorithm:\n" + "\n".join(lines)
+            "count, datatype, op and root, use the same algorithm, and make the call from the same thread "
+            "(threads that share a communicator must call in the same order on every rank):\n" + "\n".join(lines)
         )
 
 

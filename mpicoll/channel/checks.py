@@ -39,6 +39,7 @@ class Signature:
                  algorithm: str = "-"):
         self.collective, self.count, self.dtype, self.op, self.root = collective, count, np.dtype(dtype), op, root
         self.algorithm = algorithm          # the one that runs this call (set by the communicator)
+        self.thread = "-"                   # the calling thread's name, on a communicator called from several
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +47,7 @@ class Signature:
 
     def codes(self) -> list[int]:
         return [_code(self.collective), self.count, self.dtype.itemsize, _code(self.dtype.str),
-                _code(self.op), self.root, _code(self.algorithm)]
+                _code(self.op), self.root, _code(self.algorithm), _code(self.thread)]
 
     def __str__(self) -> str:
         text = f"{self.collective}(count={self.count}, dtype={self.dtype}"
@@ -56,6 +57,8 @@ class Signature:
             text += f", root={self.root}"
         if self.algorithm != "-":
             text += f", algorithm={self.algorithm}"
+        if self.thread != "-":
+            text += f", from thread {self.thread!r}"
         return text + ")"
 
 
@@ -83,7 +86,8 @@ def check_call(context, signature: Signature, contribution: np.ndarray | None = 
     context.waitall([comm.Iallgather(mine, everyone)], context.others())
     if (everyone[:, :-1] != everyone[0, :-1]).any():
         described = comm.allgather(str(signature))
-        raise MismatchError(signature.collective, dict(enumerate(described)))
+        # every rank met it here, before any data moved: a worker's later calls go on (MismatchError.settled)
+        raise MismatchError(signature.collective, dict(enumerate(described)), settled=True)
     bad = np.flatnonzero(everyone[:, -1])
     if bad.size:
         raise NonFiniteError(signature.collective, bad.tolist())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 
 import numpy as np
 from mpi4py import MPI
@@ -65,6 +66,7 @@ class Communicator(MPI.Intracomm):
     algorithm = "auto"   # also the value for communicators mpi4py builds from this one
     fingerprint_from = FINGERPRINT_FROM     # elements; a benchmark sets it to inf to time calls without
     background = False     # True for a nonblocking worker's channel: see Context.run_in_background
+    several_threads = False     # True from the first call from a second thread: see _note_the_thread
     on_death = "shrink"    # what a death does under ULFM: see Context.on_death ("revoke": a part of a larger whole)
     across_nodes = False   # auto's rules for nodes of several consecutive ranks (learnt on the first call)
     timeout = None         # seconds a call waits for its peers before a CollectiveTimeout; None: MPICOLL_TIMEOUT's
@@ -196,7 +198,10 @@ class Communicator(MPI.Intracomm):
             if self.background:
                 context.run_in_background()
         context.begin(signature.collective)
-        if first or context.debug:
+        for_thread = self.__dict__.get("_for_thread")
+        if self.several_threads or for_thread:
+            signature.thread = for_thread or threading.current_thread().name
+        if first or context.debug or signature.thread != "-":
             check_call(context, signature, contribution if context.debug else None)   # finiteness: debug only
             if first and self.algorithm == "auto":
                 # where hierarchical splits every collective (blocks follow rank order); collective
@@ -318,15 +323,34 @@ class Communicator(MPI.Intracomm):
         return self.start(Request(BCAST.nonblocking, lambda comm: comm.Bcast(buf, root)))
 
     def start(self, request: Request) -> Request:
-        """Hand ``request`` to this communicator's worker (:meth:`worker`)."""
-        return self.worker().start(request)
+        """Hand ``request`` to this communicator's worker (:meth:`worker`); from a communicator called from
+        several threads, as a call of the starting thread (:func:`_note_the_thread`)."""
+        worker = self.worker()
+        in_a_callback = worker.runs_calls_here()    # its call comes next in every rank's order, whichever thread
+        if not in_a_callback:
+            _note_the_thread(self)
+        if self.several_threads:
+            request.started_by("a started call's callback" if in_a_callback else threading.current_thread().name)
+        return worker.start(request)
+
+    def run_for_thread(self, thread: str, run) -> None:
+        """``run(self)``, its calls checked across ranks as calls of ``thread`` (a worker's channel, running a
+        call started on a communicator called from several threads)."""
+        self.__dict__["_for_thread"] = thread
+        try:
+            run(self)
+        finally:
+            del self.__dict__["_for_thread"]
 
     def worker(self) -> Worker:
         """The worker that runs this communicator's started calls in order, made by the first call that needs
         it (collective)."""
         worker = self.__dict__.get("_worker")
         if worker is None:
-            worker = self.__dict__["_worker"] = Worker(self, Communicator)
+            # its set-up duplicates this communicator, a collective: under the turn (two threads' first started
+            # calls made two workers at once, and MPI took the two duplications' messages for each other's)
+            with _OneCall(self, "the nonblocking calls' set-up"):
+                worker = self.__dict__.get("_worker") or self.__dict__.setdefault("_worker", Worker(self, Communicator))
         return worker
 
     def _hand_small_calls_to_mpi(self) -> None:
@@ -429,13 +453,14 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
     name = collective.method
     turn = _turn(owner)
     take, give_back = turn.pop, turn.append
+    caller, thread = threading.get_ident(), threading.get_ident     # another thread's call: the checked path
     ndarray, in_place = np.ndarray, MPI.IN_PLACE
     mpi_call = mpi_call.__get__(owner)
     is_ending = failure.ending.is_set
 
     if collective.rooted:
         def call(buf, root=0):
-            if type(buf) is ndarray and buf.nbytes < limit:
+            if type(buf) is ndarray and buf.nbytes < limit and thread() == caller:
                 try:
                     token = take()
                 except IndexError:
@@ -456,7 +481,8 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
         def call(sendbuf, recvbuf):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
                     sendbuf is in_place or type(sendbuf) is ndarray and (
-                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or _apart(sendbuf, recvbuf))):
+                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or _apart(sendbuf, recvbuf))
+                    ) and thread() == caller:
                 try:
                     token = take()
                 except IndexError:
@@ -478,7 +504,8 @@ def _straight_to_mpi(owner: Communicator, collective: Collective, mpi_call, chec
         def call(sendbuf, recvbuf, op=MPI.SUM):
             if type(recvbuf) is ndarray and recvbuf.nbytes < limit and (
                     sendbuf is in_place or type(sendbuf) is ndarray and (
-                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or _apart(sendbuf, recvbuf))):
+                        sendbuf.base is None is recvbuf.base and sendbuf is not recvbuf or _apart(sendbuf, recvbuf))
+                    ) and thread() == caller:
                 if (op is minimum or op is maximum) and recvbuf.dtype.kind == "f":
                     op = nan_min if op is minimum else nan_max    # (_as_numpy_has_it: a NaN kept, as numpy)
                 try:
@@ -537,22 +564,40 @@ def _turn(owner: Communicator) -> list:
 
 class _OneCall:
     """``with`` around one collective call: refuses a second thread's call while one is in flight
-    (:class:`mpicoll.ConcurrentCall`) instead of waiting for it."""
+    (:class:`mpicoll.ConcurrentCall`) instead of waiting for it, and notes the calling thread
+    (:func:`_note_the_thread`)."""
 
-    __slots__ = ("take", "give_back", "collective", "token")
+    __slots__ = ("owner", "take", "give_back", "collective", "token")
 
     def __init__(self, owner: Communicator, collective: str):
         turn = _turn(owner)
-        self.take, self.give_back, self.collective = turn.pop, turn.append, collective
+        self.owner, self.take, self.give_back, self.collective = owner, turn.pop, turn.append, collective
 
     def __enter__(self):
         try:
             self.token = self.take()
         except IndexError:
             raise ConcurrentCall(self.collective) from None
+        _note_the_thread(self.owner)
 
     def __exit__(self, *exc_info):
         self.give_back(self.token)
+
+
+def _note_the_thread(owner: Communicator) -> None:
+    """Note the thread of a call that holds ``owner``'s turn.  The refusal of a second thread's call is local:
+    two threads calling in turn, in one order on one rank and in another on the next, would pair one thread's
+    call with another's, and small calls, straight to MPI, would sum them into a wrong answer.  So from the
+    first call from a thread other than the first caller's, every call is checked across ranks with its thread's
+    name in the signature (:attr:`Communicator.several_threads`): ranks whose threads took other turns get a
+    MismatchError, all of them.  A nonblocking worker's channel is called from several threads by design, in
+    its calls' start order: it is left alone."""
+    state = owner.__dict__
+    first = state.setdefault("_first_caller", threading.get_ident())
+    if first != threading.get_ident() and not owner.several_threads and not owner.background:
+        owner.several_threads = True
+        for collective in COLLECTIVES.values():        # the small calls' closures (_hand_small_calls_to_mpi)
+            state.pop(collective.method, None)
 
 
 def _array(message: Message | None):

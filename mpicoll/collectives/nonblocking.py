@@ -76,6 +76,13 @@ class Request:
     def __repr__(self) -> str:
         return f"<mpicoll.Request {self.collective} {'done' if self._done.is_set() else 'pending'}>"
 
+    def started_by(self, thread: str) -> "Request":
+        """Run it as a call of ``thread`` (its name): checked across ranks with that name in its signature,
+        whichever thread runs it (the starter's communicator is called from several threads)."""
+        run = self._run
+        self._run = lambda comm: comm.run_for_thread(thread, run)
+        return self
+
     def then(self, transform: Callable) -> "Request":
         """Replace the result by ``transform(result)`` once the call completes (in the thread that
         completes it); returns this request.  Used to finish a result, e.g. divide a sum."""
@@ -217,6 +224,10 @@ class Worker:
             warnings.warn("MPI was initialised without MPI_THREAD_MULTIPLE: mpicoll's nonblocking collectives "
                           "run to completion when started, overlapping nothing", RuntimeWarning, stacklevel=3)
             Worker._warned = True
+
+    def runs_calls_here(self) -> bool:
+        """Whether this thread is running the started calls now (a call's callback, starting another)."""
+        return self._runner == threading.get_ident()
 
     def start(self, request: Request) -> Request:
         """Queue ``request`` behind the calls started before it; or run it now, without a thread, or when it

@@ -125,6 +125,53 @@ def test_a_second_thread_is_refused_while_the_first_call_is_in_mpi(fast_path):
     comm.close()
 
 
+@pytest.mark.skipif(P < 2, reason="needs at least 2 ranks (runs in the tiers that have them)")
+@pytest.mark.parametrize("algorithm, count, started", [("auto", 1000, False), ("auto", 1, False),
+                                                       ("ring", 1003, False), ("auto", 1000, True)])
+def test_two_threads_that_take_turns_in_other_orders_on_other_ranks_get_an_error_never_a_wrong_sum(
+        fast_path, algorithm, count, started):
+    """Two threads share a communicator and take turns (no call overlaps, so none is refused): on even ranks
+    thread 0 makes its 3 calls first, on odd ranks thread 1.  Each call paired one thread's data with the
+    other's (small calls, straight to MPI: wrong sums, no error; found by the red team): now every call is a
+    MismatchError naming the threads, on every rank (started calls too, whichever thread runs them).  In the
+    same order on every rank they are right, and so is the main thread's call after them."""
+    comm = mpicoll.Communicator(WORLD, algorithm=algorithm)
+    comm.Allreduce(np.ones(3), np.empty(3))                 # the first call: from the main thread
+    want = {t: sum(100.0 * t + q for q in range(P)) for t in (0, 1)}
+
+    def run(first: int) -> dict:
+        outcomes, done = {0: [], 1: []}, threading.Event()
+
+        def calls(t):
+            if t != first:
+                done.wait()
+            for _ in range(3):
+                x = np.full(count, 100.0 * t + RANK, np.float32)
+                try:
+                    if started:
+                        comm.Iallreduce(MPI.IN_PLACE, x).Wait()
+                    else:
+                        comm.Allreduce(MPI.IN_PLACE, x)
+                    outcomes[t].append("right" if np.all(x == want[t]) else f"wrong: {x[0]} for {want[t]}")
+                except mpicoll.MismatchError as error:
+                    outcomes[t].append("MismatchError" if f"from thread 'caller-{1 - t}'" in str(error)
+                                       else str(error))
+            done.set()
+
+        threads = [threading.Thread(target=calls, args=(t,), name=f"caller-{t}") for t in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return outcomes
+
+    crossed, same = run(first=RANK % 2), run(first=0)
+    comm.Allreduce(MPI.IN_PLACE, last := np.full(count, 1.0, np.float32))
+    everywhere(crossed == {0: ["MismatchError"] * 3, 1: ["MismatchError"] * 3} and
+               same == {0: ["right"] * 3, 1: ["right"] * 3} and np.all(last == P), f"{crossed} {same}")
+    comm.close()
+
+
 @pytest.mark.parametrize("count", [2, 1003, (1 << 18) + 3])       # MPI's own (fast, then checked), mpicoll's
 def test_min_and_max_keep_a_nan_whichever_rank_holds_it(fast_path, count):
     """Element k holds a NaN on rank k % p only: MIN and MAX give NaN there and numpy's answer elsewhere, at every
