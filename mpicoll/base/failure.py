@@ -34,6 +34,8 @@ import atexit
 import ctypes
 import functools
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -320,6 +322,53 @@ def job_ranks(comm: MPI.Comm) -> list[int]:
     finally:
         group.Free()
         world.Free()
+
+
+# (host, pid, start time) of every rank of the job, by its rank: gathered by note_processes while all live
+_processes: list[tuple[str, int, str]] | None = None
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (Linux: /proc/PID/stat's field 22, in clock ticks since boot; "" where there
+    is no /proc): told apart from a later process given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def note_processes(comm: MPI.Comm) -> None:
+    """Gather every rank's host, pid and start time (collective over the job's ranks, while all live), for
+    :func:`end_lost_processes`."""
+    global _processes
+    _processes = comm.allgather((socket.gethostname(), os.getpid(), _started(os.getpid())))
+
+
+def end_lost_processes(lost: list[int], survivors: list[int]) -> list[int]:
+    """SIGKILL the processes of ranks MPI declared ``lost`` that still run on this host, and return their ranks.
+
+    A rank stopped (SIGSTOP) or hung outside MPI is taken for dead by the failure detector, and the survivors
+    finish without it, but the launcher waits for every process it started: ``mpiexec`` never returned (and,
+    resumed, the rank printed Open MPI's abort with its C backtrace).  The first survivor on the lost rank's
+    host ends it (the process it gathered, not a later one given the same pid).  A lost rank on a host with no
+    survivor is out of reach: the launcher there still waits for it."""
+    if _processes is None:
+        return []
+    me = MPI.COMM_WORLD.Get_rank()
+    host = _processes[me][0]
+    first_here = min((rank for rank in survivors if _processes[rank][0] == host), default=None)
+    ended = []
+    for rank in lost:
+        where, pid, started = _processes[rank]
+        if first_here != me or where != host or _started(pid) != started or not started:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+        ended.append(rank)
+    return ended
 
 
 def has_quorum(survivors: list[int], members: list[int]) -> bool:

@@ -15,6 +15,7 @@ sent but the position.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -164,6 +165,7 @@ class Survivors:
         self.losses: list[Loss] = []
         self.started = time.perf_counter()
         self.reporter = Reporter(options, model, data, xp, ranks=comm.Get_size()) if comm.Get_rank() == 0 else None
+        failure.note_processes(comm)        # so that a lost rank still running here can be ended
 
     def recover(self, channel, position: tuple[int, int], stages: int = 1):
         """After a loss, collective over the survivors (a death meanwhile is recovered from too): (their
@@ -201,6 +203,9 @@ class Survivors:
         self.members = going_on
         if not loss.nobody:
             self.losses.append(loss)
+        for rank in failure.end_lost_processes(loss.lost, survivors):
+            print(f"mpicoll train: rank {rank}, taken for dead, still ran (stopped or hung outside MPI) on rank "
+                  f"{me}'s host: ended it, so that the launcher can return", file=sys.stderr, flush=True)
         if not going_on:
             raise self._below_floor(loss)
         if loss.stopped:

@@ -126,9 +126,10 @@ def left_behind(pattern: str, grace: float = 10) -> list[str]:
     return left
 
 
-def kill_rank_when(job: subprocess.Popen, log: Path, rank: int, shown: str, within: float = 60) -> None:
-    """SIGKILL MPI rank ``rank`` of ``job`` (its Python process: ``log`` is on its command line) once ``log`` holds
-    ``shown``; the test fails if the job ended, or the rank was gone, before."""
+def kill_rank_when(job: subprocess.Popen, log: Path, rank: int, shown: str, within: float = 60,
+                   kill_with: int = signal.SIGKILL) -> None:
+    """SIGKILL (or send ``kill_with`` to) MPI rank ``rank`` of ``job`` (its Python process: ``log`` is on its
+    command line) once ``log`` holds ``shown``; the test fails if the job ended, or the rank was gone, before."""
     deadline = time.monotonic() + within
     while job.poll() is None and time.monotonic() < deadline and shown not in (log.read_text() if log.exists()
                                                                                else ""):
@@ -136,7 +137,7 @@ def kill_rank_when(job: subprocess.Popen, log: Path, rank: int, shown: str, with
     victims = [pid for pid in subprocess.run(["pgrep", "-f", str(log)], capture_output=True, text=True).stdout.split()
                if rank_of(pid) == rank]
     assert victims and job.poll() is None, "the run ended before the kill: slow it down"
-    os.kill(int(victims[0]), signal.SIGKILL)
+    os.kill(int(victims[0]), kill_with)
 
 
 def rank_of(pid: str) -> int | None:

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections import Counter
 
 import numpy as np
@@ -35,10 +36,11 @@ def records(path) -> list[dict]:
 
 
 def train(tmp_path, name: str, *extra: str, kill: int | None = None, after_epoch: int = 2, ranks: int = 4,
-          settings: dict | None = None, program: tuple[str, ...] = ("-m", "mpicoll")):
+          settings: dict | None = None, program: tuple[str, ...] = ("-m", "mpicoll"), kill_with=signal.SIGKILL):
     """Run ``mpicoll train`` with ``extra`` (and environment ``settings``) on ``ranks`` ranks; with ``kill``,
-    SIGKILL that rank once the log shows ``after_epoch``.  ``program``: what each rank's Python runs, given the
-    command line after ``mpicoll``.  (the finished process, the log's records)."""
+    SIGKILL (``kill_with``) that rank once the log shows ``after_epoch``.  ``program``: what each rank's Python
+    runs, given the command line after ``mpicoll``.  (the finished process, the log's records); the process's
+    ``killed_at``: when the kill was sent (time.monotonic())."""
     start, env = fault_tolerant(ranks)
     env = {**env, **(settings or {})}
     output = tmp_path / f"{name}.jsonl"
@@ -46,7 +48,8 @@ def train(tmp_path, name: str, *extra: str, kill: int | None = None, after_epoch
                            text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     if kill is not None:
-        kill_rank_when(job, output, kill, f'"epoch": {after_epoch},')
+        kill_rank_when(job, output, kill, f'"epoch": {after_epoch},', kill_with=kill_with)
+    job.killed_at = time.monotonic()
     try:
         out, err = job.communicate(timeout=120)
     finally:
@@ -213,6 +216,24 @@ def test_a_rank_killed_while_taking_its_packets_locks_no_sender_out(tmp_path):
     assert [r["epoch"] for r in logged if "epoch" in r and not r.get("event")] == list(range(1, 7))
     assert "Traceback" not in said, said[-3000:]
     assert summary_of(logged)["ranks"] == 3
+
+
+def test_a_rank_stopped_for_good_is_ended_once_taken_for_dead_and_the_launcher_returns(tmp_path):
+    """Rank 2 is SIGSTOPped once epoch 2 is logged and never resumed: the failure detector takes it for dead
+    (about 10 s), the survivors finish, and the launcher returns at once with status 0.  It never returned
+    (mpiexec waits for every process it started; the red team's job held its allocation until killed 150 s
+    later): now the first survivor on the stopped rank's host ends it, saying so."""
+    job, logged = train(tmp_path, "stopped", "--method", "allreduce-ring", "--elastic", *SLOW, kill=2,
+                        kill_with=signal.SIGSTOP)
+    returned_after = time.monotonic() - job.killed_at
+    said = job.stderr_text
+    assert job.returncode == 0, said[-3000:]
+    assert [r["lost"] for r in logged if r.get("event") == "ranks_lost"] == [[2]]
+    assert summary_of(logged)["ranks"] == 3
+    assert "rank 2, taken for dead, still ran (stopped or hung outside MPI) on rank 0's host: ended it" in said, \
+        said[-3000:]
+    # the summary comes a detector's time (10 s) after the stop, the launcher's return within 30 s of it
+    assert returned_after < 40, returned_after
 
 
 def test_a_rank_lost_in_the_checks_before_the_run_is_named_by_every_survivor(tmp_path):
