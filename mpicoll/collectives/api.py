@@ -306,8 +306,18 @@ class _CompressedCall(_Call):
         self.ran_on = communicator          # the communicator the call ran on (a started one: its worker's)
 
     def _reduce(self, communicator: Communicator) -> None:
+        """The call; with error feedback, a call that fails (a lost rank, a timeout, ranks that disagree) leaves
+        the residual as it found it: its rounding, done before anything moved, was never delivered, and a
+        survivor that redoes the step carries the same residual as one that never began it."""
         self.ran_on = communicator
-        communicator._allreduce_compressed(self.source, self.result, self.compression, self.key)
+        residual = self.compression.residuals.get(self.key) if self.compression.error_feedback else None
+        kept = None if residual is None else residual.copy()
+        try:
+            communicator._allreduce_compressed(self.source, self.result, self.compression, self.key)
+        except BaseException:
+            if kept is not None:
+                residual[...] = kept
+            raise
 
     def _settle_non_finite(self) -> None:
         """Decide a result with NaN or inf elements on every rank alike, by one small allreduce of which of them

@@ -96,6 +96,52 @@ def test_survivors_name_the_dead_rank_shrink_and_go_on(tmp_path, algorithm, form
     assert all(s["on_death"] == on_death for s in said), said
 
 
+# Error feedback across a death: fp16 sums of one buffer (key "w") by the ring, whose residual is each rank's own
+# rounding of its contribution; rank 2 dies before its step 2, the survivors shrink and redo from the step all of
+# them completed.  Each survivor replays its own completed calls' roundings alone (``alone``: the reference) and
+# says whether its residual is that one, bit for bit.
+FEEDBACK_ACROSS_A_DEATH = """
+import json, os, signal
+import numpy as np
+from mpi4py import MPI
+import mpicoll
+from mpicoll.collectives.compression import Compression
+world = MPI.COMM_WORLD
+me = world.Get_rank()
+comm = mpicoll.Communicator(world, algorithm="ring")
+feedback, alone = Compression("fp16", error_feedback=True), Compression("fp16", error_feedback=True)
+def data(step):
+    return (np.random.default_rng([me, step]).standard_normal(4099) * 100).astype(np.float32)
+lost, step = [], 0
+while step < 5:
+    if me == 2 and step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        mpicoll.allreduce(data(step), comm=comm, compression=feedback, key="w")
+        alone.compress(data(step), key="w")
+        step += 1
+    except mpicoll.RanksLost as error:
+        lost.append(error.lost)
+        comm = comm.shrink()
+        step = comm.allreduce(step, op=MPI.MIN)
+print(json.dumps({"rank": me, "lost": lost, "residual_as_alone": bool(np.array_equal(feedback.residuals["w"],
+                                                                                       alone.residuals["w"]))}),
+      flush=True)
+"""
+
+
+def test_error_feedback_survives_a_lost_rank_with_each_survivors_residual_as_if_the_failed_call_was_never_made(
+        tmp_path):
+    """Rank 2 of 4 dies: every survivor had rounded its step-2 contribution into its residual before the call
+    met the death, and the redone step rounded it again (the residual no longer what its completed calls left:
+    the failed call's rounding carried twice).  A failed call now leaves the residual as it found it."""
+    job = elastic_job(tmp_path, script=FEEDBACK_ACROSS_A_DEATH)
+    said = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
+    assert job.returncode == 0 and len(said) == 3, job.stdout + job.stderr[-3000:]
+    assert all(s["lost"] == [[2]] for s in said), said
+    assert all(s["residual_as_alone"] for s in said), said
+
+
 @pytest.mark.mpi       # so that it runs under Open MPI's mpiexec without '--with-ft ulfm' too, which shrinks
 def test_shrink_without_fault_tolerance_says_how_to_get_it():
     if os.environ.get("OMPI_MCA_mpi_ft_enable"):
