@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -158,4 +159,21 @@ def test_bench_torch_times_only_the_peers_asked_for(tmp_path):
     assert all(set(r) == {"bytes", "ranks", "mpi_s", "floor_s", "dist_s"} for r in records), records
     assert "dist x (MPI+floor)" in result.stdout and "gloo" not in result.stdout.split("\n", 2)[1], result.stdout
     refused = launch(2, "-m", "mpicoll", "bench-torch", "--peers", "mpi,nccl", "--sizes", "8")
-    assert refused.returncode != 0 and "--peers takes some of gloo, mpi, floor, dist" in refused.stderr, refused.stderr
+    assert refused.returncode != 0 and "--peers takes some of gloo, mpi, floor, dist, deepspeed" in refused.stderr, \
+        refused.stderr
+
+
+def test_bench_torch_times_deepspeeds_kernel_checked_with_its_share_of_the_copy_bound_and_leaves_no_segment(
+        tmp_path):
+    """Where deepspeed is installed: its shared-memory allreduce is a peer (its sum checked first, as every
+    peer's), each peer's share of the copy bound is measured beside it from 1 MiB, and the kernel's /dev/shm
+    segments (which DeepSpeed never unlinks) are gone after the run."""
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+    before = {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+    result, records = bench(tmp_path, 2, "bench-torch", "--sizes", "64K,1M", "--peers", "mpi,deepspeed",
+                            "--iters", "3")
+    assert [set(r) for r in records] == [{"bytes", "ranks", "mpi_s", "deepspeed_s", "auto_s"},
+                                         {"bytes", "ranks", "mpi_s", "deepspeed_s", "auto_s", "copy_s"}], records
+    assert "x DS" in result.stdout and "share of it: mpi" in result.stdout, result.stdout
+    assert {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")} == before

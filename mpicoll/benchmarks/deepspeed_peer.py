@@ -1,0 +1,51 @@
+"""DeepSpeed's shared-memory allreduce as a peer in ``mpicoll bench-torch``: the fastest CPU allreduce within a
+node that is neither MPI's nor gloo's (``deepspeed.comm.inference_all_reduce``: C++ with OpenMP, SUM of fp32,
+bf16 and fp16, every rank on one node).
+
+Set up beside the gloo group the benchmark has already made (``deepspeed.init_distributed`` takes it as it
+is).  Its kernel needs, before the import, ``DS_ACCELERATOR=cpu`` and ``LOCAL_SIZE`` (the ranks on the node;
+without it the kernel crashed), and it names its ``/dev/shm`` segments after ``MASTER_ADDR`` and
+``MASTER_PORT``, which it never unlinks: this module gives every run a name of its own (rank 0's pid) and
+unlinks this rank's segment when the run ends.  The first call JIT-builds the kernel with the machine's C++
+compiler (about 30 s here; minutes on a fresh machine), then it is cached.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from mpi4py import MPI
+
+__all__ = ["available", "DeepSpeedAllreduce"]
+
+
+def available() -> bool:
+    """Whether deepspeed is installed (``pip install deepspeed``)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+class DeepSpeedAllreduce:
+    """``call(tensor)``: DeepSpeed's in-place SUM of a float32 tensor over ``comm`` (collective to make; every
+    rank of ``comm`` on one node).  ``close()`` unlinks this rank's segment."""
+
+    def __init__(self, comm: MPI.Intracomm):
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        os.environ["LOCAL_SIZE"] = str(comm.Get_size())
+        os.environ["MASTER_PORT"] = str(comm.bcast(os.getpid()))    # this run's segment names
+        import deepspeed
+        import deepspeed.comm as ds_comm
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        self.call = ds_comm.inference_all_reduce
+        address = os.environ.get("MASTER_ADDR", "")
+        self.segment = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{address}_{os.environ['MASTER_PORT']}"
+                        f"_{comm.Get_rank()}")
+        self.comm = comm
+
+    def close(self) -> None:
+        self.comm.Barrier()          # every rank is done with every other's segment
+        try:
+            os.unlink(self.segment)
+        except FileNotFoundError:
+            pass
