@@ -353,15 +353,16 @@ def end_lost_processes(lost: list[int], survivors: list[int]) -> list[int]:
     resumed, the rank printed Open MPI's abort with its C backtrace).  The first survivor on the lost rank's
     host ends it (the process it gathered, not a later one given the same pid).  A lost rank on a host with no
     survivor is out of reach: the launcher there still waits for it."""
+    me = MPI.COMM_WORLD.Get_rank()
     if _processes is None:
         return []
-    me = MPI.COMM_WORLD.Get_rank()
     host = _processes[me][0]
-    first_here = min((rank for rank in survivors if _processes[rank][0] == host), default=None)
+    if me != min(rank for rank in survivors if _processes[rank][0] == host):
+        return []
     ended = []
     for rank in lost:
         where, pid, started = _processes[rank]
-        if first_here != me or where != host or _started(pid) != started or not started:
+        if where != host or not started or _started(pid) != started:
             continue
         try:
             os.kill(pid, signal.SIGKILL)

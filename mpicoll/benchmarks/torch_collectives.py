@@ -29,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base.config import parse_bytes
+from ..channel.nodes import node_count
 from . import deepspeed_peer, torch_training
 from .collectives import COPY_BOUND_FROM, copy_seconds
 from .common import format_bytes, interleaved_times, parse_sizes, write_records
@@ -98,7 +99,7 @@ def run(args) -> int:
         raise SystemExit(f"mpicoll bench-torch needs PyTorch (pip install -e '.[torch]'): {error}") from None
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    one_node = comm.allreduce(MPI.Get_processor_name() == comm.bcast(MPI.Get_processor_name()), op=MPI.LAND)
+    one_node = node_count(comm) == 1
     peers = [name.strip() for name in (args.peers or ",".join(PEERS)).split(",") if name.strip()]
     if not peers or set(peers) - set(PEERS):
         raise SystemExit(f"mpicoll bench-torch: --peers takes some of {', '.join(PEERS)}, got {args.peers!r}")

@@ -350,7 +350,9 @@ class Communicator(MPI.Intracomm):
             # its set-up duplicates this communicator, a collective: under the turn (two threads' first started
             # calls made two workers at once, and MPI took the two duplications' messages for each other's)
             with _OneCall(self, "the nonblocking calls' set-up"):
-                worker = self.__dict__.get("_worker") or self.__dict__.setdefault("_worker", Worker(self, Communicator))
+                worker = self.__dict__.get("_worker")       # made by another thread meanwhile?
+                if worker is None:
+                    worker = self.__dict__["_worker"] = Worker(self, Communicator)
         return worker
 
     def _hand_small_calls_to_mpi(self) -> None:
@@ -592,9 +594,8 @@ def _note_the_thread(owner: Communicator) -> None:
     name in the signature (:attr:`Communicator.several_threads`): ranks whose threads took other turns get a
     MismatchError, all of them.  A nonblocking worker's channel is called from several threads by design, in
     its calls' start order: it is left alone."""
-    state = owner.__dict__
-    first = state.setdefault("_first_caller", threading.get_ident())
-    if first != threading.get_ident() and not owner.several_threads and not owner.background:
+    state, me = owner.__dict__, threading.get_ident()
+    if state.setdefault("_first_caller", me) != me and not owner.several_threads and not owner.background:
         owner.several_threads = True
         for collective in COLLECTIVES.values():        # the small calls' closures (_hand_small_calls_to_mpi)
             state.pop(collective.method, None)
