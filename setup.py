@@ -36,7 +36,11 @@ setup(
     # likewise: without it the same runs in Python, ~2 us a call slower.
     ext_modules=[Extension("mpicoll.collectives._fastcall", ["mpicoll/collectives/_fastcall.c"], optional=True,
                            include_dirs=[numpy_headers()]),
-                 Extension("mpicoll.torch._shortway", ["mpicoll/torch/_shortway.c"], optional=True)],
+                 Extension("mpicoll.torch._shortway", ["mpicoll/torch/_shortway.c"], optional=True),
+                 # The on-node allreduce over shared memory (mpicoll/collectives/_shm.c), optional likewise: without
+                 # it auto runs MPI's allreduce and the ring on one node, as before it (docs/benchmarks.md).
+                 Extension("mpicoll.collectives._shm", ["mpicoll/collectives/_shm.c"], optional=True,
+                           extra_compile_args=["-O3"])],
     install_requires=["mpi4py>=4.0", "numpy>=1.23", "threadpoolctl", "ml_dtypes"],     # ml_dtypes: bfloat16
     extras_require={
         # The MPICH wheel: an MPI for machines that have none.  On a cluster,

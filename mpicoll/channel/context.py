@@ -128,8 +128,10 @@ class Context:
         elif self.channel == "shared" and local != self.size:
             raise ValueError(f"MPICOLL_CHANNEL=shared needs all {self.size} ranks on one node; "
                              f"this node has {local} of them (use p2p or auto)")
-        self._shared: SharedRegions | None = None
+        self._shared: dict[str, SharedRegions] = {}
         self._scratch: dict[tuple, object] = {}
+        # what an algorithm keeps for this context's life, by the algorithm's key (the on-node allreduce's node)
+        self.kept: dict[str, object] = {}
 
     def run_in_background(self, napping: bool = True) -> None:
         """This context serves a background thread that shares its core with the caller's computation
@@ -163,12 +165,14 @@ class Context:
         or elsewhere.
         """
         abandon = abandon or self.broken
-        if self._shared is not None and not abandon:
+        self.kept.clear()
+        if self._shared and not abandon:
             # the window's free waits for every rank of the node: one that never comes (hung, or gone without a
             # death MPI reports) is named by the watchdog at the deadline, as in any other blocking MPI call
             with watchdog.watch_of(self, "close"):
-                self._shared.free()
-        self._shared = None
+                for shared in self._shared.values():
+                    shared.free()
+        self._shared = {}
         with self._channel_lock:        # the watchdog's thread may be probing it (roll_call_heard, answer_roll_calls)
             comm, self.comm = self.comm, MPI.COMM_NULL
             abandon_requests(self._answers)
@@ -222,11 +226,13 @@ class Context:
             self._scratch[key] = buf
         return buf[:nbytes].view(dtype)
 
-    def shared_regions(self) -> SharedRegions:
-        """Every rank's shared-memory region (only when ``transport == "shared"``)."""
-        if self._shared is None:
-            self._shared = SharedRegions(self.comm, before_growing=self._before_growing)
-        return self._shared
+    def shared_regions(self, purpose: str = "ring") -> SharedRegions:
+        """Every rank's shared-memory region for ``purpose`` (one window each: the shared ring's, which grows,
+        and the on-node allreduce's, which does not); all ranks must share one node."""
+        shared = self._shared.get(purpose)
+        if shared is None:
+            shared = self._shared[purpose] = SharedRegions(self.comm, before_growing=self._before_growing)
+        return shared
 
     def _before_growing(self) -> None:
         """Growing the shared window is a blocking collective: every rank must be here, with the same size."""

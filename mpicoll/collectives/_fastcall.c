@@ -38,6 +38,8 @@ typedef struct {
     PyObject *on_mpi_error; /* called with an MPI.Exception: raises RanksLost if a peer died, else returns */
     PyObject *refuse;       /* called when another thread holds the turn: raises ConcurrentCall */
     PyObject *apart;        /* apart(sendbuf, recvbuf) -> bool, for pairs not both owning their memory */
+    PyObject *takes;        /* takes(sendbuf, recvbuf, op) -> bool, or None: whether mpi_call carries a reduction
+                               (the on-node allreduce's node, mpicoll.collectives._shm, carries some types and ops) */
     PyObject *turn;         /* list of one token; empty while a call holds it */
     PyObject *ndarray, *in_place, *mpi_error, *default_op, *zero;
     PyObject *min_op, *max_op, *nan_min, *nan_max;   /* MPI.MIN and MPI.MAX, and what replaces them on floats */
@@ -105,6 +107,11 @@ static PyObject *fastcall_vectorcall(PyObject *callable, PyObject *const *args, 
                 call[3] = call[3] == self->min_op ? self->nan_min : self->nan_max;   /* a NaN kept, as numpy */
             if (take == 1)
                 take = send_apart(self, args[0], args[1]);
+            if (take == 1 && self->takes != Py_None) {
+                PyObject *answer = PyObject_Vectorcall(self->takes, call + 1, 3, NULL);
+                take = answer == NULL ? -1 : PyObject_IsTrue(answer);
+                Py_XDECREF(answer);
+            }
         }
     }
     if (take < 0)
@@ -157,15 +164,15 @@ static PyObject *fastcall_vectorcall(PyObject *callable, PyObject *const *args, 
 static int fastcall_init(FastCall *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"owner", "collective", "kind", "limit", "mpi_call", "checked_call", "on_mpi_error",
                             "refuse", "apart", "turn", "ndarray", "in_place", "mpi_error", "default_op", "min_op",
-                            "max_op", "nan_min", "nan_max", NULL};
+                            "max_op", "nan_min", "nan_max", "takes", NULL};
     PyObject *owner, *collective, *mpi_call, *checked_call, *on_mpi_error, *refuse, *apart, *turn, *ndarray,
-             *in_place, *mpi_error, *default_op, *min_op, *max_op, *nan_min, *nan_max;
+             *in_place, *mpi_error, *default_op, *min_op, *max_op, *nan_min, *nan_max, *takes;
     int kind;
     Py_ssize_t limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOinOOOOOO!OOOOOOOO", names, &owner, &collective, &kind, &limit,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOinOOOOOO!OOOOOOOOO", names, &owner, &collective, &kind, &limit,
                                      &mpi_call, &checked_call, &on_mpi_error, &refuse, &apart, &PyList_Type,
                                      &turn, &ndarray, &in_place, &mpi_error, &default_op, &min_op, &max_op,
-                                     &nan_min, &nan_max))
+                                     &nan_min, &nan_max, &takes))
         return -1;
     if (!PyType_Check(ndarray) || kind < ROOTED || kind > REDUCE) {
         PyErr_SetString(PyExc_ValueError, "FastCall: ndarray must be a type and kind ROOTED, GATHER or REDUCE");
@@ -179,6 +186,7 @@ static int fastcall_init(FastCall *self, PyObject *args, PyObject *kwds) {
     KEEP(on_mpi_error, on_mpi_error); KEEP(refuse, refuse); KEEP(apart, apart); KEEP(turn, turn);
     KEEP(ndarray, ndarray); KEEP(in_place, in_place); KEEP(mpi_error, mpi_error); KEEP(default_op, default_op);
     KEEP(zero, zero); KEEP(min_op, min_op); KEEP(max_op, max_op); KEEP(nan_min, nan_min); KEEP(nan_max, nan_max);
+    KEEP(takes, takes);
 #undef KEEP
     Py_DECREF(zero);
     self->kind = kind;
@@ -194,7 +202,7 @@ static int fastcall_traverse(FastCall *self, visitproc visit, void *arg) {
     Py_VISIT(self->on_mpi_error); Py_VISIT(self->refuse); Py_VISIT(self->apart); Py_VISIT(self->turn);
     Py_VISIT(self->ndarray); Py_VISIT(self->in_place); Py_VISIT(self->mpi_error); Py_VISIT(self->default_op);
     Py_VISIT(self->zero); Py_VISIT(self->min_op); Py_VISIT(self->max_op); Py_VISIT(self->nan_min);
-    Py_VISIT(self->nan_max);
+    Py_VISIT(self->nan_max); Py_VISIT(self->takes);
     return 0;
 }
 
@@ -203,7 +211,7 @@ static int fastcall_clear(FastCall *self) {
     Py_CLEAR(self->on_mpi_error); Py_CLEAR(self->refuse); Py_CLEAR(self->apart); Py_CLEAR(self->turn);
     Py_CLEAR(self->ndarray); Py_CLEAR(self->in_place); Py_CLEAR(self->mpi_error); Py_CLEAR(self->default_op);
     Py_CLEAR(self->zero); Py_CLEAR(self->min_op); Py_CLEAR(self->max_op); Py_CLEAR(self->nan_min);
-    Py_CLEAR(self->nan_max);
+    Py_CLEAR(self->nan_max); Py_CLEAR(self->takes);
     return 0;
 }
 

@@ -26,7 +26,7 @@ from .. import arrays
 from ..base import config, failure, ops, timeline
 from ..base.collectives import ALLGATHER, ALLREDUCE, BCAST, COLLECTIVES, REDUCE_SCATTER_BLOCK, Collective
 from ..channel import watchdog
-from .algorithms import auto
+from .algorithms import auto, shm
 from .buffers import Message, is_in_place, read_message
 from ..channel.checks import Fingerprint, Signature, check_call
 from ..channel.context import Context
@@ -356,25 +356,43 @@ class Communicator(MPI.Intracomm):
         return worker
 
     def _hand_small_calls_to_mpi(self) -> None:
-        """Shadow the collectives with closures that send small numpy calls straight to MPI.
+        """Shadow the collectives with closures that send small numpy calls straight to MPI, and allreduces
+        straight to the node's shared memory once this communicator has one (:mod:`~mpicoll.collectives.algorithms.shm`).
 
         ``auto`` runs MPI's own collective below a size threshold anyway; once
         the first call has been checked across ranks, skipping the parsing for
         those calls keeps mpicoll's cost at a fraction of a microsecond, so
-        ``auto`` is as fast as MPI where MPI is the right choice.
+        ``auto`` is as fast as MPI where MPI is the right choice.  Where
+        ``auto``'s allreduce rule goes on to ``shm``, the C path hands those
+        calls to the node as well (a chain: MPI's below its limit, then the
+        node's, then the checked path), from the call that made the node on.
         """
         if timeline.enabled:           # every call is recorded, small ones too
             return
         compiled = FastCall is not None and config.fast_path() == "c"
+        node = self.context().kept.get(shm.KEY)
         for collective in COLLECTIVES.values():
-            first, limit = auto.rule(collective.name, across_nodes=self.across_nodes)[0]
-            if first == "mpi":
+            name = collective.method
+            call = getattr(Communicator, name).__get__(self)          # the checked path
+            fast = []
+            for algorithm, limit in auto.rule(collective.name, across_nodes=self.across_nodes):
+                if algorithm == "shm" and collective is ALLREDUCE and compiled and node is not None:
+                    fast.append((algorithm, limit))
+                    continue
+                if algorithm == "mpi" and not fast:
+                    fast.append((algorithm, limit))
+                    continue
+                break                  # past the first that neither can take, every call is checked
+            for algorithm, limit in reversed(fast):
+                if algorithm == "shm":
+                    call = _compiled_straight_to_node(self, node, call, limit)
+                    continue
                 if collective is REDUCE_SCATTER_BLOCK:      # its rule is by the whole input: p blocks
                     limit /= self.Get_size()
-                name = collective.method
-                mpi_call, checked_call = getattr(MPI.Intracomm, name), getattr(Communicator, name).__get__(self)
-                self.__dict__[name] = (_compiled_straight_to_mpi if compiled else _straight_to_mpi)(
-                    self, collective, mpi_call, checked_call, limit)
+                call = (_compiled_straight_to_mpi if compiled else _straight_to_mpi)(
+                    self, collective, getattr(MPI.Intracomm, name), call, limit)
+            if fast:
+                self.__dict__[name] = call
 
     # -- shared machinery ---------------------------------------------------
 
@@ -426,8 +444,12 @@ class Communicator(MPI.Intracomm):
             return
         try:
             try:
+                fresh = name == "shm" and shm.KEY not in context.kept
                 run_algorithm(algorithms.get(name), context)
                 context.settle_fingerprint()
+                if fresh and shm.KEY in context.kept and self.algorithm == "auto" and not context.debug \
+                        and not self.background and not self.several_threads:
+                    self._hand_small_calls_to_mpi()     # the node made: allreduces go to it from C from now on
             except MPI.Exception as error:      # from an MPI call an algorithm makes itself
                 context.raise_if_ranks_lost(error)
                 raise
@@ -438,6 +460,8 @@ class Communicator(MPI.Intracomm):
             if not context.broken:
                 self.__dict__.pop("_context", None)
                 context.free(abandon=True)
+                for collective in COLLECTIVES.values():   # fast paths over it (the node's); made anew with the next
+                    self.__dict__.pop(collective.method, None)
             raise
 
 
@@ -542,9 +566,24 @@ def _compiled_straight_to_mpi(owner: Communicator, collective: Collective, mpi_c
                     mpi_call=mpi_call, checked_call=checked_call, on_mpi_error=owner._raise_if_ranks_lost,
                     refuse=refuse, apart=_apart, turn=_turn(owner), ndarray=np.ndarray, in_place=MPI.IN_PLACE,
                     mpi_error=MPI.Exception, default_op=MPI.SUM, min_op=MPI.MIN, max_op=MPI.MAX,
-                    nan_min=ops.keeping_nan(MPI.MIN), nan_max=ops.keeping_nan(MPI.MAX))
+                    nan_min=ops.keeping_nan(MPI.MIN), nan_max=ops.keeping_nan(MPI.MAX), takes=None)
     watchdog.watch_numbered_calls_of(call)
     return call
+
+
+def _compiled_straight_to_node(owner: Communicator, node, checked_call, limit: float):
+    """An Allreduce that sends numpy calls under ``limit`` bytes which ``node`` carries (its ``takes``) straight to
+    the on-node allreduce in C, under the communicator's turn; every other call to ``checked_call``.  Not timed by
+    the watchdog: the node's waits are the communicator's, with its deadline (they can be left; MPI's cannot)."""
+    def refuse():
+        raise ConcurrentCall(ALLREDUCE.method)
+
+    limit = sys.maxsize if limit == math.inf else math.ceil(limit)
+    return FastCall(owner=owner, collective=ALLREDUCE.method, kind=_fastcall.REDUCE, limit=limit, mpi_call=node,
+                    checked_call=checked_call, on_mpi_error=owner._raise_if_ranks_lost, refuse=refuse, apart=_apart,
+                    turn=_turn(owner), ndarray=np.ndarray, in_place=MPI.IN_PLACE, mpi_error=MPI.Exception,
+                    default_op=MPI.SUM, min_op=MPI.MIN, max_op=MPI.MAX, nan_min=MPI.MIN, nan_max=MPI.MAX,
+                    takes=node.takes)     # (the node keeps a NaN in MIN and MAX itself)
 
 
 def _apart(sendbuf: np.ndarray, recvbuf: np.ndarray) -> bool:

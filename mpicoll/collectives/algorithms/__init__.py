@@ -15,6 +15,10 @@ name                    how                                                     
 ``hierarchical``        allreduce: reduce-scatter inside each node, ring allreduce  several nodes of several ranks:
                         of each slice between nodes, allgather inside nodes; the    each node's link carries
                         ring for the other collectives and on one node              2(n-1)/n of the buffer
+``shm``                 allreduce: every rank of one node copies its chunk into     one node, every size: one copy
+                        its region of one shared-memory window and reduces the      in, the reduction, one copy out;
+                        others' straight out of theirs, in C; the other             no message
+                        collectives as ``hierarchical``
 ``mpi``                 the MPI library's own collective                            tiny messages, where the Python
                                                                                     layer's overhead dominates
 ``auto``                one of the above by collective, message size and rank       always the default
@@ -36,11 +40,12 @@ from .mpi import Mpi
 from .parallel import Parallel
 from .recursive_doubling import RecursiveDoubling
 from .ring import Ring
+from .shm import Shm
 
 __all__ = ["Algorithm", "get", "names", "REGISTRY"]
 
 REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), Parallel(), RecursiveDoubling(), Direct(), Hierarchical(),
-                                                       Mpi())}
+                                                       Shm(), Mpi())}
 
 
 def names(device: bool = False) -> list[str]:

@@ -44,15 +44,19 @@ import os
 from ...base import failure
 from ...base.collectives import COLLECTIVES
 from ...base.config import parse_bytes
+from . import shm
 
 __all__ = ["choose", "rule", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES", "FAULT_TOLERANT_RULES"]
 
-DEFAULT_RULES = {
+# One node without the on-node allreduce (no C compiler at install; under MPI's fault tolerance)
+WITHOUT_NODE_RULES = {
     "allreduce": "mpi:2M,hierarchical",
     "reduce_scatter_block": "mpi:16M,ring",
     "allgather": "mpi",
     "bcast": "mpi",
 }
+# One node: the allreduce through the node's shared memory (``shm``) from the size where it beat MPI's own
+DEFAULT_RULES = dict(WITHOUT_NODE_RULES, allreduce="shm") if shm.available() else WITHOUT_NODE_RULES
 # Across nodes of several ranks each, every node holding consecutive ranks (where ``hierarchical``
 # splits each collective between shared memory and the links): MPI's own below the size from which
 # hierarchical splits it, measured on 2 emulated nodes x 2 ranks at 1 Gbit/s (the table's
@@ -77,7 +81,7 @@ def _point_to_point(rules: dict[str, str]) -> dict[str, str]:
 # recursive doubling instead: across a cut link Open MPI 5.0's own collectives returned *success* with wrong data
 # on the ranks that went on, where point-to-point calls, which mpicoll's algorithms are made of, reported the
 # failure (docs/elastic.md).  One rank, non-commutative ops and a rule set by hand still go to MPI.
-FAULT_TOLERANT_RULES = _point_to_point(DEFAULT_RULES)
+FAULT_TOLERANT_RULES = _point_to_point(WITHOUT_NODE_RULES)
 FAULT_TOLERANT_ACROSS_NODES_RULES = _point_to_point(ACROSS_NODES_RULES)
 
 
