@@ -94,12 +94,13 @@ BINARY(band_b, uint8_t, (uint8_t)(x & y))
 BINARY(bor_b, uint8_t, (uint8_t)(x | y))
 BINARY(bxor_b, uint8_t, (uint8_t)(x ^ y))
 
-/* floats: numpy's minimum and maximum, (x <= y || isnan(x)) ? x : y, keep a NaN from either side */
+/* floats: numpy's minimum and maximum, (x <= y || isnan(x)) ? x : y, keep a NaN from either side (written with
+   | so that the compiler makes it a vector compare and blend: with || the loop stayed scalar, 4x slower) */
 #define FLOAT_OPS(S, T) \
     BINARY(sum_##S, T, x + y) \
     BINARY(prod_##S, T, x * y) \
-    BINARY(min_##S, T, (x <= y || x != x) ? x : y) \
-    BINARY(max_##S, T, (x >= y || x != x) ? x : y)
+    BINARY(min_##S, T, ((x <= y) | (x != x)) ? x : y) \
+    BINARY(max_##S, T, ((x >= y) | (x != x)) ? x : y)
 
 FLOAT_OPS(f32, float)
 FLOAT_OPS(f64, double)

@@ -50,10 +50,17 @@ def _forget(comm, keyval, wrapped: dict) -> None:
 # algorithm -> Communicator), which MPI deletes when the communicator is freed.  A cache by handle would hand
 # a freed communicator's wrapper, and so its group, to the next communicator given the same handle.
 _WRAPPERS = MPI.Comm.Create_keyval(delete_fn=_forget)
+_FOR_WORLD: dict = {}          # algorithm -> the wrapper of MPI.COMM_WORLD (comm=None)
 
 
 def _communicator(comm, algorithm: str) -> Communicator:
-    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm is None:                 # the default, looked up once per algorithm (MPI's attribute lookup: ~0.3 us)
+        made = _FOR_WORLD.get(algorithm)
+        if made is not None and made.__dict__.get("_world") is MPI.COMM_WORLD:
+            return made
+        made = _FOR_WORLD[algorithm] = _communicator(MPI.COMM_WORLD, algorithm)
+        made.__dict__["_world"] = MPI.COMM_WORLD
+        return made
     if isinstance(comm, Communicator) and comm.algorithm == algorithm:
         return comm
     if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -128,17 +135,48 @@ class _Call:
 def _average(op, x, communicator: Communicator) -> tuple:
     """(the op to reduce with, what to divide its result by): "average" (also "avg", "mean", torch's and
     Horovod's name) is a sum divided by the rank count, for floating-point and complex arrays."""
+    dtype = np.dtype(x.dtype)
+    reduce, divides, _ = _plan(op, dtype) if isinstance(op, str) else _plan.__wrapped__(op, dtype)
+    return reduce, communicator.Get_size() if divides else 1
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(op, dtype: np.dtype) -> tuple:
+    """(the MPI op, whether the result is divided by the rank count, whether the array goes to MPI as it is) of
+    ``op`` on ``dtype`` elements: by name, looked up once per name and type (the checks cost a few microseconds,
+    a small allreduce's price)."""
+    as_it_is = dtype.isnative and not is_bfloat16(dtype)
     if not (isinstance(op, str) and op.lower() in ops.AVERAGE):
         op = resolve_op(op)
-        takes = None if is_bfloat16(x.dtype) else ops.not_defined_for(op, np.dtype(x.dtype).kind)
+        takes = None if is_bfloat16(dtype) else ops.not_defined_for(op, dtype.kind)
         if takes:      # before any message, on every path (auto hands small calls to MPI, whose refusal says less)
-            raise ReductionError(f"MPI.{op_name(op)} is not defined for {x.dtype} elements (MPI defines it on "
+            raise ReductionError(f"MPI.{op_name(op)} is not defined for {dtype} elements (MPI defines it on "
                                  f"{takes} ones): pass another op ('lor', 'land' on bool)")
-        return op, 1
-    if np.dtype(x.dtype).kind not in "fc" and not is_bfloat16(x.dtype):
-        raise ValueError(f"op {op!r} needs floating-point or complex arrays, got {x.dtype}: reduce with 'sum' and "
+        return op, False, as_it_is
+    if dtype.kind not in "fc" and not is_bfloat16(dtype):
+        raise ValueError(f"op {op!r} needs floating-point or complex arrays, got {dtype}: reduce with 'sum' and "
                          "divide as you need")
-    return MPI.SUM, communicator.Get_size()
+    return MPI.SUM, True, as_it_is
+
+
+def reduced_in_place(x, op: str, comm=None, algorithm: str = "auto"):
+    """``allreduce(x, op, out=x)`` of a C-contiguous, writable numpy array of a type MPI has, with an op by name
+    (a training step's calls), in a straight line: ``x``; None, having done nothing, for any other array or op.
+    The general path's steps (kinds, packing, outputs) cost ~4 us a call, 8x the on-node allreduce of a few
+    bytes at 2 ranks (measured); this one ~1 us."""
+    if type(x) is not np.ndarray or not isinstance(op, str):
+        return None
+    flags = x.flags
+    if not (flags.c_contiguous and flags.writeable):
+        return None
+    reduce, divides, as_it_is = _plan(op, x.dtype)
+    if not as_it_is:
+        return None
+    communicator = _communicator(comm, algorithm)
+    communicator.Allreduce(MPI.IN_PLACE, x, reduce)
+    if divides:
+        x /= communicator.Get_size()
+    return x
 
 
 def _allreduce(x, op, comm, algorithm, out) -> _Call:
@@ -285,6 +323,8 @@ def allreduce(x, op="sum", *, comm=None, algorithm: str = "auto", out=None, comp
     """
     if compression is not None:
         return _compressed_allreduce(x, op, comm, algorithm, out, compression, key).run()
+    if out is x and (done := reduced_in_place(x, op, comm, algorithm)) is not None:
+        return done
     return _allreduce(x, op, comm, algorithm, out).run()
 
 

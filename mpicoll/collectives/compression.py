@@ -56,8 +56,9 @@ def bfloat16() -> np.dtype:
 
 
 def is_bfloat16(dtype) -> bool:
-    """Whether ``dtype`` is ml_dtypes' bfloat16 (without importing ml_dtypes when it is not loaded)."""
-    return np.dtype(dtype).name == "bfloat16"
+    """Whether ``dtype`` is ml_dtypes' bfloat16 (without importing ml_dtypes when it is not loaded).  By its
+    type's name: numpy's ``dtype.name`` takes ~1 us, a tenth of a small allreduce's price (measured)."""
+    return np.dtype(dtype).type.__name__ == "bfloat16"
 
 
 _OPS: dict = {}

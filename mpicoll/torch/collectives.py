@@ -95,6 +95,10 @@ def allreduce(tensor: torch.Tensor, op: str = "average", *, comm=None, algorithm
     "bf16", or a :class:`~mpicoll.Compression`, with error feedback per ``key``) moves a float32 or float64
     sum or average as 16-bit floats (:mod:`mpicoll.collectives.compression`); 16-bit tensors travel as they are.
     """
+    if out is tensor and compression is None and op in OPS and not tensor.is_cuda \
+            and tensor.dtype is not torch.bfloat16 and (op != "average" or tensor.is_floating_point()) \
+            and api.reduced_in_place(tensor.detach().numpy(), OPS[op], comm, algorithm) is not None:
+        return tensor                   # (a contiguous CPU tensor in place: the array API's straight line)
     call, finish = _allreduce(tensor, op, comm, algorithm, out, compression, key)
     return finish(call.run())
 

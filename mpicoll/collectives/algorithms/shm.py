@@ -53,7 +53,7 @@ OPS = ("sum", "prod", "min", "max", "land", "lor", "lxor", "band", "bor", "bxor"
 _TYPE_CODES = {name: code for code, name in enumerate(TYPES)}
 
 SLOT_BYTES = 1 << 20           # a chunk: each rank's two slots hold two chunks (2 MiB + 256 B a rank)
-SMALL_BYTES = 256 << 10        # chunks up to this many bytes are reduced whole by every rank
+SMALL_BYTES = 16 << 10         # chunks up to this many bytes are reduced whole by every rank
 SPINS = 4000                   # polls of a wait before it yields the core, where each rank has a core
 YIELD_SECONDS = 1e-3           # yielding the core, before a wait goes to the communicator's (deadline, roll call)
 FALLBACK_MPI_BELOW = 2 << 20   # without the node: MPI's own allreduce below this, the ring from it

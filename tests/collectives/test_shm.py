@@ -1,0 +1,160 @@
+"""The on-node allreduce (``shm``, mpicoll/collectives/_shm.c): every type and op against numpy's reduction in
+rank order, bit for bit, at awkward sizes and across chunks, in place and not, through the compiled fast path and
+the checked one; ranks that disagree all get the MismatchError and go on; its window is unlinked while it lives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpicoll
+from mpicoll.base import ops
+from mpicoll.collectives import communicator
+from mpicoll.collectives.algorithms import shm
+from tests.support.mpi import P, RANK, WORLD, everywhere, ranks_share_one_node, shared_seed
+
+pytestmark = pytest.mark.mpi
+
+TYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64",
+         "complex64", "complex128", "bool"]
+
+
+@pytest.fixture(autouse=True)
+def one_node():
+    if not shm.available():
+        pytest.skip("the on-node allreduce was not built here (no C compiler at install)")
+    if not ranks_share_one_node():
+        pytest.skip("the on-node allreduce needs every rank on one node")
+    if P == 1:
+        pytest.skip("one rank: auto runs MPI's call")
+
+
+def contribution(rng, dtype: np.dtype, n: int) -> np.ndarray:
+    """Random values of ``dtype``, NaN and infinities among the floats', small integers (products wrap)."""
+    if dtype.kind == "b":
+        return rng.random(n) < 0.5
+    if dtype.kind in "iu":
+        return rng.integers(-3 if dtype.kind == "i" else 0, 4, n).astype(dtype)
+    x = rng.standard_normal(n) * 4
+    if dtype.kind == "c":
+        x = x + 1j * rng.standard_normal(n)
+    x = x.astype(dtype)
+    if n > 4:
+        x[rng.integers(0, n, 2)] = np.nan
+        x[rng.integers(0, n)] = np.inf
+    return x
+
+
+def in_rank_order(contributions: list, op) -> np.ndarray:
+    """numpy's reduction of the contributions in rank order: ((x0 op x1) op x2) ..."""
+    entry = ops.of_mpi(op)
+    total = contributions[0].copy()
+    with np.errstate(all="ignore"):            # inf * 0 and the like: NaN, as the node gives
+        for x in contributions[1:]:
+            entry.ufunc(total, x, out=total, **entry.keywords)
+    return total
+
+
+def agrees(out: np.ndarray, expected: np.ndarray, op_name: str) -> bool:
+    """Bit for bit, but for complex products, whose rounding numpy's vector loops (fused multiply-adds, where the
+    machine has them) and C's formula make differently: within float precision there (and the same bits on every
+    rank, which every test checks)."""
+    if out.dtype.kind == "c" and op_name == "prod":
+        return np.allclose(out, expected, rtol=1e-5, equal_nan=True)
+    return np.array_equal(out, expected, equal_nan=out.dtype.kind in "fc")
+
+
+def same_bits_everywhere(out: np.ndarray) -> bool:
+    bits = WORLD.allgather(out.tobytes())
+    return all(b == bits[0] for b in bits)
+
+
+def cases():
+    for name in TYPES:
+        dtype = np.dtype(name)
+        for entry in ops.OPS:
+            if entry.name in shm.OPS and dtype.kind in entry.kinds and not (dtype.kind == "c" and entry.ufunc in
+                                                                              (np.minimum, np.maximum)):
+                yield name, entry.name
+
+
+def sizes(dtype: np.dtype) -> list[int]:
+    """0, 1, fewer than the ranks, odd counts, one below and past a slot (two chunks), past the small chunks."""
+    per_slot = shm.SLOT_BYTES // dtype.itemsize
+    return [0, 1, max(P - 1, 1), 17, shm.SMALL_BYTES // dtype.itemsize + 3, per_slot - 1, per_slot + 5]
+
+
+@pytest.mark.parametrize("path", ["auto", "shm"])      # auto: the compiled fast path from the node's first call
+def test_every_type_and_op_gives_numpys_reduction_in_rank_order_bit_for_bit(path):
+    rng = np.random.default_rng([shared_seed(), RANK])
+    comm = mpicoll.Communicator(WORLD, algorithm=path)
+    for name, op_name in cases():
+        dtype, op = np.dtype(name), ops.find(op_name).mpi_op
+        for n in sizes(dtype):
+            mine = contribution(rng, dtype, n)
+            expected = in_rank_order(WORLD.allgather(mine), op)
+            out = np.empty_like(mine)
+            comm.Allreduce(mine, out, op)
+            everywhere(agrees(out, expected, op_name) and same_bits_everywhere(out),
+                       f"{name} {op_name} n={n}: {out[:4]} != {expected[:4]}")
+            in_place = mine.copy()
+            comm.Allreduce(MPI.IN_PLACE, in_place, op)
+            everywhere(agrees(in_place, expected, op_name) and in_place.tobytes() == out.tobytes(),
+                       f"{name} {op_name} n={n} in place")
+    node = comm.context().kept.get(shm.KEY)
+    everywhere(node is not None and node.calls > 0, "the calls went through the node")
+    if path == "auto" and communicator.FastCall is not None:
+        everywhere(type(comm.__dict__.get("Allreduce")).__name__ == "FastCall", "auto's allreduce is the C path")
+
+
+def test_views_bfloat16_and_16_bit_compression_through_the_array_api():
+    rng = np.random.default_rng([shared_seed(), RANK])
+    import ml_dtypes
+    comm = mpicoll.Communicator(WORLD)
+    big = rng.standard_normal(3 * 5001).astype(np.float32)
+    view = big[::3]                                          # a strided view: packed once, reduced in the node
+    expected = in_rank_order(WORLD.allgather(view.copy()), MPI.SUM)
+    everywhere(np.array_equal(mpicoll.allreduce(view, comm=comm), expected), "a strided view")
+    words = rng.standard_normal(4099).astype(ml_dtypes.bfloat16)
+    everyone = WORLD.allgather(words)
+    expected = everyone[0]
+    for x in everyone[1:]:                                   # each addition in float32, rounded once
+        expected = (expected.astype(np.float32) + x.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    got = mpicoll.allreduce(words, comm=comm)
+    everywhere(np.array_equal(got.view(np.uint16), expected.view(np.uint16)), "bfloat16 sums")
+    node = comm.context().kept.get(shm.KEY)
+    everywhere(node is not None and node.calls >= 2, "through the node")
+
+
+def test_ranks_that_pass_different_counts_or_ops_all_get_the_mismatch_and_go_on():
+    comm = mpicoll.Communicator(WORLD)
+    comm.Allreduce(MPI.IN_PLACE, np.ones(5000, np.float32), MPI.SUM)    # the node made, the fast path in
+    for mine in [np.ones(5000 + (RANK == P - 1), np.float32),            # a count
+                 np.ones(5000, np.float32 if RANK else np.float64)]:      # a type
+        with pytest.raises(mpicoll.MismatchError) as raised:
+            comm.Allreduce(MPI.IN_PLACE, mine, MPI.SUM)
+        said = str(raised.value)
+        everywhere(raised.value.settled and said.count("Allreduce(count=") == 2 and "algorithm=shm" in said, said)
+    with pytest.raises(mpicoll.MismatchError):
+        comm.Allreduce(MPI.IN_PLACE, np.ones(7, np.int32), MPI.MAX if RANK == 0 else MPI.MIN)
+    x = np.full(9999, RANK + 1.0)
+    comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)                             # the calls after go on, right
+    everywhere(np.array_equal(x, np.full(9999, P * (P + 1) / 2)), "the call after the mismatches")
+
+
+def test_the_window_is_unlinked_while_it_lives():
+    """MPI unlinks the node's segment once every rank has mapped it: nothing is left in /dev/shm, whatever
+    becomes of the ranks (a killed rank's job left MPICH's own segments, not this one)."""
+    comm = mpicoll.Communicator(WORLD)
+    comm.Allreduce(MPI.IN_PLACE, np.ones(100, np.float32), MPI.SUM)
+    region = comm.context().shared_regions("shm").regions(1, np.uint8)[0]
+    address = region.__array_interface__["data"][0]
+    where = "not mapped"
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(v, 16) for v in line.split()[0].split("-"))
+            if low <= address < high:
+                where = line.split(maxsplit=5)[5].strip() if len(line.split()) > 5 else "anonymous"
+    everywhere(where.endswith("(deleted)") or where == "anonymous" or not where.startswith("/dev/shm"),
+               f"the node's window is mapped from {where}")
