@@ -461,8 +461,7 @@ class ProcessGroupMpicoll(dist.ProcessGroup):
                 self._divide(buffer.tensor)
             buffer.deliver()
             if not self._straight_below:
-                first, limit = auto.rule(ALLREDUCE.name, across_nodes=worker.across_nodes)[0]
-                self._limit_small_calls(limit if first == "mpi" else -1)
+                self._limit_small_calls(auto.straight_to_mpi_below(ALLREDUCE.name, worker.across_nodes))
         return self._start("all_reduce", run, tensors, opts)
 
     def _sparse_allreduce(self, tensor: torch.Tensor, opts) -> dist.Work:

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll.collectives import communicator
+from mpicoll.collectives.algorithms import auto
 from mpicoll.collectives.reduction import op_name
 from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed
 
@@ -24,6 +25,9 @@ def fast_path(request, monkeypatch):
     if request.param == "c" and communicator.FastCall is None:
         pytest.skip("the compiled fast path was not built here (no C compiler at install)")
     monkeypatch.setenv("MPICOLL_FAST_PATH", request.param)
+    # small allreduces straight to MPI, as auto's rule has them where the on-node allreduce is absent (its own
+    # fast path, from C to the node: tests/collectives/test_shm.py)
+    monkeypatch.setattr(auto, "DEFAULT_RULES", auto.WITHOUT_NODE_RULES)
     return request.param
 
 

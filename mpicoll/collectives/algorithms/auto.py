@@ -3,9 +3,13 @@
 Each collective has a rule ``"name:limit,name:limit,...,name"``: the first
 name whose limit is above the message size wins, the last has no limit.  The
 defaults below come from ``mpicoll bench`` on one 2-core node with the MPICH
-wheel (docs/benchmarks.md): the ring overtook MPI's allreduce between 1 and
-2 MiB at both 2 and 4 ranks, so one size threshold serves every rank count
-measured; one rank always gets MPI.  Large allreduces go to ``hierarchical``,
+wheel (docs/benchmarks.md).  On one node the allreduce goes to ``shm``, the
+node's shared memory in C, at every size: through the communicator it beat
+MPI's own from 8 B (0.5 us against 3.7 at 2 ranks) and DeepSpeed's
+shared-memory kernel at every size measured, at 2 and 4 ranks.  Without it
+(no C compiler at install) the ring overtook MPI's allreduce between 1 and
+2 MiB at both 2 and 4 ranks (``WITHOUT_NODE_RULES``); one rank always gets
+MPI.  Large allreduces then go to ``hierarchical``,
 which is the ring on one node (and with one rank per node).  The ring's
 reduce-scatter is only reliably ahead from 16 MiB (2 ranks, 4 MiB: 0.88x),
 and MPI's allgather and broadcast were never beaten by enough to matter,
@@ -46,7 +50,7 @@ from ...base.collectives import COLLECTIVES
 from ...base.config import parse_bytes
 from . import shm
 
-__all__ = ["choose", "rule", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES", "FAULT_TOLERANT_RULES"]
+__all__ = ["choose", "rule", "straight_to_mpi_below", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES", "FAULT_TOLERANT_RULES"]
 
 # One node without the on-node allreduce (no C compiler at install; under MPI's fault tolerance)
 WITHOUT_NODE_RULES = {
@@ -115,6 +119,18 @@ def _parse(variable: str, text: str, device: bool) -> list[tuple[str, float]]:
     if parsed[-1][1] != float("inf"):
         raise ValueError(f"{variable}={text!r}: the last algorithm must have no limit")
     return parsed
+
+
+def straight_to_mpi_below(collective: str, across_nodes: bool = False) -> float:
+    """Bytes below which a caller that can reach only MPI's own call in C (the torch backend's short way,
+    ``mpicoll/torch/_shortway.c``) takes it: where ``auto``'s rule starts with MPI's, that limit; on one node,
+    where the allreduce goes to the node from the first byte, the limit of the rule without the node (what that
+    short way took before the node came), else -1 (none)."""
+    parsed = rule(collective, across_nodes=across_nodes)
+    if parsed[0][0] == "shm" and _variable(collective, False) not in os.environ:
+        parsed = _parse(_variable(collective, False), WITHOUT_NODE_RULES[collective], False)
+    first, limit = parsed[0]
+    return limit if first == "mpi" else -1
 
 
 def check_settings() -> None:
