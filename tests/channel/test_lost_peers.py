@@ -29,7 +29,7 @@ from mpi4py import MPI
 import mpicoll
 from tests.support.outcomes import leave_outcome
 world = MPI.COMM_WORLD
-comm = mpicoll.Communicator(world, algorithm="ring")
+comm = mpicoll.Communicator(world, algorithm="{algorithm}")
 comm.Allreduce(np.ones(50000), np.empty(50000))
 world.Barrier()
 time.sleep(0.5)   # let the launcher's own traffic with every rank settle
@@ -54,9 +54,24 @@ def test_dead_rank_is_named_by_its_neighbour(tmp_path):
     response"), so the test would measure the launcher rather than mpicoll.
     """
     script = tmp_path / "dead.py"
-    script.write_text(_ONE_DIES.format(before_the_call=""))
+    script.write_text(_ONE_DIES.format(before_the_call="", algorithm="ring"))
     outcomes = outcomes_of(script, tmp_path)
     assert outcomes[0].startswith("Allreduce: rank 0 waited 2 s for rank(s) 2,"), outcomes
+    assert all("finished" not in text for text in outcomes.values())
+
+
+def test_dead_rank_is_named_by_the_on_node_allreduce(tmp_path):
+    """The same under auto, whose allreduce on one node is the node's shared memory, reached from C (the fast
+    path): the survivors' wait for the dead rank's step is the communicator's, with its deadline and roll call."""
+    from mpicoll.collectives.algorithms import shm
+    if not shm.available():
+        pytest.skip("the on-node allreduce was not built here (no C compiler at install)")
+    script = tmp_path / "dead.py"
+    script.write_text(_ONE_DIES.format(before_the_call="", algorithm="auto").replace(
+        "outcome = str(error)", "outcome = str(error) + ' | node ' + str(type(comm.__dict__.get('Allreduce')))"))
+    outcomes = outcomes_of(script, tmp_path)
+    assert outcomes[0].startswith("Allreduce: rank 0 waited 2 s for rank(s) 2,") and "FastCall" in outcomes[0], \
+        outcomes
     assert all("finished" not in text for text in outcomes.values())
 
 
@@ -67,7 +82,7 @@ def test_a_survivor_that_comes_late_to_the_call_is_not_named_with_the_dead(tmp_p
     when it answered only at its own timeout, after rank 0 stopped listening (met under CI's load)."""
     script = tmp_path / "late.py"
     # past rank 0's 2 s deadline, well within its 2 s of listening after it
-    script.write_text(_ONE_DIES.format(before_the_call="if world.rank == 1:\n    time.sleep(2.6)"))
+    script.write_text(_ONE_DIES.format(before_the_call="if world.rank == 1:\n    time.sleep(2.6)", algorithm="ring"))
     outcomes = outcomes_of(script, tmp_path)
     assert set(outcomes) == {0, 1}, outcomes
     assert outcomes[0].startswith("Allreduce: rank 0 waited 2 s for rank(s) 2,"), outcomes
