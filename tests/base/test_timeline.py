@@ -21,7 +21,7 @@ request = comm.Iallreduce(MPI.IN_PLACE, x)
 timeline.instant("marker")
 time.sleep(0.5)                              # computing meanwhile: the worker's thread runs the call
 request.Wait()
-mpicoll.allreduce(np.ones(3))                # a small call, which auto hands to MPI: recorded too
+mpicoll.allreduce(np.ones(3))                # a small call, auto's (MPI's, or the node's): recorded too
 comm.close()
 """
 
@@ -44,7 +44,7 @@ def test_every_rank_collectives_waits_and_phases_land_in_one_trace(tmp_path):
         assert {"my phase", "Allreduce", "marker", "start Iallreduce"} <= names, (rank, names)
         assert {"MainThread", "mpicoll-nonblocking"} <= threads, threads
         reduces = [e for e in mine if e["name"] == "Allreduce"]
-        assert {e["args"]["algorithm"] for e in reduces} == {"ring", "mpi"}, reduces
+        assert {e["args"]["algorithm"] for e in reduces} in ({"ring", "mpi"}, {"ring", "shm"}), reduces
         assert any(e["args"]["bytes"] == 1 << 21 for e in reduces)
         phase = next(e for e in mine if e["name"] == "my phase")
         inside = [e for e in reduces if phase["ts"] <= e["ts"] and e["ts"] + e["dur"] <= phase["ts"] + phase["dur"]]

@@ -92,7 +92,8 @@ def test_a_survivor_that_comes_late_to_the_call_is_not_named_with_the_dead(tmp_p
 
 
 _LATE_IN_MPIS_OWN_CALL = """
-import time, numpy as np
+import os, time, numpy as np
+os.environ["MPICOLL_AUTO_ALLREDUCE"] = "mpi:2M,hierarchical"   # (on one node auto's allreduce is the node's)
 from mpi4py import MPI
 import mpicoll
 world = MPI.COMM_WORLD

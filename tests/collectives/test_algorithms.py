@@ -5,14 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpicoll.collectives.algorithms import auto, get, names
+from mpicoll.collectives.algorithms import auto, get, names, shm
 from mpicoll.base.chunks import balanced_bounds, segments
 
 
 class TestAuto:
-    def test_defaults_pick_mpi_small_and_ring_large(self):
+    def test_defaults_pick_the_node_on_one_node_else_mpi_small_and_ring_large(self, monkeypatch):
+        node = "shm" if shm.available() else None
+        assert auto.choose("allreduce", 8, 4) == (node or "mpi")
+        assert auto.choose("allreduce", 64 << 20, 4) == (node or "hierarchical")   # the ring on one node
+        monkeypatch.setattr(auto, "DEFAULT_RULES", auto.WITHOUT_NODE_RULES)
         assert auto.choose("allreduce", 8, 4) == "mpi"
-        assert auto.choose("allreduce", 64 << 20, 4) == "hierarchical"      # the ring on one node
+        assert auto.choose("allreduce", 64 << 20, 4) == "hierarchical"
         assert auto.choose("allreduce", 64 << 20, 1) == "mpi"
         assert auto.choose("allreduce", 64 << 20, 4, commutative=False) == "mpi"
 
@@ -21,7 +25,7 @@ class TestAuto:
         assert auto.choose("allgather", 1 << 20, 4, across_nodes=True) == "hierarchical"
         assert auto.choose("reduce_scatter_block", 64 << 10, 4, across_nodes=True) == "mpi"
         assert auto.choose("reduce_scatter_block", 1 << 20, 4, across_nodes=True) == "hierarchical"
-        assert auto.choose("allreduce", 3 << 20, 4) == "hierarchical"
+        assert auto.choose("allreduce", 3 << 20, 4) == ("shm" if shm.available() else "hierarchical")
         assert auto.choose("allreduce", 3 << 20, 4, across_nodes=True) == "mpi"
         monkeypatch.setenv("MPICOLL_AUTO_ALLGATHER", "ring")            # a rule set by hand holds everywhere
         assert auto.choose("allgather", 8, 4, across_nodes=True) == "ring"
@@ -51,7 +55,8 @@ class TestAuto:
             auto.choose("bcast", 8, 4)
 
     def test_registry(self):
-        assert set(names()) == {"ring", "parallel", "recursive_doubling", "direct", "hierarchical", "mpi", "auto"}
+        assert set(names()) == {"ring", "parallel", "recursive_doubling", "direct", "hierarchical", "shm", "mpi",
+                                "auto"}
         assert set(names(device=True)) == {"direct", "mpi", "auto"}
         assert get("ring").name == "ring"
         with pytest.raises(ValueError, match="Unrecognized algorithm: 'rung'"):

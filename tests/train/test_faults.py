@@ -24,6 +24,10 @@ from tests.support.jobs import LOSE_A_RANK, ROOT, crashed, launch, left_behind, 
 from mpicoll.base import checkpoint
 from mpicoll.base.launcher import launcher
 
+# auto's allreduce rule without the on-node allreduce (MPI's own below 2 MiB): for the tests of what becomes of
+# calls auto hands to MPI (on one node, with the node built, allreduces go to it instead)
+MPI_BELOW_2M = {"MPICOLL_AUTO_ALLREDUCE": "mpi:2M,hierarchical"}
+
 TIMEOUT_ENV = {"MPICOLL_TIMEOUT": "600", "OPENBLAS_NUM_THREADS": "1"}
 PROMPT_S = 60          # a failure must reach every rank well within this
 
@@ -304,7 +308,8 @@ def test_a_hung_peer_of_a_call_auto_hands_to_mpi_is_named_and_the_job_ends(tmp_p
     script.write_text(LOSE_A_RANK)
     start = time.perf_counter()
     result = launch(3, str(script), "auto", collective, str(victim), "hang", timeout=60,
-                    env={"MPICOLL_TIMEOUT": "2", "LOSE_ELEMENTS": "8", "MPICOLL_FAST_PATH": fast_path},
+                    env={"MPICOLL_TIMEOUT": "2", "LOSE_ELEMENTS": "8", "MPICOLL_FAST_PATH": fast_path,
+                         **MPI_BELOW_2M},
                     extra=["-disable-auto-cleanup"])
     seconds = time.perf_counter() - start
     assert result.returncode != 0 and seconds < 30, (seconds, result.stdout, result.stderr[-2000:])
@@ -376,15 +381,20 @@ comm.Allreduce(np.ones(count, np.float32), np.empty(count, np.float32))
 """
 
 
-@pytest.mark.parametrize("debug", ["0", "1"])
+@pytest.mark.parametrize("debug", ["0", "1", "node"])
 def test_counts_that_send_ranks_down_different_paths_are_named(tmp_path, debug):
     """Rank 0 passes 100 elements (``auto`` hands it to MPI), rank 1 four million (mpicoll's ring): rank 1's
     timeout names rank 0 and says how to find the mismatch; with MPICOLL_DEBUG=1 every rank names it at once."""
     script = tmp_path / "apart.py"
     script.write_text(SIZES_APART)
     result = launch(2, str(script), "100", "4000000", timeout=90,
-                    env={"MPICOLL_TIMEOUT": "3", "MPICOLL_DEBUG": debug, "MPICOLL_END_BROKEN_JOBS": "1"})
-    if debug == "1":
+                    env={"MPICOLL_TIMEOUT": "3", "MPICOLL_DEBUG": "0" if debug == "node" else debug,
+                         "MPICOLL_END_BROKEN_JOBS": "1",
+                         **({} if debug == "node" else MPI_BELOW_2M)})
+    if debug == "node":         # both on the node (auto's rule on one node): its first step compares the calls
+        assert len(re.findall(r"(?<!ends the job: )mpicoll\.MismatchError: Allreduce: ranks disagree",
+                              result.stderr)) == 2 and "algorithm=shm" in result.stderr, result.stderr[-3000:]
+    elif debug == "1":
         # each rank's traceback ends with it, then its line ending the job repeats it (the two ranks write at
         # once, so a traceback's line may begin mid-line: counted wherever it starts)
         assert len(re.findall(r"(?<!ends the job: )mpicoll\.MismatchError: Allreduce: ranks disagree",
