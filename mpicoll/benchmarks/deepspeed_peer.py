@@ -26,7 +26,7 @@ def available() -> bool:
 
 
 class DeepSpeedAllreduce:
-    """``call(tensor)``: DeepSpeed's in-place SUM of a float32 tensor over ``comm`` (collective to make; every
+    """``call(tensor)``: DeepSpeed's in-place SUM of a float32 or bfloat16 tensor over ``comm`` (collective to make; every
     rank of ``comm`` on one node).  ``close()`` unlinks this rank's segment."""
 
     def __init__(self, comm: MPI.Intracomm):

@@ -50,6 +50,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--peers", help=f"which of {', '.join(PEERS)} to time beside them (default all; "
                                         "deepspeed where it is installed and every rank is on one node)")
     bench.add_argument("--iters", type=int, default=10, help="timed calls per size and peer (default 10)")
+    bench.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="the tensors' type (default float32; bfloat16 leaves out MPI's own call, MPI has no "
+                            "such type)")
     bench.add_argument("--master", help="host for gloo's rendezvous (default: rank 0's; 127.0.0.1 on one node)")
     bench.add_argument("--timeout", type=float, default=60, help="seconds for gloo's set-up and calls")
     bench.add_argument("--output", metavar="FILE.json", help="write one record per size")
@@ -110,6 +113,12 @@ def run(args) -> int:
             raise SystemExit("mpicoll bench-torch: --peers deepspeed needs deepspeed installed (pip install "
                              "deepspeed, after torch) and every rank on one node (its kernel's segments are "
                              "one node's shared memory)")
+    if args.dtype == "bfloat16" and "mpi" in peers:
+        if args.peers is not None:
+            raise SystemExit("mpicoll bench-torch: --dtype bfloat16 has no MPI peer (MPI has no bfloat16 type); "
+                             "leave mpi out of --peers")
+        peers.remove("mpi")
+    dtype, itemsize = getattr(torch, args.dtype), 4 if args.dtype == "float32" else 2
     algorithms = [name for name in PEERS if name in peers and name == "dist"] + \
         [name.strip() for name in args.algorithms.split(",") if name.strip()]
     mt.init_process_group("gloo", comm=comm, master=args.master, timeout=args.timeout)
@@ -126,15 +135,15 @@ def run(args) -> int:
     deepspeed = deepspeed_peer.DeepSpeedAllreduce(comm) if "deepspeed" in peers else None
     gloo, mpi, ratio = "gloo" in peers, "mpi" in peers, {"dist", "mpi", "floor"} <= set(peers)
     if rank == 0:
-        print(f"# mpicoll bench-torch: {size} ranks, float32, in place, sum; median of {args.iters} calls, "
+        print(f"# mpicoll bench-torch: {size} ranks, {args.dtype}, in place, sum; median of {args.iters} calls, "
               "slowest rank; torch " + torch.__version__)
         print(f"{'size':>10}" + "".join(f" {label + ' ms':>9}" for name, label in _SIDE if name in peers)
               + "".join(f" {name + ' ms':>12}" + (f" {'x gloo':>7}" if gloo else "") + (f" {'x MPI':>6}" if mpi else "")
                         + (f" {'x DS':>6}" if deepspeed else "") for name in algorithms)
               + (f" {'dist x (MPI+floor)':>18}" if ratio else ""))
     for nbytes in parse_sizes(args.sizes):
-        tensor = torch.empty(max(1, nbytes // 4), dtype=torch.float32)
-        memory = tensor.numpy()
+        tensor = torch.empty(max(1, nbytes // itemsize), dtype=dtype)
+        memory = tensor.numpy() if args.dtype == "float32" else None
         calls = {"gloo": lambda: dist.all_reduce(tensor), "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, memory),
                  "floor": lambda: dist.all_reduce(tensor, group=floor),
                  "dist": lambda: dist.all_reduce(tensor, group=group),
@@ -150,7 +159,7 @@ def run(args) -> int:
         tensor.zero_()
         seconds = np.median(interleaved_times(comm, list(calls.values()), args.iters), axis=1)
         times = dict(zip(calls, seconds))
-        record = {"bytes": tensor.numel() * 4, "ranks": size, **{f"{k}_s": v for k, v in times.items()}}
+        record = {"bytes": tensor.numel() * itemsize, "ranks": size, "dtype": args.dtype, **{f"{k}_s": v for k, v in times.items()}}
         records.append(record)
         bound = one_node and record["bytes"] >= COPY_BOUND_FROM
         if bound:
