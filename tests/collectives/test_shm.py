@@ -70,8 +70,8 @@ def same_bits_everywhere(out: np.ndarray) -> bool:
     return all(b == bits[0] for b in bits)
 
 
-def cases():
-    for name in TYPES:
+def cases(types=TYPES):
+    for name in types:
         dtype = np.dtype(name)
         for entry in ops.OPS:
             if entry.name in shm.OPS and dtype.kind in entry.kinds and not (dtype.kind == "c" and entry.ufunc in
@@ -92,7 +92,8 @@ def sizes(dtype: np.dtype) -> list[int]:
 def test_every_type_and_op_gives_numpys_reduction_in_rank_order_bit_for_bit(path):
     seed = shared_seed()
     comm = mpicoll.Communicator(WORLD, algorithm=path)
-    for case, (name, op_name) in enumerate(cases()):
+    # the checked path reaches the same node: a few types there (4 ranks share 2 cores in the suite)
+    for case, (name, op_name) in enumerate(cases(TYPES if path == "auto" else ("float32", "int32", "bool"))):
         dtype, op = np.dtype(name), ops.find(op_name).mpi_op
         for n in sizes(dtype):
             # every rank's contribution made here from the shared seed: the reference needs no message
