@@ -156,11 +156,23 @@ def test_bench_torch_times_only_the_peers_asked_for(tmp_path):
     result, records = bench(tmp_path, 2, "bench-torch", "--sizes", "8,1K", "--peers", "mpi,floor,dist",
                             "--algorithms", "", "--iters", "3")
     assert [r["bytes"] for r in records] == [8, 1024], records
-    assert all(set(r) == {"bytes", "ranks", "mpi_s", "floor_s", "dist_s"} for r in records), records
+    assert all(set(r) == {"bytes", "ranks", "dtype", "mpi_s", "floor_s", "dist_s"} for r in records), records
     assert "dist x (MPI+floor)" in result.stdout and "gloo" not in result.stdout.split("\n", 2)[1], result.stdout
     refused = launch(2, "-m", "mpicoll", "bench-torch", "--peers", "mpi,nccl", "--sizes", "8")
     assert refused.returncode != 0 and "--peers takes some of gloo, mpi, floor, dist, deepspeed" in refused.stderr, \
         refused.stderr
+
+
+def test_bench_torch_times_bfloat16_tensors_without_mpis_own_call(tmp_path):
+    """``--dtype bfloat16``: the tensors are bfloat16 (each peer's sum checked first), and MPI's own call, which has
+    no such type, is left out, or refused when asked for."""
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    result, records = bench(tmp_path, 2, "bench-torch", "--dtype", "bfloat16", "--sizes", "8,4K", "--peers",
+                            "floor", "--iters", "2")
+    assert [(r["bytes"], r["dtype"]) for r in records] == [(8, "bfloat16"), (4096, "bfloat16")], records
+    assert all("auto_s" in r and "mpi_s" not in r for r in records) and "bfloat16" in result.stdout, records
+    refused = launch(2, "-m", "mpicoll", "bench-torch", "--dtype", "bfloat16", "--peers", "mpi", "--sizes", "8")
+    assert refused.returncode != 0 and "MPI has no bfloat16 type" in refused.stderr, refused.stderr
 
 
 def test_bench_torch_times_deepspeeds_kernel_checked_with_its_share_of_the_copy_bound_and_leaves_no_segment(
@@ -173,7 +185,8 @@ def test_bench_torch_times_deepspeeds_kernel_checked_with_its_share_of_the_copy_
     before = {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
     result, records = bench(tmp_path, 2, "bench-torch", "--sizes", "64K,1M", "--peers", "mpi,deepspeed",
                             "--iters", "3")
-    assert [set(r) for r in records] == [{"bytes", "ranks", "mpi_s", "deepspeed_s", "auto_s"},
-                                         {"bytes", "ranks", "mpi_s", "deepspeed_s", "auto_s", "copy_s"}], records
+    assert [set(r) for r in records] == [{"bytes", "ranks", "dtype", "mpi_s", "deepspeed_s", "auto_s"},
+                                         {"bytes", "ranks", "dtype", "mpi_s", "deepspeed_s", "auto_s", "copy_s"}], \
+        records
     assert "x DS" in result.stdout and "share of it: mpi" in result.stdout, result.stdout
     assert {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")} == before
