@@ -27,8 +27,8 @@
  * NaN as numpy's minimum and maximum do; float16 and bfloat16 add in float32 and round once per addition, as
  * numpy and ml_dtypes do.
  *
- * Waits spin a little (not at all when ranks share cores), then yield the core (sched_yield) for
- * ``yield_seconds``, then nap, and after ``handoff_seconds`` hand the wait to Python (``stalled(rank, step)``), which waits with the communicator's
+ * Waits spin a little (not at all when ranks share cores), then yield the core (sched_yield), and after
+ * ``yield_seconds`` hand the wait to Python (``stalled(rank, step)``), which waits with the communicator's
  * deadline, its alarms and its roll call of who is still there, and raises when a peer is lost or hung.
  * The GIL is released for everything but that hand-over.
  */
@@ -208,8 +208,7 @@ typedef struct {
     Py_ssize_t slot_bytes, small_bytes;
     uint64_t step, calls;           /* this rank's steps and calls so far */
     unsigned spins;                 /* polls before a wait yields the core (0 where ranks share cores) */
-    double yield_seconds;           /* yielding the core, before napping */
-    double handoff_seconds;         /* yielding and napping, before the wait goes to Python */
+    double yield_seconds;           /* yielding the core, before the wait goes to Python */
     Control **control;              /* every rank's */
     char **slots;                   /* every rank's two slots, slot s of rank q at slots[2q + s] */
     PyObject *regions;              /* the buffers, kept alive */
@@ -242,19 +241,13 @@ static int wait_all(Node *self, PyThreadState **save, uint64_t target) {
             CPU_RELAX();
         if (load_acquire(step) >= target)
             continue;
-        /* yield the core, then nap (1 us, doubling to 100 us): where ranks share cores, a yield often hands the
-           core straight back (measured, 3 ranks on 2 cores: ~1 ms a call when waits only yielded) */
-        double start = seconds(), nap = 1e-6, waited = 0;
-        while (load_acquire(step) < target && waited < self->handoff_seconds) {
-            if (waited < self->yield_seconds) {
-                sched_yield();
-            } else {
-                struct timespec pause = {0, (long)(nap * 1e9)};
-                nanosleep(&pause, NULL);
-                nap = nap < 5e-5 ? 2 * nap : 1e-4;
-            }
-            waited = seconds() - start;
-        }
+        /* then yield the core; past ``yield_seconds`` the wait goes to Python.  (Napping here 1-100 us between
+           looks, from 20 us or 1 ms of yields to 5 ms, made 16 MiB at 2 ranks with gloo's threads in the job
+           0.74-0.88x DeepSpeed's time where handing over at 1 ms gave 1.68-2.02x, and 16-64 MiB at 4 ranks on 2
+           cores 2.6-3.2x slower: measured, bench-torch, December 2) */
+        double start = seconds();
+        while (load_acquire(step) < target && seconds() - start < self->yield_seconds)
+            sched_yield();
         if (load_acquire(step) >= target)
             continue;
         PyEval_RestoreThread(*save);
@@ -523,15 +516,15 @@ static PyObject *node_arrived(Node *self, PyObject *args) {
 }
 
 static int node_init(Node *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"regions", "rank", "slot_bytes", "small_bytes", "spins", "yield_seconds", "handoff_seconds",
+    static char *names[] = {"regions", "rank", "slot_bytes", "small_bytes", "spins", "yield_seconds",
                             "stalled", "mismatched", "refuse", "ops", "narrow", "in_place", NULL};
     PyObject *regions, *stalled, *mismatched, *refuse, *ops, *narrow, *in_place;
     int rank;
     Py_ssize_t slot_bytes, small_bytes;
     unsigned spins;
-    double yield_seconds, handoff_seconds;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OinnIddOOOO!O!O", names, &regions, &rank, &slot_bytes,
-                                     &small_bytes, &spins, &yield_seconds, &handoff_seconds, &stalled, &mismatched, &refuse,
+    double yield_seconds;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OinnIdOOOO!O!O", names, &regions, &rank, &slot_bytes,
+                                     &small_bytes, &spins, &yield_seconds, &stalled, &mismatched, &refuse,
                                      &PyTuple_Type, &ops, &PyTuple_Type, &narrow, &in_place))
         return -1;
     if (self->control != NULL) {
@@ -581,7 +574,6 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     self->small_bytes = small_bytes;
     self->spins = spins;
     self->yield_seconds = yield_seconds;
-    self->handoff_seconds = handoff_seconds;
     self->step = self->calls = 0;            /* a fresh window holds zeros */
     self->broken = 0;
     Py_INCREF(stalled); self->stalled = stalled;

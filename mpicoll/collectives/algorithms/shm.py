@@ -55,11 +55,7 @@ _TYPE_CODES = {name: code for code, name in enumerate(TYPES)}
 SLOT_BYTES = 1 << 20           # a chunk: each rank's two slots hold two chunks (2 MiB + 256 B a rank)
 SMALL_BYTES = 16 << 10         # chunks up to this many bytes are reduced whole by every rank
 SPINS = 4000                   # polls of a wait before it yields the core, where each rank has a core
-# yielding the core before napping.  Where ranks share cores, napping after 20 us of yields instead made 16 and
-# 64 MiB 3.2x and 2.6x slower at 4 ranks on 2 cores (each large step waits for the others' slices), for 8 B-1 KiB
-# 1.05-1.15x faster (measured, bench-torch, December 2)
-YIELD_SECONDS = 1e-3
-HANDOFF_SECONDS = 5e-3         # yielding and napping, before a wait goes to the communicator's (deadline, roll call)
+YIELD_SECONDS = 1e-3           # yielding the core, before a wait goes to the communicator's (deadline, roll call)
 FALLBACK_MPI_BELOW = 2 << 20   # without the node: MPI's own allreduce below this, the ring from it
 
 KEY = "shm.node"             # the node, in its context's ``kept``
@@ -109,7 +105,7 @@ def node_of(ctx: Context):
 
     node = ctx.kept[KEY] = _shm.Node(
         regions=region, rank=ctx.rank, slot_bytes=SLOT_BYTES, small_bytes=SMALL_BYTES,
-        spins=SPINS if ctx.spin_seconds else 0, yield_seconds=YIELD_SECONDS, handoff_seconds=HANDOFF_SECONDS, stalled=stalled, mismatched=mismatched,
+        spins=SPINS if ctx.spin_seconds else 0, yield_seconds=YIELD_SECONDS, stalled=stalled, mismatched=mismatched,
         refuse=refuse, ops=tuple(ops.find(name).mpi_op for name in OPS), narrow=_narrow_ops(), in_place=MPI.IN_PLACE)
     return node
 
