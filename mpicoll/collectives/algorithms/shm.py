@@ -24,6 +24,7 @@ outlive a death) or a build without a C compiler, runs ``hierarchical``
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -73,8 +74,10 @@ def carries(ctx: Context) -> bool:
     return _shm is not None and not ctx.spans_nodes and not failure.fault_tolerant()
 
 
+@functools.cache
 def _narrow_ops() -> tuple:
-    """((op, type code), ...): the user ops that add 16-bit floats as their bits (compression, bfloat16 sums)."""
+    """((op, type code), ...): the user ops that add 16-bit floats as their bits (compression, bfloat16 sums);
+    made once (their MPI ops are made once by :mod:`~mpicoll.collectives.compression`)."""
     from ..compression import Compression
     return tuple((Compression(kind).op, _TYPE_CODES[name]) for kind, name in (("fp16", "float16"), ("bf16", "bfloat16")))
 
@@ -95,7 +98,7 @@ def node_of(ctx: Context):
         ctx.wait_until(lambda: node.arrived(rank, step), [rank])
 
     def mismatched(calls) -> None:
-        described = {q: _described(ctx, count, type_code, op_code) for q, (count, type_code, op_code) in enumerate(calls)}
+        described = {q: _described(count, type_code, op_code) for q, (count, type_code, op_code) in enumerate(calls)}
         raise MismatchError(ctx.collective, described, settled=True)
 
     def refuse() -> None:
@@ -110,7 +113,7 @@ def node_of(ctx: Context):
     return node
 
 
-def _described(ctx: Context, count: int, type_code: int, op_code: int) -> str:
+def _described(count: int, type_code: int, op_code: int) -> str:
     type_name = TYPES[type_code] if type_code < len(TYPES) else f"type {type_code}"
     op_name = OPS[op_code].upper() if op_code < len(OPS) else f"op {op_code}"
     return f"Allreduce(count={count}, dtype={type_name}, op={op_name}, algorithm=shm)"
