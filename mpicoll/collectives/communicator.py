@@ -108,7 +108,11 @@ class Communicator(MPI.Intracomm):
         context = self.__dict__.pop("_context", None)
         if context is not None:
             context.free(abandon=abandon)
-        for collective in COLLECTIVES.values():       # the fast paths _hand_small_calls_to_mpi installed
+        self._drop_fast_paths()
+
+    def _drop_fast_paths(self) -> None:
+        """Remove the closures :meth:`_hand_small_calls_to_mpi` installed: every call takes the checked path."""
+        for collective in COLLECTIVES.values():
             self.__dict__.pop(collective.method, None)
 
     def shrink(self) -> "Communicator":
@@ -460,8 +464,7 @@ class Communicator(MPI.Intracomm):
             if not context.broken:
                 self.__dict__.pop("_context", None)
                 context.free(abandon=True)
-                for collective in COLLECTIVES.values():   # fast paths over it (the node's); made anew with the next
-                    self.__dict__.pop(collective.method, None)
+                self._drop_fast_paths()     # those over it (the node's): made anew with the next context
             raise
 
 
@@ -636,8 +639,7 @@ def _note_the_thread(owner: Communicator) -> None:
     state, me = owner.__dict__, threading.get_ident()
     if state.setdefault("_first_caller", me) != me and not owner.several_threads and not owner.background:
         owner.several_threads = True
-        for collective in COLLECTIVES.values():        # the small calls' closures (_hand_small_calls_to_mpi)
-            state.pop(collective.method, None)
+        owner._drop_fast_paths()
 
 
 def _array(message: Message | None):
