@@ -6,7 +6,12 @@ Set up beside the gloo group the benchmark has already made (``deepspeed.init_di
 is).  Its kernel needs, before the import, ``DS_ACCELERATOR=cpu`` and ``LOCAL_SIZE`` (the ranks on the node;
 without it the kernel crashed), and it names its ``/dev/shm`` segments after ``MASTER_ADDR`` and
 ``MASTER_PORT``, which it never unlinks: this module gives every run a name of its own (rank 0's pid) and
-unlinks this rank's segment when the run ends.  The first call JIT-builds the kernel with the machine's C++
+unlinks this rank's segment when the run ends.  Its reductions run on OpenMP threads of its own runtime (not
+torch's: ``torch.set_num_threads`` does not reach them), one per core by default in every rank; this module gives
+them this rank's share of the node's cores (``OMP_NUM_THREADS``, unless set), as DeepSpeed's own launcher does
+(``deepspeed --bind_cores_to_rank``) and ``torchrun`` sets one.  With a thread per core in each of 2 ranks on 2
+cores, its idle threads spun on the cores that the next contender's calls ran on: in 4 of 8 runs (bench-torch,
+December 2) every contender's 4-16 MiB calls were 2-5x slower.  The first call JIT-builds the kernel with the machine's C++
 compiler (about 30 s here; minutes on a fresh machine), then it is cached.
 """
 
@@ -16,6 +21,8 @@ import importlib.util
 import os
 
 from mpi4py import MPI
+
+from .. import compute
 
 __all__ = ["available", "DeepSpeedAllreduce"]
 
@@ -27,12 +34,14 @@ def available() -> bool:
 
 class DeepSpeedAllreduce:
     """``call(tensor)``: DeepSpeed's in-place SUM of a float32 or bfloat16 tensor over ``comm`` (collective to make; every
-    rank of ``comm`` on one node).  ``close()`` unlinks this rank's segment."""
+    rank of ``comm`` on one node), on ``threads`` OpenMP threads a rank.  ``close()`` unlinks this rank's segment."""
 
     def __init__(self, comm: MPI.Intracomm):
         os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ["LOCAL_SIZE"] = str(comm.Get_size())
         os.environ["MASTER_PORT"] = str(comm.bcast(os.getpid()))    # this run's segment names
+        os.environ.setdefault("OMP_NUM_THREADS", str(compute.share_of_cores()))   # read when its runtime loads
+        self.threads = int(os.environ["OMP_NUM_THREADS"])
         import deepspeed
         import deepspeed.comm as ds_comm
 

@@ -136,7 +136,8 @@ def run(args) -> int:
     gloo, mpi, ratio = "gloo" in peers, "mpi" in peers, {"dist", "mpi", "floor"} <= set(peers)
     if rank == 0:
         print(f"# mpicoll bench-torch: {size} ranks, {args.dtype}, in place, sum; median of {args.iters} calls, "
-              "slowest rank; torch " + torch.__version__)
+              f"slowest rank; torch {torch.__version__}, {torch.get_num_threads()} torch thread(s) a rank"
+              + (f", DeepSpeed {deepspeed.threads} OpenMP thread(s) a rank" if deepspeed else ""))
         print(f"{'size':>10}" + "".join(f" {label + ' ms':>9}" for name, label in _SIDE if name in peers)
               + "".join(f" {name + ' ms':>12}" + (f" {'x gloo':>7}" if gloo else "") + (f" {'x MPI':>6}" if mpi else "")
                         + (f" {'x DS':>6}" if deepspeed else "") for name in algorithms)

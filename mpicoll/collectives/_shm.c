@@ -22,6 +22,10 @@
  * published with release stores and read with acquire loads; counters only grow, so a late reader never
  * mistakes an old step for a new one.
  *
+ * A rank's writes into its slots take cached stores or streamed ones (past the caches, fenced before the step is
+ * published), whichever its calls of that size measured faster (``Choice``): where two cores share a cache the other
+ * ranks take the chunk from it, where they do not (two sockets) memory is the faster way between them.
+ *
  * Every element is reduced in rank order (((x0 op x1) op x2) ...), each slice by one rank, so every rank gets
  * the same bits, and they are those of a sequential reduction in rank order.  Floating-point MIN and MAX keep a
  * NaN as numpy's minimum and maximum do; float16 and bfloat16 add in float32 and round once per addition, as
@@ -48,6 +52,13 @@
 #define CPU_RELAX() __asm__ __volatile__("yield")
 #else
 #define CPU_RELAX() do {} while (0)
+#endif
+#if defined(__SSE2__)
+#define CAN_STREAM 1                /* stores that bypass the caches (movntdq), then a fence */
+#define STREAM_FENCE() _mm_sfence()
+#else
+#define CAN_STREAM 0
+#define STREAM_FENCE() do {} while (0)
 #endif
 
 /* element types (numbered as mpicoll/collectives/algorithms/shm.py's TYPES) and ops (as its OPS) */
@@ -201,6 +212,21 @@ typedef struct {
 
 #define CONTROL_BYTES 256           /* a region's control block; the slots follow */
 #define BLOCK_BYTES 4096            /* a reduction of several ranks goes block by block, its partial in L1 */
+#define CLASSES 16                  /* calls by size, for the choice of stores: 16-32 KiB, 32-64 KiB, ... */
+#define FIRST_EVERY 8               /* the other stores are tried every 8th call of a size, */
+#define LAST_EVERY 64               /* every 64th once they keep losing */
+
+/* which stores a rank's writes into its slots take, by the call's size: those that keep the lines in this core's
+   caches (0), whence the other ranks' cores take them, or streamed ones (1), which go to memory, whence they read
+   them.  The first is 2x faster where the cores share a cache; the second 3-4x faster where taking a line from
+   another core's cache is slow (cores on two sockets; this machine's two virtual cores in some runs): each
+   rank measures its calls' time a byte, from every rank's arrival to the end, and keeps the faster, trying the
+   other now and then.  Only the writer's side changes, so the ranks need not agree; as every rank makes the same
+   calls and waits for the same steps, they measure the same and choose alike. */
+typedef struct {
+    double cost[2];                 /* seconds a byte, smoothed, by the stores taken; 0: not measured yet */
+    uint32_t calls, every;          /* calls of this size so far; the stores not chosen are tried every ``every`` */
+} Choice;
 
 typedef struct {
     PyObject_HEAD
@@ -220,7 +246,12 @@ typedef struct {
     PyObject *in_place;             /* MPI.IN_PLACE */
     int broken;                     /* a call failed midway: the ranks' steps may differ, every later call refused */
     char *partial;                  /* BLOCK_BYTES for reductions of more than two ranks */
+    int stores;                     /* STORES_LEARN: as ``choices`` say; STORES_CACHED, STORES_STREAMED: always */
+    Choice choices[CLASSES];
 } Node;
+
+enum { STORES_LEARN, STORES_CACHED, STORES_STREAMED };
+static const char *STORES[] = {"learn", "cached", "streamed"};
 
 static inline uint64_t load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void store_release(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -229,6 +260,57 @@ static double seconds(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* streamed (1) or cached (0) stores for a call of ``bytes`` */
+static Choice *choice_for(Node *self, size_t bytes) {
+    if (self->stores != STORES_LEARN || !CAN_STREAM || bytes <= (size_t)self->small_bytes)
+        return NULL;
+    int c = 63 - __builtin_clzll((unsigned long long)bytes) - 14;
+    return &self->choices[c < 0 ? 0 : c >= CLASSES ? CLASSES - 1 : c];
+}
+
+static int best_of(const Choice *c) { return c->cost[1] != 0 && c->cost[1] < c->cost[0]; }
+
+static int choose(const Choice *c) {
+    if (c->cost[0] == 0 || c->cost[1] == 0)
+        return c->cost[0] != 0;           /* each kind once, first */
+    return (c->calls + 1) % c->every == 0 ? !best_of(c) : best_of(c);
+}
+
+static void learn(Choice *c, int streamed, double cost) {
+    int tried = c->cost[0] != 0 && c->cost[1] != 0 && streamed != best_of(c);
+    /* a trial's time replaces the old one (the machine may have changed since); the chosen one's is smoothed */
+    c->cost[streamed] = c->cost[streamed] == 0 || tried ? cost : 0.75 * c->cost[streamed] + 0.25 * cost;
+    if (c->every == 0)
+        c->every = FIRST_EVERY;
+    if (tried)
+        c->every = c->cost[streamed] < c->cost[!streamed] ? FIRST_EVERY
+                   : c->every * 2 > LAST_EVERY ? LAST_EVERY : c->every * 2;
+    c->calls++;
+}
+
+/* dst[0:len] = src[0:len], streamed past the caches (the caller fences before publishing) or as memcpy */
+static void to_slot(char *dst, const char *src, size_t len, int streamed) {
+#if CAN_STREAM
+    if (streamed && len >= 64) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15, i;
+        memcpy(dst, src, head);
+        for (i = head; i + 64 <= len; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        memcpy(dst + i, src + i, len - i);
+        return;
+    }
+#endif
+    (void)streamed;
+    memcpy(dst, src, len);
 }
 
 /* 0 once every rank has published ``target``; -1 with a Python error (the GIL is held only meanwhile) */
@@ -328,6 +410,9 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
     Control *mine = self->control[r];
     uint64_t *fingerprint = mine->fingerprint[call & 1];
     fingerprint[0] = call; fingerprint[1] = count; fingerprint[2] = type; fingerprint[3] = op;
+    Choice *choice = choice_for(self, recv.len);
+    int streamed = choice ? choose(choice) : self->stores == STORES_STREAMED && CAN_STREAM;
+    double began = 0;                   /* when every rank had arrived */
     char *sources[p];
     PyObject *result = Py_None;
     int mismatch = 0;
@@ -340,7 +425,14 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
         char *slot = self->slots[2 * r + s];
         for (int q = 0; q < p; q++)
             sources[q] = self->slots[2 * q + s];
-        memcpy(slot, source + done * itemsize, n * itemsize);
+        int small = (Py_ssize_t)(n * itemsize) <= self->small_bytes;
+        size_t start = 0, stop = 0;         /* a large chunk: this rank's slice, reduced from where it lies */
+        if (!small)
+            slice_of(r, p, n, unit, &start, &stop);
+        to_slot(slot, source + done * itemsize, start * itemsize, streamed);
+        to_slot(slot + stop * itemsize, source + (done + stop) * itemsize, (n - stop) * itemsize, streamed);
+        if (streamed)
+            STREAM_FENCE();                 /* the streamed stores land before the step is published */
         store_release(&mine->step, 2 * k - 1);
         if (wait_all(self, &save, 2 * k - 1) < 0) {
             result = NULL;
@@ -371,15 +463,22 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
                 }
                 break;
             }
+            began = seconds();
         }
         char *out = target + done * itemsize;
-        if ((Py_ssize_t)(n * itemsize) <= self->small_bytes) {
+        if (small) {
             reduce_into(self, combine, itemsize, out, NULL, sources, 0, n);
         } else {
-            size_t start, stop;
-            slice_of(r, p, n, unit, &start, &stop);
-            reduce_into(self, combine, itemsize, slot + start * itemsize, out + start * itemsize, sources,
-                        start * itemsize, stop - start);
+            sources[r] = (char *)source + done * itemsize;
+            if (streamed) {             /* into the output, then streamed into the slot */
+                reduce_into(self, combine, itemsize, out + start * itemsize, NULL, sources, start * itemsize,
+                            stop - start);
+                to_slot(slot + start * itemsize, out + start * itemsize, (stop - start) * itemsize, 1);
+                STREAM_FENCE();
+            } else {
+                reduce_into(self, combine, itemsize, slot + start * itemsize, out + start * itemsize, sources,
+                            start * itemsize, stop - start);
+            }
             store_release(&mine->step, 2 * k);
             if (wait_all(self, &save, 2 * k) < 0) {
                 result = NULL;
@@ -394,6 +493,8 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
         }
         done += n;
     } while (done < count);
+    if (choice && result != NULL)
+        learn(choice, streamed, (seconds() - began) / (double)recv.len);
     PyEval_RestoreThread(save);
     if (!in_place)
         PyBuffer_Release(&send);
@@ -517,16 +618,25 @@ static PyObject *node_arrived(Node *self, PyObject *args) {
 
 static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"regions", "rank", "slot_bytes", "small_bytes", "spins", "yield_seconds",
-                            "stalled", "mismatched", "refuse", "ops", "narrow", "in_place", NULL};
+                            "stalled", "mismatched", "refuse", "ops", "narrow", "in_place", "stores", NULL};
     PyObject *regions, *stalled, *mismatched, *refuse, *ops, *narrow, *in_place;
+    const char *stores;
     int rank;
     Py_ssize_t slot_bytes, small_bytes;
     unsigned spins;
     double yield_seconds;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OinnIdOOOO!O!O", names, &regions, &rank, &slot_bytes,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OinnIdOOOO!O!Os", names, &regions, &rank, &slot_bytes,
                                      &small_bytes, &spins, &yield_seconds, &stalled, &mismatched, &refuse,
-                                     &PyTuple_Type, &ops, &PyTuple_Type, &narrow, &in_place))
+                                     &PyTuple_Type, &ops, &PyTuple_Type, &narrow, &in_place, &stores))
         return -1;
+    int kind = -1;
+    for (int k = 0; k < 3; k++)
+        if (strcmp(stores, STORES[k]) == 0)
+            kind = k;
+    if (kind < 0) {
+        PyErr_Format(PyExc_ValueError, "stores=%s: 'learn', 'cached' or 'streamed'", stores);
+        return -1;
+    }
     if (self->control != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Node is made once");
         return -1;
@@ -576,6 +686,8 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     self->yield_seconds = yield_seconds;
     self->step = self->calls = 0;            /* a fresh window holds zeros */
     self->broken = 0;
+    self->stores = kind;
+    memset(self->choices, 0, sizeof self->choices);
     Py_INCREF(stalled); self->stalled = stalled;
     Py_INCREF(mismatched); self->mismatched = mismatched;
     Py_INCREF(refuse); self->refuse = refuse;
@@ -606,7 +718,27 @@ static void node_dealloc(Node *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static PyObject *node_chosen(Node *self, PyObject *unused) {
+    PyObject *chosen = PyDict_New();
+    for (int c = 0; chosen != NULL && c < CLASSES; c++) {
+        const Choice *choice = &self->choices[c];
+        if (choice->cost[0] == 0 || choice->cost[1] == 0)
+            continue;
+        PyObject *key = PyLong_FromLongLong(16384LL << c);
+        PyObject *value = Py_BuildValue("(sdd)", STORES[best_of(choice) ? STORES_STREAMED : STORES_CACHED],
+                                        choice->cost[0] * 1e9, choice->cost[1] * 1e9);
+        if (key == NULL || value == NULL || PyDict_SetItem(chosen, key, value) < 0)
+            Py_CLEAR(chosen);
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+    }
+    return chosen;
+}
+
 static PyMethodDef node_methods[] = {
+    {"chosen", (PyCFunction)node_chosen, METH_NOARGS,
+     "chosen(): {calls from this many bytes: (the stores chosen, ns a byte cached, ns a byte streamed)}, where "
+     "both were measured."},
     {"allreduce", (PyCFunction)node_allreduce, METH_VARARGS,
      "allreduce(send or None, recv, type, op): recv <- the reduction over the node's ranks (send None: of recv)."},
     {"arrived", (PyCFunction)node_arrived, METH_VARARGS, "arrived(rank, step): whether rank published step."},

@@ -116,6 +116,30 @@ def test_every_type_and_op_gives_numpys_reduction_in_rank_order_bit_for_bit(path
         everywhere(type(comm.__dict__.get("Allreduce")).__name__ == "FastCall", "auto's allreduce is the C path")
 
 
+@pytest.mark.parametrize("stores", ["cached", "streamed"])
+def test_either_stores_into_the_slots_give_the_same_bits(stores, monkeypatch):
+    """Streamed stores (past the caches, then a fence) and cached ones: the same reduction, across chunks; "learn"
+    (the default, which the tests above run) tries both on the second call of a size and keeps the faster."""
+    monkeypatch.setattr(shm, "STORES", stores)
+    seed = shared_seed()
+    comm = mpicoll.Communicator(WORLD, algorithm="shm")
+    for case, name in enumerate(("float32", "int32", "float16", "int8")):
+        dtype = np.dtype(name)
+        for n in sizes(np.dtype(name)) + [3 * shm.SLOT_BYTES // dtype.itemsize + 7]:
+            everyone = [contribution(np.random.default_rng([seed, case, n, q]), dtype, n) for q in range(P)]
+            out = everyone[RANK].copy()
+            comm.Allreduce(MPI.IN_PLACE, out, MPI.SUM)
+            everywhere(agrees(out, in_rank_order(everyone, MPI.SUM), "sum"), f"{stores} {name} n={n}: {out[:4]}")
+    learning = mpicoll.Communicator(WORLD, algorithm="shm")
+    monkeypatch.setattr(shm, "STORES", "learn")
+    big = np.ones(shm.SLOT_BYTES // 4 + 3, np.float32)
+    for _ in range(3):
+        learning.Allreduce(MPI.IN_PLACE, big, MPI.SUM)
+    chosen = learning.context().kept[shm.KEY].chosen()
+    everywhere(big[0] == P ** 3 and list(chosen) == [1 << 20] and chosen[1 << 20][0] in ("cached", "streamed"),
+               f"{big[0]}, {chosen}")
+
+
 def test_views_bfloat16_and_16_bit_compression_through_the_array_api():
     rng = np.random.default_rng([shared_seed(), RANK])
     import ml_dtypes
