@@ -57,6 +57,30 @@ def test_allreduce_takes_parameters_and_non_contiguous_tensors():
     everywhere(torch.allclose(columns, torch.arange(24, dtype=torch.float32).reshape(4, 6).t() * ((P + 1) / 2)))
 
 
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_bfloat16_in_place_gives_the_general_paths_bits_and_follows_a_tensor_whose_memory_changes(op):
+    """In place, a CPU tensor's allreduce takes a straight line over a view remembered per tensor
+    (``mpicoll.torch.collectives.host_view``); bfloat16 sums go there too: the same bits as a new tensor's (the
+    general path), every rank, also after the tensor's memory, shape or type were replaced."""
+    seed = shared_seed()
+    for n in (1, P - 1 or 1, 17, 70001):
+        data = torch.from_numpy(everyone(seed + n, (n,), np.float32)).to(torch.bfloat16)
+        tensor = data[RANK].clone()
+        expected = mt.allreduce(tensor, op)                     # a new tensor: the general path
+        for _ in range(2):                                      # the second call: the remembered view
+            tensor.copy_(data[RANK])
+            everywhere(mt.allreduce(tensor, op, out=tensor) is tensor and torch.equal(tensor, expected),
+                       f"{op} n={n}: {tensor[:3]} != {expected[:3]}")
+    tensor = torch.full((5,), float(RANK + 1))
+    mt.allreduce(tensor, "sum", out=tensor)
+    tensor.data = torch.full((7,), float(RANK + 2), dtype=torch.float64)    # other memory, shape and type
+    mt.allreduce(tensor, "sum", out=tensor)
+    tensor.set_(torch.full((3,), float(RANK), dtype=torch.float64))
+    mt.allreduce(tensor, "sum", out=tensor)
+    everywhere(tensor.dtype == torch.float64 and torch.equal(tensor, torch.full((3,), P * (P - 1) / 2,
+                                                                                   dtype=torch.float64)), f"{tensor}")
+
+
 def test_allgather_and_broadcast_match_numpy():
     seed = shared_seed()
     data = everyone(seed, (3, 5), np.float32)
