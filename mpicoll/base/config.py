@@ -150,6 +150,12 @@ def fast_path() -> str:
     return _choice("MPICOLL_FAST_PATH", ("c", "python"), "c")
 
 
+def shm_stores() -> str:
+    """``MPICOLL_SHM_STORES``: how the on-node allreduce writes into its slots (mpicoll/collectives/_shm.c):
+    "learn" (the faster of the two, measured per size), "cached" or "streamed" (past the caches)."""
+    return _choice("MPICOLL_SHM_STORES", ("learn", "cached", "streamed"), "learn")
+
+
 def check_launch() -> bool:
     """Whether a launch whose announced task count differs from MPI's world stops (mpicoll.base.launcher)."""
     return _switch("MPICOLL_CHECK_LAUNCH", True)
@@ -163,7 +169,7 @@ def join_jobs() -> bool:
 def check_all() -> None:
     """Read every setting above, raising the first bad one's ValueError."""
     timeout(), segment_bytes(), channel(), end_broken_jobs(), debug(), kernels(), cuda_aware(), ucx_defaults()
-    fast_path(), check_launch(), join_jobs(), restart()
+    fast_path(), shm_stores(), check_launch(), join_jobs(), restart()
 
 
 def cores() -> int:

@@ -222,6 +222,7 @@ typedef struct {
 #define CONTROL_BYTES 256           /* a region's control block; the slots follow */
 #define BLOCK_BYTES 4096            /* a reduction of several ranks goes block by block, its partial in L1 */
 #define CLASSES 16                  /* calls by size, for the choice of stores: 16-32 KiB, 32-64 KiB, ... */
+#define WARM_UP 2                   /* calls of a size not counted */
 #define FIRST_EVERY 8               /* the other stores are tried every 8th call of a size, */
 #define LAST_EVERY 64               /* every 64th once they keep losing */
 
@@ -283,11 +284,14 @@ static int best_of(const Choice *c) { return c->cost[1] != 0 && c->cost[1] < c->
 
 static int choose(const Choice *c) {
     if (c->cost[0] == 0 || c->cost[1] == 0)
-        return c->cost[0] != 0;           /* each kind once, first */
+        return c->cost[0] != 0;           /* each kind once, first (after the warm-up) */
     return (c->calls + 1) % c->every == 0 ? !best_of(c) : best_of(c);
 }
 
 static void learn(Choice *c, int streamed, double cost) {
+    if (c->calls++ < WARM_UP)
+        return;                     /* a size's first calls are cold (pages touched first, caches empty, peers'
+                                       first-call work): 10-20x the later ones' time, not counted */
     int tried = c->cost[0] != 0 && c->cost[1] != 0 && streamed != best_of(c);
     /* a trial's time replaces the old one (the machine may have changed since); the chosen one's is smoothed */
     c->cost[streamed] = c->cost[streamed] == 0 || tried ? cost : 0.75 * c->cost[streamed] + 0.25 * cost;
@@ -296,7 +300,6 @@ static void learn(Choice *c, int streamed, double cost) {
     if (tried)
         c->every = c->cost[streamed] < c->cost[!streamed] ? FIRST_EVERY
                    : c->every * 2 > LAST_EVERY ? LAST_EVERY : c->every * 2;
-    c->calls++;
 }
 
 /* dst[0:len] = src[0:len], streamed past the caches (the caller fences before publishing) or as memcpy */

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ...base import failure, ops
+from ...base import config, failure, ops
 from ...base.errors import MismatchError
 from .base import Algorithm
 from .hierarchical import Hierarchical
@@ -56,7 +56,8 @@ _TYPE_CODES = {name: code for code, name in enumerate(TYPES)}
 SLOT_BYTES = 1 << 20           # a chunk: each rank's two slots hold two chunks (2 MiB + 256 B a rank)
 SMALL_BYTES = 16 << 10         # chunks up to this many bytes are reduced whole by every rank
 SPINS = 4000                   # polls of a wait before it yields the core, where each rank has a core
-STORES = "learn"               # into the slots: "cached", "streamed" (past the caches) or the faster, measured
+STORES = None                  # into the slots: "cached", "streamed" (past the caches), "learn" (the faster,
+                               # measured); None: MPICOLL_SHM_STORES's (default "learn")
 YIELD_SECONDS = 1e-3           # yielding the core, before a wait goes to the communicator's (deadline, roll call)
 FALLBACK_MPI_BELOW = 2 << 20   # without the node: MPI's own allreduce below this, the ring from it
 
@@ -111,7 +112,7 @@ def node_of(ctx: Context):
         regions=region, rank=ctx.rank, slot_bytes=SLOT_BYTES, small_bytes=SMALL_BYTES,
         spins=SPINS if ctx.spin_seconds else 0, yield_seconds=YIELD_SECONDS, stalled=stalled, mismatched=mismatched,
         refuse=refuse, ops=tuple(ops.find(name).mpi_op for name in OPS), narrow=_narrow_ops(), in_place=MPI.IN_PLACE,
-        stores=STORES)
+        stores=STORES or config.shm_stores())
     return node
 
 
