@@ -1,4 +1,4 @@
-/* mpicoll.collectives._shm: the on-node allreduce in C, over one shared-memory segment per node.
+/* mpicoll.collectives._shm: the on-node allreduce (and allgather, bcast) in C, over one shared-memory segment per node.
  *
  * Every rank of a communicator that spans one node owns a region of one MPI shared-memory window
  * (MPI.Win.Allocate_shared, so MPI unlinks it, also when a rank is killed): a control block, then two data
@@ -14,6 +14,9 @@
  *   | large chunk  | reduces its slice of every rank's slot, in rank order, into   | step = 2k       | step >= 2k                 |
  *   |              | its own slot's slice and its output; then copies every other  |                 |                            |
  *   |              | rank's slice from that rank's slot into its output            |                 |                            |
+ *
+ * An allgather (bcast) goes the same way with the reduction left out: every rank (the root) copies its chunk
+ * in and arrives, then every rank copies every given chunk out of its owner's slot; one synchronisation a step.
  *
  * Why two slots and no closing barrier: slot k % 2 is next written in step k + 2, which a rank begins only
  * after step k + 1's arrival wait, that is after every rank began step k + 1 and so finished reading step
@@ -388,6 +391,47 @@ static void slice_of(int q, int p, size_t count, size_t unit, size_t *start, siz
     *stop = (first + n) * unit < count ? (first + n) * unit : count;
 }
 
+/* a step's arrival: publishes step 2k - 1 and waits for every rank's; on a call's first step, compares every
+ * rank's fingerprint of call ``call``.  0; -1 with a Python error (a lost or hung peer); -2 with the MismatchError
+ * every rank raises (they all stop at this step, so the next call starts together).  The GIL is released. */
+static int arrive(Node *self, PyThreadState **save, uint64_t k, uint64_t call, int first) {
+    int p = self->size;
+    const uint64_t *fingerprint = self->control[self->rank]->fingerprint[call & 1];
+    store_release(&self->control[self->rank]->step, 2 * k - 1);
+    if (wait_all(self, save, 2 * k - 1) < 0)
+        return -1;
+    if (!first)
+        return 0;
+    int agree = 1;
+    for (int q = 0; q < p; q++)
+        agree &= memcmp(self->control[q]->fingerprint[call & 1], fingerprint, 4 * sizeof(uint64_t)) == 0;
+    if (agree)
+        return 0;
+    PyEval_RestoreThread(*save);
+    PyObject *calls = PyTuple_New(p);
+    for (int q = 0; calls != NULL && q < p; q++) {
+        const uint64_t *f = self->control[q]->fingerprint[call & 1];
+        PyTuple_SET_ITEM(calls, q, Py_BuildValue("(KKK)", (unsigned long long)f[1], (unsigned long long)f[2],
+                                                 (unsigned long long)f[3]));
+    }
+    PyObject *raised = calls == NULL ? NULL : PyObject_CallOneArg(self->mismatched, calls);
+    Py_XDECREF(calls);
+    if (raised != NULL) {
+        Py_DECREF(raised);
+        PyErr_SetString(PyExc_RuntimeError, "mismatched() returned instead of raising");
+    }
+    *save = PyEval_SaveThread();
+    return -2;
+}
+
+/* writes this rank's fingerprint of its next call, which it numbers */
+static uint64_t begin_call(Node *self, uint64_t bytes_or_count, uint64_t kind, uint64_t detail) {
+    uint64_t call = ++self->calls;
+    uint64_t *fingerprint = self->control[self->rank]->fingerprint[call & 1];
+    fingerprint[0] = call; fingerprint[1] = bytes_or_count; fingerprint[2] = kind; fingerprint[3] = detail;
+    return call;
+}
+
 /* the allreduce of C-contiguous buffers of ``recv_obj``'s size; ``send_obj`` Py_None: in place */
 static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int type, int op) {
     if (self->broken)
@@ -418,10 +462,8 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
     char *target = recv.buf;
     combine_fn combine = COMBINES[type][op];
     size_t chunk = self->slot_bytes / itemsize, unit = itemsize < 64 ? 64 / itemsize : 1;
-    uint64_t call = ++self->calls;
+    uint64_t call = begin_call(self, count, type, op);
     Control *mine = self->control[r];
-    uint64_t *fingerprint = mine->fingerprint[call & 1];
-    fingerprint[0] = call; fingerprint[1] = count; fingerprint[2] = type; fingerprint[3] = op;
     Choice *choice = choice_for(self, recv.len);
     int streamed = choice ? choose(choice) : self->stores == STORES_STREAMED && CAN_STREAM;
     double began = 0;                   /* when every rank had arrived */
@@ -445,38 +487,14 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
         to_slot(slot + stop * itemsize, source + (done + stop) * itemsize, (n - stop) * itemsize, streamed);
         if (streamed)
             STREAM_FENCE();                 /* the streamed stores land before the step is published */
-        store_release(&mine->step, 2 * k - 1);
-        if (wait_all(self, &save, 2 * k - 1) < 0) {
+        int arrived = arrive(self, &save, k, call, done == 0);
+        if (arrived < 0) {
             result = NULL;
+            mismatch = arrived == -2;
             break;
         }
-        if (done == 0) {                    /* the call's first step: did every rank make this call? */
-            int agree = 1;
-            for (int q = 0; q < p; q++)
-                agree &= memcmp(self->control[q]->fingerprint[call & 1], fingerprint, 4 * sizeof(uint64_t)) == 0;
-            if (!agree) {
-                PyEval_RestoreThread(save);
-                PyObject *calls = PyTuple_New(p);
-                for (int q = 0; calls != NULL && q < p; q++) {
-                    const uint64_t *f = self->control[q]->fingerprint[call & 1];
-                    PyTuple_SET_ITEM(calls, q, Py_BuildValue("(KKK)", (unsigned long long)f[1],
-                                                             (unsigned long long)f[2], (unsigned long long)f[3]));
-                }
-                PyObject *raised = calls == NULL ? NULL : PyObject_CallOneArg(self->mismatched, calls);
-                Py_XDECREF(calls);
-                Py_XDECREF(raised);
-                save = PyEval_SaveThread();
-                result = NULL;
-                mismatch = 1;           /* every rank stops at this step: the next call starts together */
-                if (raised != NULL) {
-                    PyEval_RestoreThread(save);
-                    PyErr_SetString(PyExc_RuntimeError, "mismatched() returned instead of raising");
-                    save = PyEval_SaveThread();
-                }
-                break;
-            }
+        if (done == 0)
             began = seconds();
-        }
         char *out = target + done * itemsize;
         if (small) {
             reduce_into(self, combine, itemsize, out, NULL, sources, 0, n);
@@ -515,6 +533,97 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
         self->broken = 1;
     Py_XINCREF(result);
     return result;
+}
+
+/* the fingerprints' kinds of the calls that move bytes without reducing (past the allreduce's type codes) */
+enum { KIND_ALLGATHER = 100, KIND_BCAST = 101 };
+
+/* allgather (root < 0: every rank's ``block`` bytes of ``send``, or of its own block of ``recv`` when ``send`` is
+ * None, into ``recv`` in rank order) or bcast (root's ``recv`` into every rank's), in steps of at most a slot:
+ * the ranks that give copy their chunk into their slot, every rank arrives (step 2k - 1, as the allreduce's small
+ * chunks), then copies the given chunks out of their owners' slots.  A slot is written again two steps later,
+ * after every rank has arrived at the step between, so past reading it: one synchronisation a step. */
+static PyObject *move(Node *self, PyObject *send_obj, PyObject *recv_obj, int root) {
+    if (self->broken)
+        return PyObject_CallNoArgs(self->refuse);
+    int p = self->size, r = self->rank;
+    if (root >= p) {
+        PyErr_Format(PyExc_ValueError, "root %d of %d ranks", root, p);
+        return NULL;
+    }
+    Py_buffer recv, send;
+    if (PyObject_GetBuffer(recv_obj, &recv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    int has_send = send_obj != Py_None;
+    if (has_send && PyObject_GetBuffer(send_obj, &send, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&recv);
+        return NULL;
+    }
+    size_t block = root >= 0 ? (size_t)recv.len : (size_t)recv.len / p;
+    if ((root < 0 && recv.len % p) || (root >= 0 && has_send) || (has_send && (size_t)send.len != block)) {
+        PyErr_Format(PyExc_ValueError, "%s: recv has %zd bytes, send %zd, for %d ranks", root < 0 ? "allgather" :
+                     "bcast", recv.len, has_send ? send.len : (Py_ssize_t)-1, p);
+        if (has_send)
+            PyBuffer_Release(&send);
+        PyBuffer_Release(&recv);
+        return NULL;
+    }
+    char *target = recv.buf;
+    const char *source = has_send ? send.buf : root >= 0 ? target : target + r * block;
+    int gives = root < 0 || r == root;
+    uint64_t call = begin_call(self, block, root < 0 ? KIND_ALLGATHER : KIND_BCAST, root < 0 ? 0 : (uint64_t)root);
+    PyObject *result = Py_None;
+    int mismatch = 0;
+    PyThreadState *save = PyEval_SaveThread();
+    size_t done = 0, chunk = (size_t)self->slot_bytes;
+    do {                                    /* a call of no bytes is one step too */
+        size_t n = block - done < chunk ? block - done : chunk;
+        uint64_t k = ++self->step;
+        int s = (int)(k & 1);
+        if (gives)
+            memcpy(self->slots[2 * r + s], source + done, n);
+        int arrived = arrive(self, &save, k, call, done == 0);
+        if (arrived < 0) {
+            result = NULL;
+            mismatch = arrived == -2;
+            break;
+        }
+        for (int q = root < 0 ? 0 : root; q < (root < 0 ? p : root + 1); q++) {
+            char *out = root < 0 ? target + q * block + done : target + done;
+            if (q == r)                     /* its own: from where it lies, if not there already */
+                memmove(out, source + done, out == source + done ? 0 : n);
+            else
+                memcpy(out, self->slots[2 * q + s], n);
+        }
+        done += n;
+    } while (done < block);
+    PyEval_RestoreThread(save);
+    if (has_send)
+        PyBuffer_Release(&send);
+    PyBuffer_Release(&recv);
+    if (result == NULL && !mismatch)
+        self->broken = 1;
+    Py_XINCREF(result);
+    return result;
+}
+
+static PyObject *node_allgather(Node *self, PyObject *args) {
+    PyObject *send_obj, *recv_obj;
+    if (!PyArg_ParseTuple(args, "OO", &send_obj, &recv_obj))
+        return NULL;
+    return move(self, send_obj, recv_obj, -1);
+}
+
+static PyObject *node_bcast(Node *self, PyObject *args) {
+    PyObject *buf;
+    int root;
+    if (!PyArg_ParseTuple(args, "Oi", &buf, &root))
+        return NULL;
+    if (root < 0) {
+        PyErr_Format(PyExc_ValueError, "root %d", root);
+        return NULL;
+    }
+    return move(self, Py_None, buf, root);
 }
 
 static PyObject *node_allreduce(Node *self, PyObject *args) {
@@ -753,6 +862,9 @@ static PyMethodDef node_methods[] = {
      "both were measured."},
     {"allreduce", (PyCFunction)node_allreduce, METH_VARARGS,
      "allreduce(send or None, recv, type, op): recv <- the reduction over the node's ranks (send None: of recv)."},
+    {"allgather", (PyCFunction)node_allgather, METH_VARARGS,
+     "allgather(send or None, recv): recv <- every rank's send (None: its block of recv) in rank order, as bytes."},
+    {"bcast", (PyCFunction)node_bcast, METH_VARARGS, "bcast(buf, root): buf <- root's buf, as bytes."},
     {"arrived", (PyCFunction)node_arrived, METH_VARARGS, "arrived(rank, step): whether rank published step."},
     {"takes", (PyCFunction)(void (*)(void))node_takes, METH_FASTCALL,
      "takes(sendbuf, recvbuf, op): whether this node carries an Allreduce with these mpi4py arguments."},

@@ -175,6 +175,41 @@ def test_ranks_that_pass_different_counts_or_ops_all_get_the_mismatch_and_go_on(
     everywhere(np.array_equal(x, np.full(9999, P * (P + 1) / 2)), "the call after the mismatches")
 
 
+def test_allgather_and_bcast_through_the_node_give_mpis_bytes():
+    """``shm``'s allgather and bcast move bytes through the node's slots: every rank's block (or the root's
+    buffer) in order, against MPI's own call on the same data, at awkward sizes, past a slot, in place, from
+    every root; a rank whose root or block differs gets the MismatchError with every other, and the calls after
+    go on."""
+    seed = shared_seed()
+    comm = mpicoll.Communicator(WORLD, algorithm="shm")
+    for n in (0, 1, 3, 1001, shm.SLOT_BYTES // 8 + 5, 2 * shm.SLOT_BYTES // 8 + 1):
+        for dtype in (np.float64, np.int8):
+            mine = np.random.default_rng([seed, n, RANK]).integers(-100, 100, n).astype(dtype)
+            expected = np.empty(P * n, dtype)
+            WORLD.Allgather(mine, expected)
+            out = np.full(P * n, 7, dtype)
+            comm.Allgather(mine, out)
+            in_place = np.zeros(P * n, dtype)
+            in_place[RANK * n:(RANK + 1) * n] = mine
+            comm.Allgather(MPI.IN_PLACE, in_place)
+            everywhere(np.array_equal(out, expected) and np.array_equal(in_place, expected), f"allgather n={n}")
+            for root in range(P):
+                buf = mine.copy()
+                comm.Bcast(buf, root)
+                reference = mine.copy()
+                WORLD.Bcast(reference, root)
+                everywhere(np.array_equal(buf, reference), f"bcast n={n} root={root}")
+    everywhere(comm.context().kept[shm.KEY].calls > 0, "the calls went through the node")
+    with pytest.raises(mpicoll.MismatchError):
+        comm.Allgather(np.ones(10 + (RANK == 0), np.uint8), np.empty(P * (10 + (RANK == 0)), np.uint8))
+    if P > 1:
+        with pytest.raises(mpicoll.MismatchError):
+            comm.Bcast(np.ones(10, np.uint8), RANK % 2)
+    buf = np.full(5, float(RANK))
+    comm.Bcast(buf, P - 1)
+    everywhere(np.array_equal(buf, np.full(5, P - 1.0)), "the call after the mismatches")
+
+
 def test_the_window_is_unlinked_while_it_lives():
     """MPI unlinks the node's segment once every rank has mapped it: nothing is left in /dev/shm, whatever
     becomes of the ranks (a killed rank's job left MPICH's own segments, not this one)."""

@@ -11,6 +11,9 @@ owners' regions (a reduce-scatter and an allgather, two synchronisations).
 Buffers beyond a slot (:data:`SLOT_BYTES`) go chunk by chunk through two
 slots per rank, so the data that moves between ranks stays in the caches.
 
+Its allgather and bcast take the same slots without the reduction (MPI's own
+calls stay faster on one node, so ``auto`` keeps those: docs/benchmarks.md).
+
 Every predefined op on every numeric numpy type (bool for the logical and
 bitwise ops, float16, bfloat16 sums as mpicoll's 16-bit words) is reduced in
 C, in rank order, each element by one rank: the same bits on every rank.
@@ -116,7 +119,14 @@ def node_of(ctx: Context):
     return node
 
 
+ALLGATHER_KIND, BCAST_KIND = 100, 101      # the fingerprints' kinds of the node's allgather and bcast (_shm.c)
+
+
 def _described(count: int, type_code: int, op_code: int) -> str:
+    if type_code == ALLGATHER_KIND:
+        return f"Allgather({count} bytes a rank, algorithm=shm)"
+    if type_code == BCAST_KIND:
+        return f"Bcast({count} bytes, root={op_code}, algorithm=shm)"
     type_name = TYPES[type_code] if type_code < len(TYPES) else f"type {type_code}"
     op_name = OPS[op_code].upper() if op_code < len(OPS) else f"op {op_code}"
     return f"Allreduce(count={count}, dtype={type_name}, op={op_name}, algorithm=shm)"
@@ -141,7 +151,8 @@ def codes(reduction: Reduction) -> tuple[int, int] | None:
 
 
 class Shm(Algorithm):
-    """The allreduce through a node's shared memory (this module); the other collectives as ``hierarchical``."""
+    """The allreduce, allgather and bcast through a node's shared memory (this module); reduce_scatter as
+    ``hierarchical``."""
 
     name = "shm"
 
@@ -159,7 +170,18 @@ class Shm(Algorithm):
         _FALLBACK_LARGE.reduce_scatter_block(ctx, send, recv, reduction)
 
     def allgather(self, ctx, send, recv):
-        _FALLBACK_LARGE.allgather(ctx, send, recv)
+        if carries(ctx) and _plain(recv) and (send is None or _plain(send)):
+            node_of(ctx).allgather(send, recv)
+        else:
+            _FALLBACK_LARGE.allgather(ctx, send, recv)
 
     def bcast(self, ctx, buf, root):
-        _FALLBACK_LARGE.bcast(ctx, buf, root)
+        if carries(ctx) and _plain(buf):
+            node_of(ctx).bcast(buf, root)
+        else:
+            _FALLBACK_LARGE.bcast(ctx, buf, root)
+
+
+def _plain(array) -> bool:
+    """A C-contiguous numpy array: the node moves its bytes (device arrays go the fallback's way)."""
+    return isinstance(array, np.ndarray) and array.flags.c_contiguous
