@@ -432,6 +432,18 @@ static uint64_t begin_call(Node *self, uint64_t bytes_or_count, uint64_t kind, u
     return call;
 }
 
+/* a call's end: its buffers released; one that failed midway (not a mismatch, where every rank stopped at the
+   same step) leaves the ranks' steps apart, so the node refuses every later call */
+static PyObject *finish(Node *self, PyObject *result, int mismatch, Py_buffer *send, Py_buffer *recv) {
+    if (send != NULL)
+        PyBuffer_Release(send);
+    PyBuffer_Release(recv);
+    if (result == NULL && !mismatch)
+        self->broken = 1;
+    Py_XINCREF(result);
+    return result;
+}
+
 /* the allreduce of C-contiguous buffers of ``recv_obj``'s size; ``send_obj`` Py_None: in place */
 static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int type, int op) {
     if (self->broken)
@@ -526,13 +538,7 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
     if (choice && result != NULL)
         learn(choice, streamed, (seconds() - began) / (double)recv.len);
     PyEval_RestoreThread(save);
-    if (!in_place)
-        PyBuffer_Release(&send);
-    PyBuffer_Release(&recv);
-    if (result == NULL && !mismatch)
-        self->broken = 1;
-    Py_XINCREF(result);
-    return result;
+    return finish(self, result, mismatch, in_place ? NULL : &send, &recv);
 }
 
 /* the fingerprints' kinds of the calls that move bytes without reducing (past the allreduce's type codes) */
@@ -598,13 +604,7 @@ static PyObject *move(Node *self, PyObject *send_obj, PyObject *recv_obj, int ro
         done += n;
     } while (done < block);
     PyEval_RestoreThread(save);
-    if (has_send)
-        PyBuffer_Release(&send);
-    PyBuffer_Release(&recv);
-    if (result == NULL && !mismatch)
-        self->broken = 1;
-    Py_XINCREF(result);
-    return result;
+    return finish(self, result, mismatch, has_send ? &send : NULL, &recv);
 }
 
 static PyObject *node_allgather(Node *self, PyObject *args) {
