@@ -15,7 +15,8 @@
  *   |              | its own slot's slice and its output; then copies every other  |                 |                            |
  *   |              | rank's slice from that rank's slot into its output            |                 |                            |
  *
- * An allgather (bcast) goes the same way with the reduction left out: every rank (the root) copies its chunk
+ * A reduce_scatter goes as the allreduce's small chunks, each rank reducing only its block's piece of every
+ * slot; an allgather (bcast) goes the same way with the reduction left out: every rank (the root) copies its chunk
  * in and arrives, then every rank copies every given chunk out of its owner's slot; one synchronisation a step.
  *
  * Why two slots and no closing barrier: slot k % 2 is next written in step k + 2, which a rank begins only
@@ -260,7 +261,8 @@ typedef struct {
     int broken;                     /* a call failed midway: the ranks' steps may differ, every later call refused */
     char *partial;                  /* BLOCK_BYTES for reductions of more than two ranks */
     int stores;                     /* STORES_LEARN: as ``choices`` say; STORES_CACHED, STORES_STREAMED: always */
-    Choice choices[CLASSES];
+    Choice choices[CLASSES];        /* the allreduce's */
+    Choice scatter_choices[CLASSES];    /* the reduce_scatter's */
 } Node;
 
 enum { STORES_LEARN, STORES_CACHED, STORES_STREAMED };
@@ -276,11 +278,11 @@ static double seconds(void) {
 }
 
 /* streamed (1) or cached (0) stores for a call of ``bytes`` */
-static Choice *choice_for(Node *self, size_t bytes) {
+static Choice *choice_for(Node *self, Choice *choices, size_t bytes) {
     if (self->stores != STORES_LEARN || !CAN_STREAM || bytes <= (size_t)self->small_bytes)
         return NULL;
     int c = 63 - __builtin_clzll((unsigned long long)bytes) - 14;
-    return &self->choices[c < 0 ? 0 : c >= CLASSES ? CLASSES - 1 : c];
+    return &choices[c < 0 ? 0 : c >= CLASSES ? CLASSES - 1 : c];
 }
 
 static int best_of(const Choice *c) { return c->cost[1] != 0 && c->cost[1] < c->cost[0]; }
@@ -391,17 +393,21 @@ static void slice_of(int q, int p, size_t count, size_t unit, size_t *start, siz
     *stop = (first + n) * unit < count ? (first + n) * unit : count;
 }
 
-/* a step's arrival: publishes step 2k - 1 and waits for every rank's; on a call's first step, compares every
+/* a step's arrival: publishes step 2k - 1 (its streamed stores fenced first) and waits for every rank's; on a call's first step, compares every
  * rank's fingerprint of call ``call``.  0; -1 with a Python error (a lost or hung peer); -2 with the MismatchError
  * every rank raises (they all stop at this step, so the next call starts together).  The GIL is released. */
-static int arrive(Node *self, PyThreadState **save, uint64_t k, uint64_t call, int first) {
+static int arrive(Node *self, PyThreadState **save, uint64_t k, uint64_t call, int first, int streamed,
+                  double *began) {
     int p = self->size;
     const uint64_t *fingerprint = self->control[self->rank]->fingerprint[call & 1];
+    if (streamed)
+        STREAM_FENCE();                 /* the streamed stores land before the step is published */
     store_release(&self->control[self->rank]->step, 2 * k - 1);
     if (wait_all(self, save, 2 * k - 1) < 0)
         return -1;
     if (!first)
         return 0;
+    *began = seconds();                 /* every rank is here: the call's time (for the stores' choice) from now */
     int agree = 1;
     for (int q = 0; q < p; q++)
         agree &= memcmp(self->control[q]->fingerprint[call & 1], fingerprint, 4 * sizeof(uint64_t)) == 0;
@@ -476,7 +482,7 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
     size_t chunk = self->slot_bytes / itemsize, unit = itemsize < 64 ? 64 / itemsize : 1;
     uint64_t call = begin_call(self, count, type, op);
     Control *mine = self->control[r];
-    Choice *choice = choice_for(self, recv.len);
+    Choice *choice = choice_for(self, self->choices, recv.len);
     int streamed = choice ? choose(choice) : self->stores == STORES_STREAMED && CAN_STREAM;
     double began = 0;                   /* when every rank had arrived */
     char *sources[p];
@@ -497,16 +503,12 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
             slice_of(r, p, n, unit, &start, &stop);
         to_slot(slot, source + done * itemsize, start * itemsize, streamed);
         to_slot(slot + stop * itemsize, source + (done + stop) * itemsize, (n - stop) * itemsize, streamed);
-        if (streamed)
-            STREAM_FENCE();                 /* the streamed stores land before the step is published */
-        int arrived = arrive(self, &save, k, call, done == 0);
+        int arrived = arrive(self, &save, k, call, done == 0, streamed, &began);
         if (arrived < 0) {
             result = NULL;
             mismatch = arrived == -2;
             break;
         }
-        if (done == 0)
-            began = seconds();
         char *out = target + done * itemsize;
         if (small) {
             reduce_into(self, combine, itemsize, out, NULL, sources, 0, n);
@@ -542,7 +544,7 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
 }
 
 /* the fingerprints' kinds of the calls that move bytes without reducing (past the allreduce's type codes) */
-enum { KIND_ALLGATHER = 100, KIND_BCAST = 101 };
+enum { KIND_ALLGATHER = 100, KIND_BCAST = 101, KIND_REDUCE_SCATTER = 200 /* + the type */ };
 
 /* allgather (root < 0: every rank's ``block`` bytes of ``send``, or of its own block of ``recv`` when ``send`` is
  * None, into ``recv`` in rank order) or bcast (root's ``recv`` into every rank's), in steps of at most a slot:
@@ -578,6 +580,7 @@ static PyObject *move(Node *self, PyObject *send_obj, PyObject *recv_obj, int ro
     const char *source = has_send ? send.buf : root >= 0 ? target : target + r * block;
     int gives = root < 0 || r == root;
     uint64_t call = begin_call(self, block, root < 0 ? KIND_ALLGATHER : KIND_BCAST, root < 0 ? 0 : (uint64_t)root);
+    double began;                           /* (unused: the copies' stores are not chosen) */
     PyObject *result = Py_None;
     int mismatch = 0;
     PyThreadState *save = PyEval_SaveThread();
@@ -588,7 +591,7 @@ static PyObject *move(Node *self, PyObject *send_obj, PyObject *recv_obj, int ro
         int s = (int)(k & 1);
         if (gives)
             memcpy(self->slots[2 * r + s], source + done, n);
-        int arrived = arrive(self, &save, k, call, done == 0);
+        int arrived = arrive(self, &save, k, call, done == 0, 0, &began);
         if (arrived < 0) {
             result = NULL;
             mismatch = arrived == -2;
@@ -624,6 +627,79 @@ static PyObject *node_bcast(Node *self, PyObject *args) {
         return NULL;
     }
     return move(self, Py_None, buf, root);
+}
+
+/* reduce_scatter_block: ``recv`` (count elements) <- the reduction over the ranks of their ``send`` blocks of this
+ * rank, in rank order.  In steps of a slot's share per block: every rank copies its pieces of the other ranks'
+ * blocks into its slot (piece q at q x the share), arrives, and reduces its own piece of every other rank's slot
+ * and of its own send into ``recv``; one synchronisation a step, the slots reused as the allgather's. */
+static PyObject *reduce_scatter(Node *self, PyObject *send_obj, PyObject *recv_obj, int type, int op) {
+    if (self->broken)
+        return PyObject_CallNoArgs(self->refuse);
+    if (type < 0 || type >= N_TYPES || op < 0 || op >= N_OPS || COMBINES[type][op] == NULL) {
+        PyErr_Format(PyExc_ValueError, "the on-node reduce_scatter has no op %d on type %d", op, type);
+        return NULL;
+    }
+    int p = self->size, r = self->rank, itemsize = ITEMSIZE[type];
+    Py_buffer recv, send;
+    if (PyObject_GetBuffer(recv_obj, &recv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(send_obj, &send, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&recv);
+        return NULL;
+    }
+    if (send.len != p * recv.len || recv.len % itemsize) {
+        PyErr_Format(PyExc_ValueError, "reduce_scatter: send has %zd bytes, recv %zd, for %d ranks", send.len,
+                     recv.len, p);
+        return finish(self, NULL, 1, &send, &recv);
+    }
+    size_t count = recv.len / itemsize, share = (self->slot_bytes / p) / 64 * 64 / itemsize;
+    if (share == 0)
+        share = 1;
+    const char *source = send.buf;
+    char *target = recv.buf;
+    combine_fn combine = COMBINES[type][op];
+    uint64_t call = begin_call(self, count, KIND_REDUCE_SCATTER + type, op);
+    Choice *choice = choice_for(self, self->scatter_choices, send.len);
+    int streamed = choice ? choose(choice) : self->stores == STORES_STREAMED && CAN_STREAM;
+    double began = 0;
+    char *sources[p];
+    PyObject *result = Py_None;
+    int mismatch = 0;
+    PyThreadState *save = PyEval_SaveThread();
+    size_t done = 0;
+    do {                                    /* a call of no elements is one step too */
+        size_t n = count - done < share ? count - done : share;
+        uint64_t k = ++self->step;
+        int s = (int)(k & 1);
+        char *slot = self->slots[2 * r + s];
+        for (int q = 0; q < p; q++)
+            if (q != r)
+                to_slot(slot + q * share * itemsize, source + (q * count + done) * itemsize, n * itemsize, streamed);
+        int arrived = arrive(self, &save, k, call, done == 0, streamed, &began);
+        if (arrived < 0) {
+            result = NULL;
+            mismatch = arrived == -2;
+            break;
+        }
+        for (int q = 0; q < p; q++)
+            sources[q] = q == r ? (char *)source + (r * count + done) * itemsize
+                                : self->slots[2 * q + s] + r * share * itemsize;
+        reduce_into(self, combine, itemsize, target + done * itemsize, NULL, sources, 0, n);
+        done += n;
+    } while (done < count);
+    if (choice && result != NULL)
+        learn(choice, streamed, (seconds() - began) / (double)send.len);
+    PyEval_RestoreThread(save);
+    return finish(self, result, mismatch, &send, &recv);
+}
+
+static PyObject *node_reduce_scatter(Node *self, PyObject *args) {
+    PyObject *send_obj, *recv_obj;
+    int type, op;
+    if (!PyArg_ParseTuple(args, "OOii", &send_obj, &recv_obj, &type, &op))
+        return NULL;
+    return reduce_scatter(self, send_obj, recv_obj, type, op);
 }
 
 static PyObject *node_allreduce(Node *self, PyObject *args) {
@@ -809,6 +885,7 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     self->broken = 0;
     self->stores = kind;
     memset(self->choices, 0, sizeof self->choices);
+    memset(self->scatter_choices, 0, sizeof self->scatter_choices);
     Py_INCREF(stalled); self->stalled = stalled;
     Py_INCREF(mismatched); self->mismatched = mismatched;
     Py_INCREF(refuse); self->refuse = refuse;
@@ -864,6 +941,8 @@ static PyMethodDef node_methods[] = {
      "allreduce(send or None, recv, type, op): recv <- the reduction over the node's ranks (send None: of recv)."},
     {"allgather", (PyCFunction)node_allgather, METH_VARARGS,
      "allgather(send or None, recv): recv <- every rank's send (None: its block of recv) in rank order, as bytes."},
+    {"reduce_scatter", (PyCFunction)node_reduce_scatter, METH_VARARGS,
+     "reduce_scatter(send, recv, type, op): recv <- the reduction over the ranks of their send's block of this rank."},
     {"bcast", (PyCFunction)node_bcast, METH_VARARGS, "bcast(buf, root): buf <- root's buf, as bytes."},
     {"arrived", (PyCFunction)node_arrived, METH_VARARGS, "arrived(rank, step): whether rank published step."},
     {"takes", (PyCFunction)(void (*)(void))node_takes, METH_FASTCALL,

@@ -175,6 +175,30 @@ def test_ranks_that_pass_different_counts_or_ops_all_get_the_mismatch_and_go_on(
     everywhere(np.array_equal(x, np.full(9999, P * (P + 1) / 2)), "the call after the mismatches")
 
 
+def test_reduce_scatter_through_the_node_gives_numpys_reduction_in_rank_order():
+    """``shm``'s reduce_scatter: each rank's block of the reduction, reduced in rank order as the allreduce is, bit
+    for bit, at awkward block sizes and past a slot's share, for a few types and ops; a rank with another count
+    gets the MismatchError with every other."""
+    seed = shared_seed()
+    comm = mpicoll.Communicator(WORLD, algorithm="shm")
+    for case, (name, op_name) in enumerate([("float32", "sum"), ("float64", "max"), ("int16", "prod"),
+                                             ("float16", "sum"), ("bool", "lxor")]):
+        dtype, op = np.dtype(name), ops.find(op_name).mpi_op
+        for n in (0, 1, 5, 1001, shm.SLOT_BYTES // P // dtype.itemsize + 3):
+            everyone = [contribution(np.random.default_rng([seed, case, n, q]), dtype, P * n) for q in range(P)]
+            expected = in_rank_order(everyone, op)[RANK * n:(RANK + 1) * n]
+            out = np.empty(n, dtype)
+            comm.Reduce_scatter_block(everyone[RANK], out, op)
+            everywhere(agrees(out, expected, op_name), f"{name} {op_name} n={n}: {out[:4]} != {expected[:4]}")
+    with pytest.raises(mpicoll.MismatchError) as raised:
+        comm.Reduce_scatter_block(np.ones(P * (4 + (RANK == 0)), np.float32), np.empty(4 + (RANK == 0), np.float32))
+    said = str(raised.value)
+    everywhere("Reduce_scatter_block(count=5" in said and "Reduce_scatter_block(count=4" in said, said)
+    out = np.empty(3, np.float32)
+    comm.Reduce_scatter_block(np.full(P * 3, 2, np.float32), out, MPI.SUM)      # the call after goes on
+    everywhere(np.array_equal(out, np.full(3, 2.0 * P)), f"the call after the mismatch: {out}")
+
+
 def test_allgather_and_bcast_through_the_node_give_mpis_bytes():
     """``shm``'s allgather and bcast move bytes through the node's slots: every rank's block (or the root's
     buffer) in order, against MPI's own call on the same data, at awkward sizes, past a slot, in place, from

@@ -11,8 +11,8 @@ owners' regions (a reduce-scatter and an allgather, two synchronisations).
 Buffers beyond a slot (:data:`SLOT_BYTES`) go chunk by chunk through two
 slots per rank, so the data that moves between ranks stays in the caches.
 
-Its allgather and bcast take the same slots without the reduction (MPI's own
-calls stay faster on one node, so ``auto`` keeps those: docs/benchmarks.md).
+Its reduce_scatter, allgather and bcast take the same slots (``auto`` keeps
+MPI's own calls for those, faster or as fast on one node: docs/benchmarks.md).
 
 Every predefined op on every numeric numpy type (bool for the logical and
 bitwise ops, float16, bfloat16 sums as mpicoll's 16-bit words) is reduced in
@@ -119,7 +119,8 @@ def node_of(ctx: Context):
     return node
 
 
-ALLGATHER_KIND, BCAST_KIND = 100, 101      # the fingerprints' kinds of the node's allgather and bcast (_shm.c)
+# the fingerprints' kinds of the node's allgather, bcast and reduce_scatter (+ the type), as _shm.c numbers them
+ALLGATHER_KIND, BCAST_KIND, REDUCE_SCATTER_KIND = 100, 101, 200
 
 
 def _described(count: int, type_code: int, op_code: int) -> str:
@@ -127,9 +128,12 @@ def _described(count: int, type_code: int, op_code: int) -> str:
         return f"Allgather({count} bytes a rank, algorithm=shm)"
     if type_code == BCAST_KIND:
         return f"Bcast({count} bytes, root={op_code}, algorithm=shm)"
+    collective = "Allreduce"
+    if type_code >= REDUCE_SCATTER_KIND:
+        collective, type_code = "Reduce_scatter_block", type_code - REDUCE_SCATTER_KIND
     type_name = TYPES[type_code] if type_code < len(TYPES) else f"type {type_code}"
     op_name = OPS[op_code].upper() if op_code < len(OPS) else f"op {op_code}"
-    return f"Allreduce(count={count}, dtype={type_name}, op={op_name}, algorithm=shm)"
+    return f"{collective}(count={count}, dtype={type_name}, op={op_name}, algorithm=shm)"
 
 
 def codes(reduction: Reduction) -> tuple[int, int] | None:
@@ -151,8 +155,7 @@ def codes(reduction: Reduction) -> tuple[int, int] | None:
 
 
 class Shm(Algorithm):
-    """The allreduce, allgather and bcast through a node's shared memory (this module); reduce_scatter as
-    ``hierarchical``."""
+    """The allreduce, reduce_scatter, allgather and bcast through a node's shared memory (this module)."""
 
     name = "shm"
 
@@ -167,7 +170,11 @@ class Shm(Algorithm):
         node_of(ctx).allreduce(send, recv, *found)
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
-        _FALLBACK_LARGE.reduce_scatter_block(ctx, send, recv, reduction)
+        found = codes(reduction) if carries(ctx) and _plain(send) and _plain(recv) else None
+        if found is None:
+            _FALLBACK_LARGE.reduce_scatter_block(ctx, send, recv, reduction)
+        else:
+            node_of(ctx).reduce_scatter(send, recv, *found)
 
     def allgather(self, ctx, send, recv):
         if carries(ctx) and _plain(recv) and (send is None or _plain(send)):
