@@ -9,10 +9,9 @@ without it the kernel crashed), and it names its ``/dev/shm`` segments after ``M
 unlinks this rank's segment when the run ends.  Its reductions run on OpenMP threads of its own runtime (not
 torch's: ``torch.set_num_threads`` does not reach them), one per core by default in every rank; this module gives
 them this rank's share of the node's cores (``OMP_NUM_THREADS``, unless set), as DeepSpeed's own launcher does
-(``deepspeed --bind_cores_to_rank``) and ``torchrun`` sets one.  With a thread per core in each of 2 ranks on 2
-cores, its idle threads spun on the cores that the next contender's calls ran on: in 4 of 8 runs (bench-torch,
-December 2) every contender's 4-16 MiB calls were 2-5x slower.  The first call JIT-builds the kernel with the machine's C++
-compiler (about 30 s here; minutes on a fresh machine), then it is cached.
+(``deepspeed --bind_cores_to_rank``) and ``torchrun`` sets one, so that no contender's threads outnumber the
+cores it was given.  The first call JIT-builds the kernel with the machine's C++ compiler (about 30 s here;
+minutes on a fresh machine), then it is cached.
 """
 
 from __future__ import annotations
