@@ -54,7 +54,11 @@ trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=2, logger=False, en
                     strategy=DDPStrategy(process_group_backend=sys.argv[1], cluster_environment=MPIEnvironment()))
 trainer.fit(model, data)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-print(f"rank {trainer.global_rank}: {digest} {trainer.callback_metrics['seen'].item()}", flush=True)
+# one write a line (print writes the end apart, and mpiexec interleaved the two ranks' lines between them)
+sys.stdout.write(f"rank {trainer.global_rank}: {digest} {trainer.callback_metrics['seen'].item()}\\n")
+sys.stdout.flush()
+if torch.distributed.is_initialized():   # torch's advice before exit (gloo's threads, left running, once aborted the exit)
+    torch.distributed.destroy_process_group()
 """
 
 
@@ -99,7 +103,10 @@ for epoch in range(2):
 seen = fabric.all_reduce(torch.tensor(len(x) // 2), reduce_op="mean")     # an int64 averaged, as Lightning does
 fabric.barrier()
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-print(f"rank {fabric.global_rank}: {digest} {seen.item()} {fabric.world_size}", flush=True)
+sys.stdout.write(f"rank {fabric.global_rank}: {digest} {seen.item()} {fabric.world_size}\\n")   # one write a line
+sys.stdout.flush()
+if torch.distributed.is_initialized():   # torch's advice before exit (gloo's threads, left running, once aborted the exit)
+    torch.distributed.destroy_process_group()
 """
 
 
