@@ -65,7 +65,7 @@
 #define STREAM_FENCE() do {} while (0)
 #endif
 
-/* element types (numbered as mpicoll/collectives/algorithms/shm.py's TYPES) and ops (as its OPS) */
+/* element types (numbered as mpicoll/collectives/algorithms/node.py's TYPES) and ops (as its OPS) */
 enum { TY_I8, TY_I16, TY_I32, TY_I64, TY_U8, TY_U16, TY_U32, TY_U64, TY_F32, TY_F64, TY_F16, TY_BF16, TY_C64, TY_C128, TY_BOOL,
        N_TYPES };
 enum { O_SUM, O_PROD, O_MIN, O_MAX, O_LAND, O_LOR, O_LXOR, O_BAND, O_BOR, O_BXOR, N_OPS };

@@ -26,7 +26,8 @@ from .. import arrays
 from ..base import config, failure, ops, timeline
 from ..base.collectives import ALLGATHER, ALLREDUCE, BCAST, COLLECTIVES, REDUCE_SCATTER_BLOCK, Collective
 from ..channel import watchdog
-from .algorithms import auto, shm
+from .algorithms import auto
+from .algorithms.node import KEY as NODE_KEY
 from .buffers import Message, is_in_place, read_message
 from ..channel.checks import Fingerprint, Signature, check_call
 from ..channel.context import Context
@@ -361,7 +362,7 @@ class Communicator(MPI.Intracomm):
 
     def _hand_small_calls_to_mpi(self) -> None:
         """Shadow the collectives with closures that send small numpy calls straight to MPI, and allreduces
-        straight to the node's shared memory once this communicator has one (:mod:`~mpicoll.collectives.algorithms.shm`).
+        straight to the node's shared memory once this communicator has one (:mod:`~mpicoll.collectives.algorithms.node`).
 
         ``auto`` runs MPI's own collective below a size threshold anyway; once
         the first call has been checked across ranks, skipping the parsing for
@@ -374,7 +375,7 @@ class Communicator(MPI.Intracomm):
         if timeline.enabled:           # every call is recorded, small ones too
             return
         compiled = FastCall is not None and config.fast_path() == "c"
-        node = self.context().kept.get(shm.KEY)
+        node = self.context().kept.get(NODE_KEY)
         for collective in COLLECTIVES.values():
             name = collective.method
             call = getattr(Communicator, name).__get__(self)          # the checked path
@@ -448,10 +449,10 @@ class Communicator(MPI.Intracomm):
             return
         try:
             try:
-                fresh = name == "shm" and shm.KEY not in context.kept
+                fresh = name == "shm" and NODE_KEY not in context.kept
                 run_algorithm(algorithms.get(name), context)
                 context.settle_fingerprint()
-                if fresh and shm.KEY in context.kept and self.algorithm == "auto" and not context.debug \
+                if fresh and NODE_KEY in context.kept and self.algorithm == "auto" and not context.debug \
                         and not self.background and not self.several_threads:
                     self._hand_small_calls_to_mpi()     # the node made: allreduces go to it from C from now on
             except MPI.Exception as error:      # from an MPI call an algorithm makes itself

@@ -63,8 +63,8 @@ def test_dead_rank_is_named_by_its_neighbour(tmp_path):
 def test_dead_rank_is_named_by_the_on_node_allreduce(tmp_path):
     """The same under auto, whose allreduce on one node is the node's shared memory, reached from C (the fast
     path): the survivors' wait for the dead rank's step is the communicator's, with its deadline and roll call."""
-    from mpicoll.collectives.algorithms import shm
-    if not shm.available():
+    from mpicoll.collectives.algorithms import node
+    if not node.available():
         pytest.skip("the on-node allreduce was not built here (no C compiler at install)")
     script = tmp_path / "dead.py"
     script.write_text(_ONE_DIES.format(before_the_call="", algorithm="auto").replace(

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll.collectives.algorithms import hierarchical, ring, ring_shared
+from mpicoll.collectives.algorithms import hierarchical, node, ring, ring_shared
 from tests.support.mpi import RANK, WORLD, require_one_node
 
 # (id, algorithm, environment): the ring is run over both of its channels,
@@ -24,6 +24,7 @@ VARIANTS = {
     "direct": ("direct", {}),
     "hierarchical": ("hierarchical", {"MPICOLL_SEGMENT": "1K"}),    # the ring on one node; across nodes its own
     "hierarchical-p2p": ("hierarchical", {"MPICOLL_CHANNEL": "p2p", "MPICOLL_SEGMENT": "1K"}),
+    "hierarchical-no-node": ("hierarchical", {"MPICOLL_SEGMENT": "1K"}),   # the ring's shared memory inside nodes
     "mpi": ("mpi", {}),
     "auto": ("auto", {"MPICOLL_AUTO_ALLREDUCE": "mpi:64,ring", "MPICOLL_AUTO_REDUCE_SCATTER_BLOCK": "mpi:64,ring",
                       "MPICOLL_AUTO_ALLGATHER": "mpi:64,ring", "MPICOLL_AUTO_BCAST": "mpi:64,ring"}),
@@ -55,6 +56,8 @@ def comm(request, monkeypatch, mpi):
         monkeypatch.setattr(ring, "STREAM_FROM", 0)
     if request.param == "ring-shared":     # stores around the caches at every test size; the hierarchical
         monkeypatch.setattr(ring_shared, "STREAM_FROM", 0)    # allreduce runs the same ring with cached stores
+    if request.param == "hierarchical-no-node":    # as where the C extension is absent or under fault tolerance
+        monkeypatch.setattr(node, "_shm", None)
     if algorithm == "hierarchical":          # its own phases at every test size, not MPI's for small ones
         monkeypatch.setattr(hierarchical, "ACROSS_NODES_FROM", dict.fromkeys(hierarchical.ACROSS_NODES_FROM, 0))
     communicator = mpicoll.Communicator(mpi, algorithm=algorithm)
@@ -66,7 +69,7 @@ def comm(request, monkeypatch, mpi):
 # Variants that differ from another only in the channel or a threshold, and tests of the data path alone
 # (segments and pipelining of a large buffer), run over the world alone; the algorithms themselves run over
 # every kind of communicator.
-WORLD_ONLY = {"ring-shared", "ring-streaming", "hierarchical-p2p"}
+WORLD_ONLY = {"ring-shared", "ring-streaming", "hierarchical-p2p", "hierarchical-no-node"}
 WORLD_ONLY_TESTS = {"test_allreduce_large_buffer"}
 
 

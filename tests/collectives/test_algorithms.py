@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpicoll.collectives.algorithms import auto, get, names, shm
+from mpicoll.collectives.algorithms import auto, get, names, node
 from mpicoll.base.chunks import balanced_bounds, segments
 
 
 class TestAuto:
     def test_defaults_pick_the_node_on_one_node_else_mpi_small_and_ring_large(self, monkeypatch):
-        node = "shm" if shm.available() else None
-        assert auto.choose("allreduce", 8, 4) == (node or "mpi")
-        assert auto.choose("allreduce", 64 << 20, 4) == (node or "hierarchical")   # the ring on one node
+        on_node = "shm" if node.available() else None
+        assert auto.choose("allreduce", 8, 4) == (on_node or "mpi")
+        assert auto.choose("allreduce", 64 << 20, 4) == (on_node or "hierarchical")   # the ring on one node
         monkeypatch.setattr(auto, "DEFAULT_RULES", auto.WITHOUT_NODE_RULES)
         assert auto.choose("allreduce", 8, 4) == "mpi"
         assert auto.choose("allreduce", 64 << 20, 4) == "hierarchical"
@@ -25,7 +25,7 @@ class TestAuto:
         assert auto.choose("allgather", 1 << 20, 4, across_nodes=True) == "hierarchical"
         assert auto.choose("reduce_scatter_block", 64 << 10, 4, across_nodes=True) == "mpi"
         assert auto.choose("reduce_scatter_block", 1 << 20, 4, across_nodes=True) == "hierarchical"
-        assert auto.choose("allreduce", 3 << 20, 4) == ("shm" if shm.available() else "hierarchical")
+        assert auto.choose("allreduce", 3 << 20, 4) == ("shm" if node.available() else "hierarchical")
         assert auto.choose("allreduce", 3 << 20, 4, across_nodes=True) == "mpi"
         monkeypatch.setenv("MPICOLL_AUTO_ALLGATHER", "ring")            # a rule set by hand holds everywhere
         assert auto.choose("allgather", 8, 4, across_nodes=True) == "ring"

@@ -335,3 +335,47 @@ def test_auto_learns_on_its_first_call_whether_nodes_of_several_ranks_are_spanne
     with mpicoll.Communicator(WORLD) as comm:
         comm.Allreduce(np.ones(4), np.empty(4))
         everywhere(comm.across_nodes == expected, f"across_nodes {comm.across_nodes}, expected {expected}")
+
+
+@pytest.mark.mpi
+def test_across_nodes_hierarchical_works_inside_each_node_through_its_shared_memory(monkeypatch):
+    """Across nodes of several ranks, ``hierarchical``'s stages inside each node go through the node's shared
+    memory in C (local rank j's block, the last also the rest of an uneven count): exact sums of integer
+    values, as MPI's own calls give them, in place and out, at counts below, at and past the node's ranks and a
+    slot; reduce_scatter and allgather likewise."""
+    from mpicoll.channel.nodes import node_layout
+    from mpicoll.collectives.algorithms import hierarchical, node
+    monkeypatch.setattr(hierarchical, "ACROSS_NODES_FROM", dict.fromkeys(hierarchical.ACROSS_NODES_FROM, 0))
+    cases = Cases(WORLD)
+    rng = cases.rng
+    with mpicoll.Communicator(WORLD, algorithm="hierarchical") as comm:
+        comm.Allreduce(np.ones(4), np.empty(4))          # its context made
+        layout = node_layout(comm.context())
+        if layout is None or not layout.splits(in_rank_order=True) or not node.available():
+            pytest.skip("needs nodes of several consecutive ranks (the multi-node tier) and the C extension")
+        k = layout.per_node
+        for dtype in ("float32", "int64", "float64"):
+            for count in sorted({k, k + 1, 2 * k - 1, 1001, node.SLOT_BYTES // 4 * 3 + 5}):
+                send = rng.integers(-50, 50, count).astype(dtype)
+                reference = np.empty_like(send)
+                WORLD.Allreduce(send, reference)
+                result = np.full_like(send, 7)
+                comm.Allreduce(send, result)
+                cases.check(f"{dtype} n={count}", np.array_equal(result, reference), result)
+                in_place = send.copy()
+                comm.Allreduce(MPI.IN_PLACE, in_place, MPI.MAX)
+                WORLD.Allreduce(MPI.IN_PLACE, send, MPI.MAX)
+                cases.check(f"{dtype} MAX n={count} in place", np.array_equal(in_place, send), in_place)
+            for block in (1, 3, 1001):
+                send = rng.integers(-50, 50, block * P).astype(dtype)
+                reference, result = np.empty(block, dtype), np.full(block, 7, dtype)
+                WORLD.Reduce_scatter_block(send, reference)
+                comm.Reduce_scatter_block(send, result)
+                cases.check(f"reduce_scatter {dtype} block={block}", np.array_equal(result, reference))  # each its own
+                reference, result = np.empty(block * P, dtype), np.full(block * P, 7, dtype)
+                WORLD.Allgather(send[:block], reference)
+                comm.Allgather(send[:block], result)
+                cases.check(f"allgather {dtype} block={block}", np.array_equal(result, reference), result)
+        made = layout.local.kept.get(node.KEY)
+        cases.check("the stages inside the node went through its shared memory", made is not None and made.calls > 0)
+    cases.judge()

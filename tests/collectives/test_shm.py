@@ -11,7 +11,7 @@ from mpi4py import MPI
 import mpicoll
 from mpicoll.base import ops
 from mpicoll.collectives import communicator
-from mpicoll.collectives.algorithms import shm
+from mpicoll.collectives.algorithms import node
 from tests.support.mpi import P, RANK, WORLD, everywhere, ranks_share_one_node, shared_seed
 
 pytestmark = pytest.mark.mpi
@@ -22,7 +22,7 @@ TYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64
 
 @pytest.fixture(autouse=True)
 def one_node():
-    if not shm.available():
+    if not node.available():
         pytest.skip("the on-node allreduce was not built here (no C compiler at install)")
     if not ranks_share_one_node():
         pytest.skip("the on-node allreduce needs every rank on one node")
@@ -74,7 +74,7 @@ def cases(types=TYPES):
     for name in types:
         dtype = np.dtype(name)
         for entry in ops.OPS:
-            if entry.name in shm.OPS and dtype.kind in entry.kinds and not (dtype.kind == "c" and entry.ufunc in
+            if entry.name in node.OPS and dtype.kind in entry.kinds and not (dtype.kind == "c" and entry.ufunc in
                                                                               (np.minimum, np.maximum)):
                 yield name, entry.name
 
@@ -82,10 +82,10 @@ def cases(types=TYPES):
 def sizes(dtype: np.dtype) -> list[int]:
     """0, 1, fewer than the ranks, odd counts, past the chunks reduced whole (split), one below and past a slot
     (two chunks): all of them for float32 and int32, a few for the other types."""
-    per_slot = shm.SLOT_BYTES // dtype.itemsize
+    per_slot = node.SLOT_BYTES // dtype.itemsize
     if dtype.name in ("float32", "int32"):
-        return [0, 1, max(P - 1, 1), 17, shm.SMALL_BYTES // dtype.itemsize + 3, per_slot - 1, per_slot + 5]
-    return [1, 17, shm.SMALL_BYTES // dtype.itemsize + 3]
+        return [0, 1, max(P - 1, 1), 17, node.SMALL_BYTES // dtype.itemsize + 3, per_slot - 1, per_slot + 5]
+    return [1, 17, node.SMALL_BYTES // dtype.itemsize + 3]
 
 
 @pytest.mark.parametrize("path", ["auto", "shm"])      # auto: the compiled fast path from the node's first call
@@ -110,8 +110,8 @@ def test_every_type_and_op_gives_numpys_reduction_in_rank_order_bit_for_bit(path
         if dtype.kind == "c" and op_name == "prod":
             ok = ok and same_bits_everywhere(out)
         everywhere(ok, f"{name} {op_name} n={n}: {out[:4]} (in place {in_place[:4]}) != {expected[:4]}")
-    node = comm.context().kept.get(shm.KEY)
-    everywhere(node is not None and node.calls > 0, "the calls went through the node")
+    made = comm.context().kept.get(node.KEY)
+    everywhere(made is not None and made.calls > 0, "the calls went through the node")
     if path == "auto" and communicator.FastCall is not None:
         everywhere(type(comm.__dict__.get("Allreduce")).__name__ == "FastCall", "auto's allreduce is the C path")
 
@@ -120,22 +120,22 @@ def test_every_type_and_op_gives_numpys_reduction_in_rank_order_bit_for_bit(path
 def test_either_stores_into_the_slots_give_the_same_bits(stores, monkeypatch):
     """Streamed stores (past the caches, then a fence) and cached ones: the same reduction, across chunks; "learn"
     (the default, which the tests above run) tries both after a size's two warm-up calls and keeps the faster."""
-    monkeypatch.setattr(shm, "STORES", stores)
+    monkeypatch.setattr(node, "STORES", stores)
     seed = shared_seed()
     comm = mpicoll.Communicator(WORLD, algorithm="shm")
     for case, name in enumerate(("float32", "int32", "float16", "int8")):
         dtype = np.dtype(name)
-        for n in sizes(np.dtype(name)) + [3 * shm.SLOT_BYTES // dtype.itemsize + 7]:
+        for n in sizes(np.dtype(name)) + [3 * node.SLOT_BYTES // dtype.itemsize + 7]:
             everyone = [contribution(np.random.default_rng([seed, case, n, q]), dtype, n) for q in range(P)]
             out = everyone[RANK].copy()
             comm.Allreduce(MPI.IN_PLACE, out, MPI.SUM)
             everywhere(agrees(out, in_rank_order(everyone, MPI.SUM), "sum"), f"{stores} {name} n={n}: {out[:4]}")
     learning = mpicoll.Communicator(WORLD, algorithm="shm")
-    monkeypatch.setattr(shm, "STORES", "learn")
-    big = np.ones(shm.SLOT_BYTES // 4 + 3, np.float32)
+    monkeypatch.setattr(node, "STORES", "learn")
+    big = np.ones(node.SLOT_BYTES // 4 + 3, np.float32)
     for _ in range(4):              # two to warm up, then one each way
         learning.Allreduce(MPI.IN_PLACE, big, MPI.SUM)
-    chosen = learning.context().kept[shm.KEY].chosen()
+    chosen = learning.context().kept[node.KEY].chosen()
     everywhere(big[0] == P ** 4 and list(chosen) == [1 << 20] and chosen[1 << 20][0] in ("cached", "streamed"),
                f"{big[0]}, {chosen}")
 
@@ -155,8 +155,8 @@ def test_views_bfloat16_and_16_bit_compression_through_the_array_api():
         expected = (expected.astype(np.float32) + x.astype(np.float32)).astype(ml_dtypes.bfloat16)
     got = mpicoll.allreduce(words, comm=comm)
     everywhere(np.array_equal(got.view(np.uint16), expected.view(np.uint16)), "bfloat16 sums")
-    node = comm.context().kept.get(shm.KEY)
-    everywhere(node is not None and node.calls >= 2, "through the node")
+    made = comm.context().kept.get(node.KEY)
+    everywhere(made is not None and made.calls >= 2, "through the node")
 
 
 def test_ranks_that_pass_different_counts_or_ops_all_get_the_mismatch_and_go_on():
@@ -184,7 +184,7 @@ def test_reduce_scatter_through_the_node_gives_numpys_reduction_in_rank_order():
     for case, (name, op_name) in enumerate([("float32", "sum"), ("float64", "max"), ("int16", "prod"),
                                              ("float16", "sum"), ("bool", "lxor")]):
         dtype, op = np.dtype(name), ops.find(op_name).mpi_op
-        for n in (0, 1, 5, 1001, shm.SLOT_BYTES // P // dtype.itemsize + 3):
+        for n in (0, 1, 5, 1001, node.SLOT_BYTES // P // dtype.itemsize + 3):
             everyone = [contribution(np.random.default_rng([seed, case, n, q]), dtype, P * n) for q in range(P)]
             expected = in_rank_order(everyone, op)[RANK * n:(RANK + 1) * n]
             out = np.empty(n, dtype)
@@ -206,7 +206,7 @@ def test_allgather_and_bcast_through_the_node_give_mpis_bytes():
     go on."""
     seed = shared_seed()
     comm = mpicoll.Communicator(WORLD, algorithm="shm")
-    for n in (0, 1, 3, 1001, shm.SLOT_BYTES // 8 + 5, 2 * shm.SLOT_BYTES // 8 + 1):
+    for n in (0, 1, 3, 1001, node.SLOT_BYTES // 8 + 5, 2 * node.SLOT_BYTES // 8 + 1):
         for dtype in (np.float64, np.int8):
             mine = np.random.default_rng([seed, n, RANK]).integers(-100, 100, n).astype(dtype)
             expected = np.empty(P * n, dtype)
@@ -223,7 +223,7 @@ def test_allgather_and_bcast_through_the_node_give_mpis_bytes():
                 reference = mine.copy()
                 WORLD.Bcast(reference, root)
                 everywhere(np.array_equal(buf, reference), f"bcast n={n} root={root}")
-    everywhere(comm.context().kept[shm.KEY].calls > 0, "the calls went through the node")
+    everywhere(comm.context().kept[node.KEY].calls > 0, "the calls went through the node")
     with pytest.raises(mpicoll.MismatchError):
         comm.Allgather(np.ones(10 + (RANK == 0), np.uint8), np.empty(P * (10 + (RANK == 0)), np.uint8))
     if P > 1:

@@ -17,8 +17,8 @@ name                    how                                                     
                         ring for the other collectives and on one node              2(n-1)/n of the buffer
 ``shm``                 allreduce: every rank of one node copies its chunk into     one node, every size: one copy
                         its region of one shared-memory window and reduces the      in, the reduction, one copy out;
-                        others' straight out of theirs, in C; the other             no message
-                        collectives as ``hierarchical``
+                        others' straight out of theirs, in C; reduce_scatter,       no message
+                        allgather and bcast through the same slots
 ``mpi``                 the MPI library's own collective                            tiny messages, where the Python
                                                                                     layer's overhead dominates
 ``auto``                one of the above by collective, message size and rank       always the default

@@ -6,7 +6,8 @@ defaults below come from ``mpicoll bench`` on one 2-core node with the MPICH
 wheel (docs/benchmarks.md).  On one node the allreduce goes to ``shm``, the
 node's shared memory in C, at every size: through the communicator it beat
 MPI's own from 8 B (0.5 us against 3.7 at 2 ranks) and DeepSpeed's
-shared-memory kernel at every size measured, at 2 and 4 ranks.  Without it
+shared-memory kernel at every size measured, at 2 and 4 ranks; the
+reduce-scatter goes there from 1 MiB of input, MPI's below.  Without it
 (no C compiler at install) the ring overtook MPI's allreduce between 1 and
 2 MiB at both 2 and 4 ranks (``WITHOUT_NODE_RULES``); one rank always gets
 MPI.  Large allreduces then go to ``hierarchical``,
@@ -48,7 +49,7 @@ import os
 from ...base import failure
 from ...base.collectives import COLLECTIVES
 from ...base.config import parse_bytes
-from . import shm
+from . import node
 
 __all__ = ["choose", "rule", "straight_to_mpi_below", "DEFAULT_RULES", "ACROSS_NODES_RULES", "DEVICE_RULES", "FAULT_TOLERANT_RULES"]
 
@@ -59,8 +60,10 @@ WITHOUT_NODE_RULES = {
     "allgather": "mpi",
     "bcast": "mpi",
 }
-# One node: the allreduce through the node's shared memory (``shm``) from the size where it beat MPI's own
-DEFAULT_RULES = dict(WITHOUT_NODE_RULES, allreduce="shm") if shm.available() else WITHOUT_NODE_RULES
+# One node: the allreduce through the node's shared memory (``shm``) at every size; the reduce-scatter from 1 MiB
+# of input (1.3-1.4x MPI's at 2 ranks, 1.02-1.03x at 4; at 256 KiB 0.90x at 4 ranks; December 2)
+DEFAULT_RULES = dict(WITHOUT_NODE_RULES, allreduce="shm", reduce_scatter_block="mpi:1M,shm") if node.available() \
+    else WITHOUT_NODE_RULES
 # Across nodes of several ranks each, every node holding consecutive ranks (where ``hierarchical``
 # splits each collective between shared memory and the links): MPI's own below the size from which
 # hierarchical splits it, measured on 2 emulated nodes x 2 ranks at 1 Gbit/s (the table's

@@ -12,6 +12,14 @@ leaves it.  Here the buffer is cut into k slices:
    and its k ranks drive the link at once;
 3. inside each node, an allgather of the k slices.
 
+Inside a node, steps 1 and 3 go through the node's shared memory in C
+(:mod:`~mpicoll.collectives.algorithms.node`) where it carries the call:
+local rank j's slice is then block j of n // k elements, the last also
+taking the n % k left over (reduced by the node whole, broadcast from it
+after the ring).  Elsewhere (MPI's fault tolerance, an op the node does not
+reduce, no C extension) the ring's shared-memory reduce-scatter or its
+messages do.
+
 Every slice is reduced once and then copied, so every rank gets the same
 bits.  Node sums come first and nodes are then combined in node order, which
 is rank order when every node holds consecutive ranks; a non-commutative op on
@@ -38,6 +46,7 @@ from ...base.collectives import ALLGATHER, ALLREDUCE, COLLECTIVES, REDUCE_SCATTE
 from ...base.errors import MpicollError
 from ...channel.nodes import node_layout
 from .base import Algorithm
+from . import node
 from .direct import owner_rounded_sum
 from .mpi import Mpi
 from .ring import Ring, allgather_in_place, reduce_scatter
@@ -114,8 +123,12 @@ class Hierarchical(Algorithm):
         local, cross, grouped, bounds = _grouped_by_local_rank(ctx, layout, recv.size, send.dtype)
         grouped.reshape(layout.per_node, layout.nodes, recv.size)[...] = \
             send.reshape(layout.nodes, layout.per_node, recv.size).transpose(1, 0, 2)
+        found = _in_c(local, reduction)
         with _parts_break_the_whole(ctx, layout):
-            if local.channel == "shared":
+            if found is not None:
+                part = ctx.scratch("hierarchical.part", bounds[1], send.dtype)
+                node.node_of(local).reduce_scatter(grouped, part, *found)
+            elif local.channel == "shared":
                 part = ctx.scratch("hierarchical.part", bounds[1], send.dtype)
                 shared_reduce_scatter(local, grouped, bounds, reduction, keep_into=part)
             else:
@@ -138,12 +151,15 @@ class Hierarchical(Algorithm):
             return
         local, cross, grouped, bounds = _grouped_by_local_rank(ctx, layout, block, recv.dtype)
         part = grouped[bounds[local.rank]: bounds[local.rank + 1]]
-        node = cross.rank
-        part[node * block: (node + 1) * block] = recv[ctx.rank * block: (ctx.rank + 1) * block] if send is None \
+        mine = cross.rank               # this rank's node
+        part[mine * block: (mine + 1) * block] = recv[ctx.rank * block: (ctx.rank + 1) * block] if send is None \
             else send
         with _parts_break_the_whole(ctx, layout):
             _RING.allgather(cross, None, part)
-            allgather_in_place(local, grouped, bounds)
+            if _in_c(local) is not None:
+                node.node_of(local).allgather(None, grouped)
+            else:
+                allgather_in_place(local, grouped, bounds)
         recv.reshape(layout.nodes, layout.per_node, block)[...] = \
             grouped.reshape(layout.per_node, layout.nodes, block).transpose(1, 0, 2)
 
@@ -158,22 +174,59 @@ def _by_node(ctx, layout, send, recv, reduction, between_nodes) -> None:
     sum), ``between_nodes(slice j, the slices' bounds)`` (which leaves the sum over the nodes in it), then an
     allgather of the slices inside each node."""
     local = layout.local
-    bounds = balanced_bounds(recv.size, layout.per_node)
 
-    def across(chunk):
+    def across(chunk, bounds):
         layout.cross.shun_the_dead(layout.cross.others())     # a peer that died during the node phase: no crash
         between_nodes(chunk, bounds)
 
+    found = _in_c(local, reduction)
     with _parts_break_the_whole(ctx, layout):
+        if found is not None:
+            _by_node_in_c(ctx, local, found, send, recv, across)
+            return
+        bounds = balanced_bounds(recv.size, layout.per_node)
         if local.channel == "shared":      # the slice stays in shared memory; the others read it there
             shared_reduce_scatter(local, recv if send is None else send, bounds, reduction, gather_into=recv,
-                                  then=across)
+                                  then=lambda chunk: across(chunk, bounds))
             return
         if send is not None:
             recv[...] = send
         local.waitall(*reduce_scatter(local, recv, recv, bounds, reduction))
-        across(recv[bounds[local.rank]: bounds[local.rank + 1]])
+        across(recv[bounds[local.rank]: bounds[local.rank + 1]], bounds)
         allgather_in_place(local, recv, bounds)
+
+
+def _by_node_in_c(ctx, local, codes, send, recv, across) -> None:
+    """:func:`_by_node` through the node's shared memory: local rank j reduces block j (n // k elements) of
+    the node's contributions, the last local rank also the n % k left over (the node reduces them whole);
+    after ``across`` the node gathers the blocks and the last rank broadcasts the rest."""
+    on_node, k, last = node.node_of(local), local.size, local.rank == local.size - 1
+    data = recv if send is None else send
+    block = recv.size // k
+    whole = k * block
+    bounds = [q * block for q in range(k)] + [recv.size]
+    chunk = ctx.scratch("hierarchical.node_chunk", block + (recv.size - whole if last else 0), recv.dtype)
+    on_node.reduce_scatter(data[:whole], chunk[:block], *codes)
+    if whole < recv.size:           # the rest: its node sum ends in the last rank's chunk (elsewhere, unused)
+        if last:
+            on_node.allreduce(data[whole:], chunk[block:], *codes)
+        else:
+            on_node.allreduce(None if send is None else send[whole:], recv[whole:], *codes)
+    across(chunk, bounds)
+    on_node.allgather(chunk[:block], recv[:whole])
+    if whole < recv.size:
+        if last:
+            recv[whole:] = chunk[block:]
+        on_node.bcast(recv[whole:], k - 1)
+
+
+def _in_c(local, reduction=None) -> tuple | None:
+    """The node's codes for ``reduction`` (``()`` for a call that reduces nothing) where the node's shared
+    memory carries this node's stage (the C extension, the shared channel, no fault tolerance; a predefined op
+    the node reduces), else None: the same answer on every rank of ``local``."""
+    if local.channel != "shared" or not node.carries(local):
+        return None
+    return () if reduction is None else node.codes(reduction)
 
 
 def _layered(ctx, commutative: bool, contiguous: bool = False):
