@@ -181,6 +181,14 @@ class Fingerprint:
                 self.context.waitall([self.request], self.context.others())
             self._compared()
 
+    def leave_to_the_algorithm(self) -> None:
+        """The call in flight is compared by the algorithm that carries it (the on-node collectives compare every
+        rank's call in shared memory at their first step, and all raise the same settled MismatchError): this
+        call's lasting waits look no more here.  Else a rank that found the side channel's comparison failed
+        would wait for MISMATCH messages from ranks that had met the algorithm's error and gone on (a 60 s
+        timeout, seen at 4 ranks).  A comparison already started is still completed as the call ends."""
+        self.signature = None
+
     def raise_if_mismatched(self) -> None:
         """While a wait lasts: raise the call's MismatchError (on every rank) if a rank found the calls differ."""
         if self.signature is None:

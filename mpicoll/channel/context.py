@@ -245,6 +245,11 @@ class Context:
         if self.fingerprint is not None:
             self.fingerprint.compare_now()
 
+    def compared_by_the_algorithm(self) -> None:
+        """The call in flight compares itself across ranks (:meth:`Fingerprint.leave_to_the_algorithm`)."""
+        if self.fingerprint is not None:
+            self.fingerprint.leave_to_the_algorithm()
+
     def settle_fingerprint(self) -> None:
         """As a call ends: settle its fingerprint, if any (MismatchError if the calls differ)."""
         if self.fingerprint is not None:

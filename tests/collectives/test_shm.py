@@ -4,12 +4,15 @@ the checked one; ranks that disagree all get the MismatchError and go on; its wi
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import mpicoll
 from mpicoll.base import ops
+from mpicoll.channel.checks import Fingerprint
 from mpicoll.collectives import communicator
 from mpicoll.collectives.algorithms import node
 from tests.support.mpi import P, RANK, WORLD, everywhere, ranks_share_one_node, shared_seed
@@ -173,6 +176,33 @@ def test_ranks_that_pass_different_counts_or_ops_all_get_the_mismatch_and_go_on(
     x = np.full(9999, RANK + 1.0)
     comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)                             # the calls after go on, right
     everywhere(np.array_equal(x, np.full(9999, P * (P + 1) / 2)), "the call after the mismatches")
+
+
+@pytest.mark.parametrize("collective", ["Bcast", "Allreduce"])
+def test_ranks_that_reach_a_disagreement_apart_all_meet_the_nodes_mismatch(collective, monkeypatch):
+    """A large call the communicator's fingerprint also compares (a bcast's side channel, the tags): the even ranks
+    reach the node 20 ms late, while the others' waits look at the side channel every step; every rank must meet
+    the node's one settled MismatchError.  (A rank that took the side channel's answer waited for messages from
+    ranks that had gone on: a 60 s timeout, seen at 4 ranks in CI.)"""
+    monkeypatch.setattr(node, "YIELD_SECONDS", 0.0)          # waits go to Python (and its alarms) at once
+    monkeypatch.setattr(Fingerprint, "LOOK_EVERY", 0.0)
+    made = node.node_of
+
+    def late(ctx):
+        if RANK % 2 == 0 and ctx.collective == collective:
+            time.sleep(0.02)
+        return made(ctx)
+    monkeypatch.setattr(node, "node_of", late)
+    for _ in range(2):
+        comm = mpicoll.Communicator(WORLD, algorithm="shm")
+        comm.timeout = 10
+        comm.Allreduce(np.ones(4), np.empty(4))                 # the first call's full check, the node made
+        n = communicator.FINGERPRINT_FROM
+        data = np.ones(n + (collective == "Allreduce" and RANK == P - 1))
+        with pytest.raises(mpicoll.MismatchError) as raised:
+            comm.Bcast(data, root=RANK % 2) if collective == "Bcast" else comm.Allreduce(MPI.IN_PLACE, data)
+        everywhere(raised.value.settled, repr(raised.value))
+        comm.close()
 
 
 def test_reduce_scatter_through_the_node_gives_numpys_reduction_in_rank_order():

@@ -36,6 +36,13 @@ FALLBACK_MPI_BELOW = 2 << 20   # without the node: MPI's own allreduce below thi
 _FALLBACK_SMALL, _FALLBACK_LARGE = Mpi(), Hierarchical()
 
 
+def _node(ctx):
+    """The context's node, for a call it carries: the node compares every rank's call itself, so the
+    communicator's fingerprint stands aside (one way to meet a disagreement, the same on every rank)."""
+    ctx.compared_by_the_algorithm()
+    return node.node_of(ctx)
+
+
 class Shm(Algorithm):
     """The allreduce, reduce_scatter, allgather and bcast through a node's shared memory (this module)."""
 
@@ -49,23 +56,23 @@ class Shm(Algorithm):
                 ctx.compare_calls_now()     # MPI's blocking call cannot be interrupted by a disagreement
             fallback.allreduce(ctx, send, recv, reduction)
             return
-        node.node_of(ctx).allreduce(send, recv, *found)
+        _node(ctx).allreduce(send, recv, *found)
 
     def reduce_scatter_block(self, ctx, send, recv, reduction):
         found = node.codes(reduction) if node.carries(ctx) and node.plain(send) and node.plain(recv) else None
         if found is None:
             _FALLBACK_LARGE.reduce_scatter_block(ctx, send, recv, reduction)
         else:
-            node.node_of(ctx).reduce_scatter(send, recv, *found)
+            _node(ctx).reduce_scatter(send, recv, *found)
 
     def allgather(self, ctx, send, recv):
         if node.carries(ctx) and node.plain(recv) and (send is None or node.plain(send)):
-            node.node_of(ctx).allgather(send, recv)
+            _node(ctx).allgather(send, recv)
         else:
             _FALLBACK_LARGE.allgather(ctx, send, recv)
 
     def bcast(self, ctx, buf, root):
         if node.carries(ctx) and node.plain(buf):
-            node.node_of(ctx).bcast(buf, root)
+            _node(ctx).bcast(buf, root)
         else:
             _FALLBACK_LARGE.bcast(ctx, buf, root)
