@@ -63,9 +63,13 @@ def test_the_first_steps_are_exact_and_then_only_the_factors_travel():
 
 def test_warm_started_steps_converge_to_the_best_rank_r_approximation():
     """The same gradients every step (no error feedback): power iteration on the average, whose rank-2
-    approximation error approaches the truncated SVD's."""
+    approximation error approaches the truncated SVD's.  The average has a rank-2 part shared by every rank over
+    each rank's noise, so its second and third singular values stand apart: power iteration closes the gap as
+    (s3/s2)^steps, and a plain random matrix's are so close that some seeds needed more than 30 steps (CI: error
+    30.31 against the best 29.96)."""
     compressor = PowerSGD(rank=2, start_step=0, error_feedback=False)
-    base = gradients(shared_seed(), [(40, 30)])[0]
+    shared = np.random.default_rng([shared_seed(), 2])
+    base = gradients(shared_seed(), [(40, 30)])[0] + 3 * shared.standard_normal((40, 2)) @ shared.standard_normal((2, 30))
     average = WORLD.allreduce(base, MPI.SUM) / P
     u, s, vt = np.linalg.svd(average)
     best = np.linalg.norm(average - (u[:, :2] * s[:2]) @ vt[:2])
