@@ -4,6 +4,9 @@ import pathlib
 import re
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+OPENMP = ["-fopenmp"]
 
 HERE = pathlib.Path(__file__).parent
 
@@ -15,6 +18,22 @@ def numpy_headers() -> str:
     except ImportError:           # a build without numpy: the extension then fails to compile, and is optional
         return ""
     return numpy.get_include()
+
+class BuildWithOpenMPWhereItIs(build_ext):
+    """Builds the extensions that ask for OpenMP (the on-node allreduce's threads per rank) with it where the
+    compiler has it, and without it where it has not (clang on macOS): they then run on one thread a rank."""
+
+    def build_extension(self, ext):
+        if OPENMP[0] not in ext.extra_compile_args:
+            return super().build_extension(ext)
+        try:
+            return super().build_extension(ext)
+        except Exception as error:              # the compiler's or the linker's error, whichever it was
+            print(f"building {ext.name} without OpenMP ({error}): one thread a rank")
+            ext.extra_compile_args = [arg for arg in ext.extra_compile_args if arg not in OPENMP]
+            ext.extra_link_args = [arg for arg in ext.extra_link_args if arg not in OPENMP]
+            return super().build_extension(ext)
+
 
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "mpicoll" / "__init__.py").read_text()).group(1)
 
@@ -39,8 +58,10 @@ setup(
                  Extension("mpicoll.torch._shortway", ["mpicoll/torch/_shortway.c"], optional=True),
                  # The on-node allreduce over shared memory (mpicoll/collectives/_shm.c), optional likewise: without
                  # it auto runs MPI's allreduce and the ring on one node, as before it (docs/benchmarks.md).
+                 # With OpenMP where the compiler has it: a rank with cores to spare copies and reduces on them.
                  Extension("mpicoll.collectives._shm", ["mpicoll/collectives/_shm.c"], optional=True,
-                           extra_compile_args=["-O3"])],
+                           extra_compile_args=["-O3", *OPENMP], extra_link_args=OPENMP)],
+    cmdclass={"build_ext": BuildWithOpenMPWhereItIs},
     install_requires=["mpi4py>=4.0", "numpy>=1.23", "threadpoolctl", "ml_dtypes"],     # ml_dtypes: bfloat16
     extras_require={
         # The MPICH wheel: an MPI for machines that have none.  On a cluster,

@@ -156,6 +156,17 @@ def shm_stores() -> str:
     return _choice("MPICOLL_SHM_STORES", ("learn", "cached", "streamed"), "learn")
 
 
+def shm_threads() -> int | None:
+    """``MPICOLL_SHM_THREADS``: threads a rank gives the on-node collectives' large copies and reductions (None,
+    unset: one, the calling thread; docs/benchmarks.md says why)."""
+    text = os.environ.get("MPICOLL_SHM_THREADS", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= 1024:
+        raise ValueError(f"MPICOLL_SHM_THREADS must be a count of threads from 1 to 1024, got {text!r}")
+    return int(text)
+
+
 def check_launch() -> bool:
     """Whether a launch whose announced task count differs from MPI's world stops (mpicoll.base.launcher)."""
     return _switch("MPICOLL_CHECK_LAUNCH", True)
@@ -169,7 +180,7 @@ def join_jobs() -> bool:
 def check_all() -> None:
     """Read every setting above, raising the first bad one's ValueError."""
     timeout(), segment_bytes(), channel(), end_broken_jobs(), debug(), kernels(), cuda_aware(), ucx_defaults()
-    fast_path(), shm_stores(), check_launch(), join_jobs(), restart()
+    fast_path(), shm_stores(), shm_threads(), check_launch(), join_jobs(), restart()
 
 
 def cores() -> int:

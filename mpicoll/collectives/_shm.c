@@ -35,6 +35,10 @@
  * NaN as numpy's minimum and maximum do; float16 and bfloat16 add in float32 and round once per addition, as
  * numpy and ml_dtypes do.
  *
+ * Where a rank is given threads (``threads`` > 1, OpenMP built in), its large copies and reductions are cut into
+ * pieces of at least PIECE_BYTES that its threads take at once, each piece fenced by the thread that streamed it;
+ * the steps and waits stay the calling thread's.
+ *
  * Waits spin a little (not at all when ranks share cores), then yield the core (sched_yield), and after
  * ``yield_seconds`` hand the wait to Python (``stalled(rank, step)``), which waits with the communicator's
  * deadline, its alarms and its roll call of who is still there, and raises when a peer is lost or hung.
@@ -48,6 +52,9 @@
 #include <string.h>
 #include <time.h>
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -225,6 +232,8 @@ typedef struct {
 
 #define CONTROL_BYTES 256           /* a region's control block; the slots follow */
 #define BLOCK_BYTES 4096            /* a reduction of several ranks goes block by block, its partial in L1 */
+#define PIECE_BYTES (64 << 10)     /* the least a rank's thread takes of a copy or a reduction (the fork and join of
+                                       a team cost a few microseconds, 64 KiB's copy about as much) */
 #define CLASSES 16                  /* calls by size, for the choice of stores: 16-32 KiB, 32-64 KiB, ... */
 #define WARM_UP 2                   /* calls of a size not counted */
 #define FIRST_EVERY 8               /* the other stores are tried every 8th call of a size, */
@@ -259,7 +268,8 @@ typedef struct {
     PyObject *narrow;               /* ((op, type), ...): user ops that add 16-bit floats as their bits (uint16) */
     PyObject *in_place;             /* MPI.IN_PLACE */
     int broken;                     /* a call failed midway: the ranks' steps may differ, every later call refused */
-    char *partial;                  /* BLOCK_BYTES for reductions of more than two ranks */
+    int threads;                    /* threads taking a call's large copies and reductions (1: this one) */
+    char *partial;                  /* BLOCK_BYTES a thread, for reductions of more than two ranks */
     int stores;                     /* STORES_LEARN: as ``choices`` say; STORES_CACHED, STORES_STREAMED: always */
     Choice choices[CLASSES];        /* the allreduce's */
     Choice scatter_choices[CLASSES];    /* the reduce_scatter's */
@@ -330,6 +340,33 @@ static void to_slot(char *dst, const char *src, size_t len, int streamed) {
     memcpy(dst, src, len);
 }
 
+/* how many of the rank's threads share ``bytes`` of work: one a PIECE_BYTES, at most ``threads`` */
+static int sharing(const Node *self, size_t bytes) {
+    size_t most = bytes / PIECE_BYTES;
+    return most < 2 || self->threads < 2 ? 1 : most < (size_t)self->threads ? (int)most : self->threads;
+}
+
+static void slice_of(int q, int p, size_t count, size_t unit, size_t *start, size_t *stop);
+
+/* to_slot by as many threads as the bytes warrant, each fencing its own streamed stores */
+static void copy_by(const Node *self, char *dst, const char *src, size_t len, int streamed) {
+    int threads = sharing(self, len);
+    if (threads == 1) {
+        to_slot(dst, src, len, streamed);
+        return;
+    }
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) {
+        size_t start, stop;
+        slice_of(t, threads, len, 64, &start, &stop);
+        to_slot(dst + start, src + start, stop - start, streamed);
+        if (streamed)
+            STREAM_FENCE();
+    }
+#endif
+}
+
 /* 0 once every rank has published ``target``; -1 with a Python error (the GIL is held only meanwhile) */
 static int wait_all(Node *self, PyThreadState **save, uint64_t target) {
     for (int q = 0; q < self->size; q++) {
@@ -359,7 +396,29 @@ static int wait_all(Node *self, PyThreadState **save, uint64_t target) {
     return 0;
 }
 
-/* out = sources[0] op sources[1] op ... op sources[p-1], in that order; out may be one of them */
+/* out[from:to] = sources[0] op sources[1] op ... op sources[p-1] there (elements, ``offset`` bytes into each
+   source), in that order, block by block (a partial of BLOCK_BYTES for more than two ranks) */
+static void reduce_range(int p, combine_fn combine, int itemsize, char *out, char *also, char **sources,
+                         Py_ssize_t offset, size_t from, size_t to, char *partial) {
+    size_t block = BLOCK_BYTES / itemsize;
+    for (size_t start = from; start < to; start += block) {
+        size_t n = to - start < block ? to - start : block;
+        size_t at = offset + start * itemsize;
+        char *o = out + start * itemsize;
+        if (p == 2) {
+            combine(o, sources[0] + at, sources[1] + at, n);
+        } else {
+            combine(partial, sources[0] + at, sources[1] + at, n);
+            for (int q = 2; q < p - 1; q++)
+                combine(partial, partial, sources[q] + at, n);
+            combine(o, partial, sources[p - 1] + at, n);
+        }
+        if (also) memcpy(also + start * itemsize, o, n * itemsize);
+    }
+}
+
+/* out = sources[0] op sources[1] op ... op sources[p-1], in that order; out may be one of them; by as many
+   threads as the bytes warrant, each its own range of whole cache lines */
 static void reduce_into(Node *self, combine_fn combine, int itemsize, char *out, char *also, char **sources,
                         Py_ssize_t offset, size_t count) {
     int p = self->size;
@@ -368,21 +427,20 @@ static void reduce_into(Node *self, combine_fn combine, int itemsize, char *out,
         if (also) memcpy(also, out, count * itemsize);
         return;
     }
-    size_t block = BLOCK_BYTES / itemsize;
-    for (size_t start = 0; start < count; start += block) {
-        size_t n = count - start < block ? count - start : block;
-        size_t at = offset + start * itemsize;
-        char *o = out + start * itemsize;
-        if (p == 2) {
-            combine(o, sources[0] + at, sources[1] + at, n);
-        } else {
-            combine(self->partial, sources[0] + at, sources[1] + at, n);
-            for (int q = 2; q < p - 1; q++)
-                combine(self->partial, self->partial, sources[q] + at, n);
-            combine(o, self->partial, sources[p - 1] + at, n);
-        }
-        if (also) memcpy(also + start * itemsize, o, n * itemsize);
+    int threads = sharing(self, count * itemsize);
+    if (threads == 1) {
+        reduce_range(p, combine, itemsize, out, also, sources, offset, 0, count, self->partial);
+        return;
     }
+#ifdef _OPENMP
+    size_t unit = itemsize < 64 ? 64 / itemsize : 1;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) {
+        size_t start, stop;
+        slice_of(t, threads, count, unit, &start, &stop);
+        reduce_range(p, combine, itemsize, out, also, sources, offset, start, stop, self->partial + t * BLOCK_BYTES);
+    }
+#endif
 }
 
 /* [start, stop) of rank q's slice of a chunk of ``count`` elements, cut at multiples of ``unit`` */
@@ -501,8 +559,8 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
         size_t start = 0, stop = 0;         /* a large chunk: this rank's slice, reduced from where it lies */
         if (!small)
             slice_of(r, p, n, unit, &start, &stop);
-        to_slot(slot, source + done * itemsize, start * itemsize, streamed);
-        to_slot(slot + stop * itemsize, source + (done + stop) * itemsize, (n - stop) * itemsize, streamed);
+        copy_by(self, slot, source + done * itemsize, start * itemsize, streamed);
+        copy_by(self, slot + stop * itemsize, source + (done + stop) * itemsize, (n - stop) * itemsize, streamed);
         int arrived = arrive(self, &save, k, call, done == 0, streamed, &began);
         if (arrived < 0) {
             result = NULL;
@@ -517,7 +575,7 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
             if (streamed) {             /* into the output, then streamed into the slot */
                 reduce_into(self, combine, itemsize, out + start * itemsize, NULL, sources, start * itemsize,
                             stop - start);
-                to_slot(slot + start * itemsize, out + start * itemsize, (stop - start) * itemsize, 1);
+                copy_by(self, slot + start * itemsize, out + start * itemsize, (stop - start) * itemsize, 1);
                 STREAM_FENCE();
             } else {
                 reduce_into(self, combine, itemsize, slot + start * itemsize, out + start * itemsize, sources,
@@ -532,7 +590,7 @@ static PyObject *run(Node *self, PyObject *send_obj, PyObject *recv_obj, int typ
                 if (q == r)
                     continue;
                 slice_of(q, p, n, unit, &start, &stop);
-                memcpy(out + start * itemsize, sources[q] + start * itemsize, (stop - start) * itemsize);
+                copy_by(self, out + start * itemsize, sources[q] + start * itemsize, (stop - start) * itemsize, 0);
             }
         }
         done += n;
@@ -590,7 +648,7 @@ static PyObject *move(Node *self, PyObject *send_obj, PyObject *recv_obj, int ro
         uint64_t k = ++self->step;
         int s = (int)(k & 1);
         if (gives)
-            memcpy(self->slots[2 * r + s], source + done, n);
+            copy_by(self, self->slots[2 * r + s], source + done, n, 0);
         int arrived = arrive(self, &save, k, call, done == 0, 0, &began);
         if (arrived < 0) {
             result = NULL;
@@ -602,7 +660,7 @@ static PyObject *move(Node *self, PyObject *send_obj, PyObject *recv_obj, int ro
             if (q == r)                     /* its own: from where it lies, if not there already */
                 memmove(out, source + done, out == source + done ? 0 : n);
             else
-                memcpy(out, self->slots[2 * q + s], n);
+                copy_by(self, out, self->slots[2 * q + s], n, 0);
         }
         done += n;
     } while (done < block);
@@ -675,7 +733,8 @@ static PyObject *reduce_scatter(Node *self, PyObject *send_obj, PyObject *recv_o
         char *slot = self->slots[2 * r + s];
         for (int q = 0; q < p; q++)
             if (q != r)
-                to_slot(slot + q * share * itemsize, source + (q * count + done) * itemsize, n * itemsize, streamed);
+                copy_by(self, slot + q * share * itemsize, source + (q * count + done) * itemsize, n * itemsize,
+                        streamed);
         int arrived = arrive(self, &save, k, call, done == 0, streamed, &began);
         if (arrived < 0) {
             result = NULL;
@@ -815,17 +874,24 @@ static PyObject *node_arrived(Node *self, PyObject *args) {
 
 static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"regions", "rank", "slot_bytes", "small_bytes", "spins", "yield_seconds",
-                            "stalled", "mismatched", "refuse", "ops", "narrow", "in_place", "stores", NULL};
+                            "stalled", "mismatched", "refuse", "ops", "narrow", "in_place", "stores", "threads", NULL};
     PyObject *regions, *stalled, *mismatched, *refuse, *ops, *narrow, *in_place;
     const char *stores;
-    int rank;
+    int rank, threads = 1;
     Py_ssize_t slot_bytes, small_bytes;
     unsigned spins;
     double yield_seconds;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OinnIdOOOO!O!Os", names, &regions, &rank, &slot_bytes,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OinnIdOOOO!O!Osi", names, &regions, &rank, &slot_bytes,
                                      &small_bytes, &spins, &yield_seconds, &stalled, &mismatched, &refuse,
-                                     &PyTuple_Type, &ops, &PyTuple_Type, &narrow, &in_place, &stores))
+                                     &PyTuple_Type, &ops, &PyTuple_Type, &narrow, &in_place, &stores, &threads))
         return -1;
+#ifndef _OPENMP
+    threads = 1;                        /* built without OpenMP: this thread alone */
+#endif
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "threads=%d: 1 or more", threads);
+        return -1;
+    }
     int kind = -1;
     for (int k = 0; k < 3; k++)
         if (strcmp(stores, STORES[k]) == 0)
@@ -849,7 +915,7 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     }
     self->control = PyMem_Calloc(p, sizeof(Control *));
     self->slots = PyMem_Calloc(2 * p, sizeof(char *));
-    self->partial = PyMem_Malloc(BLOCK_BYTES);
+    self->partial = PyMem_Malloc((size_t)threads * BLOCK_BYTES);
     if (self->control == NULL || self->slots == NULL || self->partial == NULL) {
         Py_DECREF(list);
         PyErr_NoMemory();
@@ -884,6 +950,7 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     self->step = self->calls = 0;            /* a fresh window holds zeros */
     self->broken = 0;
     self->stores = kind;
+    self->threads = threads;
     memset(self->choices, 0, sizeof self->choices);
     memset(self->scatter_choices, 0, sizeof self->scatter_choices);
     Py_INCREF(stalled); self->stalled = stalled;
@@ -953,6 +1020,8 @@ static PyMethodDef node_methods[] = {
 static PyMemberDef node_members[] = {
     {"calls", T_ULONGLONG, offsetof(Node, calls), READONLY, "calls so far"},
     {"steps", T_ULONGLONG, offsetof(Node, step), READONLY, "steps so far"},
+    {"threads", T_INT, offsetof(Node, threads), READONLY, "threads taking a call's large copies and reductions "
+     "(1 where the extension was built without OpenMP)"},
     {"broken", T_INT, offsetof(Node, broken), READONLY, "a call failed midway: later calls are refused"},
     {NULL},
 };
@@ -984,7 +1053,13 @@ PyMODINIT_FUNC PyInit__shm(void) {
         return NULL;
     Py_INCREF(&NodeType);
     if (PyModule_AddObject(m, "Node", (PyObject *)&NodeType) < 0 ||
-            PyModule_AddIntConstant(m, "CONTROL_BYTES", CONTROL_BYTES) < 0) {
+            PyModule_AddIntConstant(m, "CONTROL_BYTES", CONTROL_BYTES) < 0 ||
+            PyModule_AddIntConstant(m, "PIECE_BYTES", PIECE_BYTES) < 0 ||
+#ifdef _OPENMP
+            PyModule_AddIntConstant(m, "OPENMP", 1) < 0) {
+#else
+            PyModule_AddIntConstant(m, "OPENMP", 0) < 0) {
+#endif
         Py_DECREF(m);
         return NULL;
     }

@@ -27,7 +27,9 @@ def test_settings_that_do_not_parse_name_their_variable(monkeypatch):
                                    ("MPICOLL_CUDA_AWARE", "maybe", "MPICOLL_CUDA_AWARE must be 1 or 0"),
                                    ("MPICOLL_UCX_DEFAULTS", "x", "MPICOLL_UCX_DEFAULTS must be 1 or 0"),
                                    ("MPICOLL_JOIN_JOBS", "perhaps", "MPICOLL_JOIN_JOBS must be 1 or 0"),
-                                   ("MPICOLL_SHM_STORES", "uncached", "MPICOLL_SHM_STORES must be")]:
+                                   ("MPICOLL_SHM_STORES", "uncached", "MPICOLL_SHM_STORES must be"),
+                                   ("MPICOLL_SHM_THREADS", "0", "MPICOLL_SHM_THREADS must be a count"),
+                                   ("MPICOLL_SHM_THREADS", "two", "MPICOLL_SHM_THREADS must be a count")]:
         monkeypatch.setenv(variable, value)
         with pytest.raises(ValueError, match=words):
             config.check_all()

@@ -205,6 +205,37 @@ def test_ranks_that_reach_a_disagreement_apart_all_meet_the_nodes_mismatch(colle
         comm.close()
 
 
+@pytest.mark.parametrize("stores", ["cached", "streamed"])
+def test_several_threads_a_rank_give_the_same_bits(stores, monkeypatch):
+    """A rank with cores to spare cuts its large copies and reductions among its threads (OpenMP's): 3 threads
+    (an odd count) give every collective the same bits as one, for sizes that leave one piece, two, three and an
+    uneven rest, past a slot, and for 3 and 4 ranks the partial each thread keeps for itself."""
+    monkeypatch.setattr(node, "THREADS", 3)
+    monkeypatch.setattr(node, "STORES", stores)
+    seed = shared_seed()
+    comm = mpicoll.Communicator(WORLD, algorithm="shm")
+    piece = node._shm.PIECE_BYTES
+    for case, (name, op_name) in enumerate([("float32", "sum"), ("float16", "sum"), ("int8", "max"),
+                                             ("float64", "prod")]):
+        dtype, op = np.dtype(name), ops.find(op_name).mpi_op
+        for n in [P * piece * k // dtype.itemsize + 11 for k in (1, 2, 3)] + [3 * node.SLOT_BYTES // dtype.itemsize + 7]:
+            everyone = [contribution(np.random.default_rng([seed, case, n, q]), dtype, n) for q in range(P)]
+            out = np.empty_like(everyone[RANK])
+            comm.Allreduce(everyone[RANK], out, op)
+            everywhere(agrees(out, in_rank_order(everyone, op), op_name), f"allreduce {name} n={n}: {out[:4]}")
+            block = n // P
+            scattered = np.empty(block, dtype)
+            comm.Reduce_scatter_block(everyone[RANK][:P * block], scattered, op)
+            expected = in_rank_order([x[:P * block] for x in everyone], op)[RANK * block:(RANK + 1) * block]
+            everywhere(agrees(scattered, expected, op_name), f"reduce_scatter {name} n={n}: {scattered[:4]}")
+            gathered, reference = np.empty(P * n, dtype), np.empty(P * n, dtype)
+            comm.Allgather(everyone[RANK], gathered)
+            WORLD.Allgather(everyone[RANK], reference)
+            everywhere(gathered.tobytes() == reference.tobytes(), f"allgather {name} n={n}")
+    made = comm.context().kept[node.KEY]
+    everywhere(made.threads == (3 if node._shm.OPENMP else 1), f"{made.threads} threads")
+
+
 def test_reduce_scatter_through_the_node_gives_numpys_reduction_in_rank_order():
     """``shm``'s reduce_scatter: each rank's block of the reduction, reduced in rank order as the allreduce is, bit
     for bit, at awkward block sizes and past a slot's share, for a few types and ops; a rank with another count

@@ -8,7 +8,9 @@ to :data:`SMALL_BYTES` is reduced by every rank whole, a larger one split
 (each rank reduces its slice, then copies the others' out).  Every
 predefined op on every numeric numpy type (bool for the logical and bitwise
 ops, float16 and bfloat16 sums as mpicoll's 16-bit words) is reduced in rank
-order, each element by one rank: the same bits on every rank.
+order, each element by one rank: the same bits on every rank.  A rank told
+to (:data:`THREADS`, ``MPICOLL_SHM_THREADS``) cuts its large copies and
+reductions among that many OpenMP threads: for a rank with cores to spare.
 
 Made once per context (:func:`node_of`), it serves ``shm``'s collectives
 and ``hierarchical``'s stages inside each node; :func:`carries` says where
@@ -49,6 +51,8 @@ SMALL_BYTES = 16 << 10         # chunks up to this many bytes are reduced whole 
 SPINS = 4000                   # polls of a wait before it yields the core, where each rank has a core
 STORES = None                  # into the slots: "cached", "streamed" (past the caches), "learn" (the faster,
                                # measured); None: MPICOLL_SHM_STORES's (default "learn")
+THREADS = None                 # a rank's threads for its large copies and reductions (OpenMP's, where the
+                               # extension has it); None: MPICOLL_SHM_THREADS's, else 1 (docs/benchmarks.md)
 YIELD_SECONDS = 1e-3           # yielding the core, before a wait goes to the communicator's (deadline, roll call)
 
 KEY = "shm.node"             # the node, in its context's ``kept``
@@ -101,7 +105,7 @@ def node_of(ctx: Context):
         regions=region, rank=ctx.rank, slot_bytes=SLOT_BYTES, small_bytes=SMALL_BYTES,
         spins=SPINS if ctx.spin_seconds else 0, yield_seconds=YIELD_SECONDS, stalled=stalled, mismatched=mismatched,
         refuse=refuse, ops=tuple(ops.find(name).mpi_op for name in OPS), narrow=_narrow_ops(), in_place=MPI.IN_PLACE,
-        stores=STORES or config.shm_stores())
+        stores=STORES or config.shm_stores(), threads=THREADS or config.shm_threads() or 1)
     return node
 
 
