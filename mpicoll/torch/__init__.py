@@ -31,13 +31,14 @@ from __future__ import annotations
 from ..models.modules import point_at
 from . import backend
 from .collectives import OPS, allgather, allreduce, allreduce_async, broadcast
+from .diloco import DiLoCo, local_sgd
 from .functions import FlatParameters, broadcast_optimizer_state, broadcast_parameters, init_process_group
 from .hooks import HookState, allreduce_hook
 from .optimizer import DistributedOptimizer
 from .threads import share_the_node
 
 __all__ = ["allreduce", "allreduce_async", "allgather", "broadcast", "broadcast_parameters",
-           "broadcast_optimizer_state", "DistributedOptimizer", "allreduce_hook", "HookState", "init_process_group",
+           "broadcast_optimizer_state", "DistributedOptimizer", "DiLoCo", "local_sgd", "allreduce_hook", "HookState", "init_process_group",
            "FlatParameters", "point_at", "OPS", "ProcessGroupMpicoll"]
 
 share_the_node()         # before the program's own torch.set_num_threads, which wins
