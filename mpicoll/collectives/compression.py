@@ -33,6 +33,7 @@ semantics are exact.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 
 import numpy as np
@@ -73,13 +74,18 @@ class Compression:
         if kind not in KINDS:
             raise ValueError(f"compression must be one of {', '.join(KINDS)}, got {kind!r}")
         self.kind, self.error_feedback = kind, error_feedback
-        self.dtype = np.dtype(np.float16) if kind == "fp16" else bfloat16()
         self.unit_roundoff = 2.0 ** -11 if kind == "fp16" else 2.0 ** -8
         self.least = 2.0 ** -25 if kind == "fp16" else 2.0 ** -134        # half the smallest spacing
         self.residuals: dict = {}         # key -> what rounding took off that buffer's last contribution
 
     def __repr__(self) -> str:
         return f"Compression({self.kind!r}, error_feedback={self.error_feedback})"
+
+    @functools.cached_property
+    def dtype(self) -> np.dtype:
+        """The 16-bit float type, found at first use: importing ml_dtypes takes about 0.5 s, which the on-node
+        allreduce's first call paid when its op table made Compression objects (measured, December 7)."""
+        return np.dtype(np.float16) if self.kind == "fp16" else bfloat16()
 
     def bound(self, ranks: int, magnitude):
         """The documented error of a compressed sum over ``ranks`` ranks, elementwise, for ``magnitude`` the
@@ -91,9 +97,8 @@ class Compression:
         """The user op that adds the 16-bit words as floats of this kind (MPI has no bfloat16 type, and
         numpy's float16 arithmetic is emulated element by element: mpicoll.compute adds float16 by its bits)."""
         if self.kind not in _OPS:
-            dtype = self.dtype
             _OPS[self.kind] = MPI.Op.Create(lambda incoming, inout, datatype: compute.add_narrow(
-                np.frombuffer(incoming, np.uint16), np.frombuffer(inout, np.uint16), dtype), commute=True)
+                np.frombuffer(incoming, np.uint16), np.frombuffer(inout, np.uint16), self.dtype), commute=True)
         return _OPS[self.kind]
 
     def compress(self, x: np.ndarray, key=None) -> np.ndarray:
