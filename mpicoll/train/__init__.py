@@ -214,6 +214,28 @@ def add_parser(commands) -> None:
     group.add_argument("--transport", default="p2p", choices=ps.TRANSPORTS,
                        help="how ranks exchange parameters and gradients: p2p messages (default) or onesided "
                        "windows (MPI RMA); the parameter servers' pulls and pushes, and SGP's gossip")
+    group = train_.add_argument_group("low communication (localsgd, diloco: replicas that meet every --sync-every "
+                                      "steps; docs/low-communication.md)")
+    group.add_argument("--sync-every", type=int, default=16, metavar="H",
+                       help="inner steps between the replicas' meetings (default 16)")
+    group.add_argument("--inner-optimizer", default="sgd", choices=("sgd", "adamw"),
+                       help="each replica's own optimizer, at --lr (default sgd)")
+    group.add_argument("--inner-momentum", type=float, default=0.0, help="the inner SGD's momentum (default 0)")
+    group.add_argument("--weight-decay", type=float, default=0.0, help="the inner optimizer's (default 0)")
+    group.add_argument("--outer-lr", type=float, default=0.7, help="diloco: the outer SGD's rate (default 0.7)")
+    group.add_argument("--outer-momentum", type=float, default=0.9,
+                       help="diloco: the outer SGD's momentum (default 0.9, Nesterov's)")
+    group.add_argument("--no-nesterov", dest="nesterov", action="store_false",
+                       help="diloco: plain momentum in the outer step")
+    group.add_argument("--fragments", type=int, default=1, metavar="F",
+                       help="streaming: cut the model into F fragments of whole layers, each meeting at its own "
+                       "offset in the H steps (default 1)")
+    group.add_argument("--overlap", type=int, default=0, metavar="TAU",
+                       help="streaming: inner steps a fragment's sum travels, overlapped, before it is applied "
+                       "(default 0)")
+    group.add_argument("--mix", type=float, default=0.0,
+                       help="streaming: a replica's own share of a fragment after its meeting (default 0: the "
+                       "shared weights')")
     group = train_.add_argument_group("Sandblaster L-BFGS (sandblaster-lbfgs: rank 0 coordinates, --servers "
                                       "shards, the rest compute gradients)")
     group.add_argument("--history", type=int, default=10, help="L-BFGS pairs kept (default 10)")

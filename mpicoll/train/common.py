@@ -54,6 +54,16 @@ class Options:
     powersgd_rank: int = 2            # --compression powersgd: the rank of each matrix's approximation
     powersgd_start: int = 10          # --compression powersgd: steps averaged exactly first
     distributed_optimizer: bool = False   # torch modules: averaged by mpicoll.torch.DistributedOptimizer's buckets
+    sync_every: int = 16              # localsgd, diloco: inner steps between the replicas' meetings
+    inner_optimizer: str = "sgd"      # localsgd, diloco: sgd or adamw
+    inner_momentum: float = 0.0       # localsgd, diloco: the inner SGD's momentum
+    weight_decay: float = 0.0         # localsgd, diloco: the inner optimizer's
+    outer_lr: float = 0.7             # diloco: the outer SGD's rate and momentum (Nesterov unless --no-nesterov)
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1                # localsgd, diloco: streaming fragments, each meeting at its own offset
+    overlap: int = 0                  # localsgd, diloco: inner steps a fragment's sum travels before it is applied
+    mix: float = 0.0                  # localsgd, diloco: a replica's own share of a fragment after its meeting
     history: int = 10                 # sandblaster-lbfgs: L-BFGS pairs kept
     lbfgs_batch: int = 0              # sandblaster-lbfgs: rows per iteration (0: all, full-batch L-BFGS)
     portions: int = 0                 # sandblaster-lbfgs: pieces per gradient evaluation (0: 4 per worker)

@@ -123,13 +123,14 @@ class Reporter:
 
     def finish(self, params, staleness: dict[int, int] | None = None,
                measured: tuple[float, float] | None = None, losses=(), replicas_identical: bool | None = None,
-               workers_lost=(), samples: int | None = None) -> dict:
+               workers_lost=(), samples: int | None = None, communication: dict | None = None) -> dict:
         """The summary record (logged and returned); ``staleness``: a parameter server's histogram of the
         updates between the weights a gradient was computed on and the update that used it; ``measured``:
         as for :meth:`evaluate`; ``losses``: the ranks an elastic run lost (:class:`mpicoll.train.elastic.Loss`);
         ``replicas_identical``: whether every rank ended with the same parameters, where it was checked;
         ``workers_lost``: the workers the parameter servers dropped; ``samples``: the samples trained on, where
-        not the last :meth:`evaluate`'s (a reporter that took the log over after the run's last epoch saw none)."""
+        not the last :meth:`evaluate`'s (a reporter that took the log over after the run's last epoch saw none);
+        ``communication``: what the replicas exchanged (the low-communication methods' meetings and bytes)."""
         if samples is not None:
             self.samples = samples
         loss, accuracy = measured or self.model.evaluate(params, self.X_test, self.y_test)
@@ -145,6 +146,8 @@ class Reporter:
             summary["replicas_identical"] = replicas_identical
         if workers_lost:
             summary["workers_lost"] = list(workers_lost)
+        if communication:
+            summary["communication"] = communication
         if losses:
             summary["ranks_at_start"] = self.ranks + sum(len(loss.lost) + len(loss.stopped) for loss in losses)
             summary["ranks_lost"] = [loss.record() for loss in losses]

@@ -36,6 +36,7 @@ from .common import Family, Options, check_writable
 from .data import Dataset
 from .elastic import check_fault_tolerance, short_timeout_warning
 from .lbfgs import Lbfgs
+from .local import LocalUpdates
 from .parameter_servers import ParameterServers
 from .report import check_log
 from .sgp import Sgp
@@ -97,6 +98,14 @@ _RANGES = [
     ("powersgd_rank", lambda v: v >= 1, "at least 1"),
     ("powersgd_start", lambda v: v >= 0, "at least 0"),
     ("min_ranks", lambda v: v >= 1, "at least 1"),
+    ("sync_every", lambda v: v >= 1, "at least 1"),
+    ("inner_momentum", lambda v: 0 <= v < 1, "from 0 to below 1"),
+    ("weight_decay", lambda v: _finite(v) and v >= 0, "a finite number, at least 0"),
+    ("outer_lr", lambda v: _finite(v) and v > 0, "a positive finite number"),
+    ("outer_momentum", lambda v: 0 <= v < 1, "from 0 to below 1"),
+    ("fragments", lambda v: v >= 1, "at least 1"),
+    ("overlap", lambda v: v >= 0, "at least 0"),
+    ("mix", lambda v: 0 <= v < 1, "from 0 to below 1"),
 ]
 
 
@@ -168,6 +177,8 @@ METHODS: dict[str, Family] = {family.name: family for family in (
     ParameterServers("dcasgd", "dcasgd"),
     ParameterServers("downpour", "downpour"),
     Sgp("sgp"),
+    LocalUpdates("localsgd", "average"),
+    LocalUpdates("diloco", "diloco"),
     Allreduce("sequential", "auto", one_rank=True),     # one process: plain SGD
     Lbfgs("sandblaster-lbfgs"),
 )}

@@ -69,6 +69,40 @@ def test_allreduce_training_equals_single_process_sgd_on_the_combined_batch():
     everywhere(abs(losses[0] - expected) < 1e-9, f"final loss {losses[0]!r}, single process {expected!r}")
 
 
+@pytest.mark.mpi
+def test_local_sgd_meeting_every_step_is_allreduce_sgd():
+    """localsgd with --sync-every 1 averages the replicas after each step from the same weights: the average of
+    (w - lr g_r) is allreduce SGD's step, so the same loss as one process on the combined batch."""
+    data = digits()
+    model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
+    options = Options(method="localsgd", epochs=1, batch=8, lr=0.2, seed=5, sync_every=1, progress=False)
+    summary = train(WORLD, options, model, data)
+    expected = allreduce_sgd(model, data, options, P)
+    found = [s for s in WORLD.allgather(summary) if s][0]
+    everywhere(abs(found["final_loss"] - expected) < 1e-9, f"final loss {found['final_loss']!r}, single process "
+               f"{expected!r}")
+    steps = -(-len(data.y) // (P * options.batch))
+    everywhere(found["communication"]["meetings"] == steps, f"{found['communication']}, {steps} steps")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_diloco_trains_its_replicas_to_one_model_meeting_rarely():
+    """diloco meeting every 10 steps: far fewer meetings than steps, the bytes of each meeting's pseudo-gradient
+    counted, and every rank ends on the same weights (the summary's model is every replica's)."""
+    data = digits()
+    model = MLP(data.features, data.classes, [16], dtype=np.float64)
+    options = Options(method="diloco", epochs=3, batch=16, lr=0.1, seed=2, sync_every=10, fragments=2,
+                      progress=False)
+    summary = train(WORLD, options, model, data)
+    found = [s for s in WORLD.allgather(summary) if s][0]
+    steps = 3 * -(-len(data.y) // (P * options.batch))
+    meetings = found["communication"]["meetings"]
+    everywhere(steps // 10 <= meetings // 2 <= steps // 10 + 1 and found["final_accuracy"] > 0.85,
+               f"{meetings} meetings of 2 fragments in {steps} steps, accuracy {found['final_accuracy']}")
+    sent = found["communication"]["bytes_summed_per_rank"]
+    everywhere(meetings // 2 * model.size * 8 <= sent <= (meetings // 2 + 1) * model.size * 8, f"{sent} bytes")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("compression, feedback", [("fp16", False), ("bf16", True)])
 def test_compressed_training_stays_near_exact_allreduce_training_and_its_replicas_identical(compression, feedback):
@@ -260,7 +294,10 @@ def test_the_report_comes_from_recorded_logs(tmp_path):
 @pytest.mark.parametrize("method, compression", [
     ("allreduce-ring", {}), ("sgp", {}), ("ps-sync", {}),
     ("allreduce-ring", {"compression": "fp16", "error_feedback": True}),
-    ("allreduce-auto", {"compression": "powersgd", "powersgd_rank": 1, "powersgd_start": 3})])
+    ("allreduce-auto", {"compression": "powersgd", "powersgd_rank": 1, "powersgd_start": 3}),
+    ("diloco", {"sync_every": 7, "inner_optimizer": "adamw", "lr": 0.01}),
+    ("localsgd", {"sync_every": 6, "fragments": 2, "overlap": 2, "mix": 0.3, "compression": "bf16",
+                  "inner_momentum": 0.9})])
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, compression, tmp_path_factory):
     """Stop after 2 of 4 epochs (checkpoints after every epoch), resume: the same final model, to the bit.  A
     compression's state (the error feedback's residuals, PowerSGD's step count, factors and residuals) is in the
@@ -272,8 +309,8 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, compression,
     model = SoftmaxRegression(data.features, data.classes, dtype=np.float64)
 
     def run(epochs, **extra):
-        options = Options(method=method, epochs=epochs, batch=16, lr=0.05, seed=4, progress=False,
-                          transport="p2p", **compression, **extra)
+        options = Options(**{**dict(method=method, epochs=epochs, batch=16, lr=0.05, seed=4, progress=False,
+                                     transport="p2p"), **compression, **extra})
         summary = train(WORLD, options, model, data)
         return [s for s in WORLD.allgather(summary) if s][0]
 

@@ -1,0 +1,118 @@
+"""The low-communication family: every rank a replica that trains on its own shard and meets the others every
+``--sync-every`` steps (``localsgd``: their average; ``diloco``: DiLoCo's outer Nesterov step on their average
+pseudo-gradient), through :class:`mpicoll.diloco.DiLoCo` (streaming fragments, overlap, 16-bit
+pseudo-gradients).  The inner optimizer is SGD (``--inner-momentum``) or AdamW (``--inner-optimizer``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..base import checkpoint, timeline
+from ..channel.checks import load_checkpoint_set
+from ..collectives.communicator import Communicator
+from ..diloco import DiLoCo, optimizers
+from ..models.dense import Model, unpack
+from . import schedule as schedules
+from .common import Family, Options, batches, setup, stop_if_diverged
+from .report import Reporter
+
+__all__ = ["LocalUpdates"]
+
+
+def _arrays_of(model: Model, params) -> list:
+    """The model's arrays as views of its flat vector (its layers, where it says how they lie; else the whole
+    vector, one array): what the fragments are made of."""
+    try:
+        return unpack(params, model.parameter_shapes())
+    except (NotImplementedError, AttributeError):
+        return [params]
+
+
+class LocalUpdates(Family):
+    """Replicas that train apart and meet every ``--sync-every`` steps; ``outer``: "diloco" (the options'
+    outer SGD) or "average" (local SGD)."""
+
+    fixed_ranks = "each rank's replica, its inner optimizer and its shard of the data are its own between meetings"
+
+    def __init__(self, name: str, outer: str):
+        super().__init__(name)
+        self.outer = outer
+
+    def check(self, options: Options, model: Model, size: int) -> None:
+        if options.model_parallel != 1:
+            raise ValueError(f"--model-parallel: {self.name} trains whole replicas")
+        if options.overlap >= options.sync_every:
+            raise ValueError(f"--overlap {options.overlap}: fewer inner steps than --sync-every "
+                             f"{options.sync_every} (a fragment's sum must land before its next meeting)")
+        if options.fragments > 1 and len(_arrays_of(model, np.zeros(model.size))) < options.fragments:
+            raise ValueError(f"--fragments {options.fragments}: the model has "
+                             f"{len(_arrays_of(model, np.zeros(model.size)))} array(s) to cut into fragments "
+                             "(numpy's mlp and softmax say how their vector is laid out; use --fragments 1 otherwise)")
+        optimizers.make(options.inner_optimizer, options.lr, options.inner_momentum,
+                        weight_decay=options.weight_decay)              # raises on a bad combination
+        if self.outer == "diloco":
+            optimizers.SGD(options.outer_lr, options.outer_momentum, options.nesterov and options.outer_momentum > 0)
+
+    def check_compression(self, options: Options, model: Model) -> None:
+        if options.compression == "powersgd":
+            raise ValueError(f"--compression powersgd: {self.name} moves pseudo-gradients as fp16 or bf16 (with error "
+                             "feedback, always)")
+        if getattr(model, "xp", np) is not np:
+            raise ValueError("--compression moves host (numpy) pseudo-gradients: drop --device cuda, or --compression")
+
+    def checkpoint_file(self, options: Options, rank: int):
+        """One file per rank: each replica's weights and inner optimizer are its own between meetings."""
+        return checkpoint.path(options.checkpoint, "rank", rank)
+
+    def run(self, comm, options, model, data, xp, run):
+        if xp is not np:
+            raise ValueError(f"{self.name} keeps its anchor in host memory: --device cpu")
+        rank, size = comm.Get_rank(), comm.Get_size()
+        _, steps, X, y, slow = setup(comm, options, data, xp, tuple(range(size)))
+        params = np.asarray(model.init(options.seed))
+        arrays = _arrays_of(model, params)
+        inner = optimizers.make(options.inner_optimizer, options.lr, options.inner_momentum,
+                                weight_decay=options.weight_decay)
+        outer_options = dict(outer_lr=options.outer_lr, outer_momentum=options.outer_momentum,
+                             nesterov=options.nesterov) if self.outer == "diloco" else \
+            dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+        lr_at = schedules.per_step(options.lr_schedule, options.lr, options.epochs, steps)
+        start = 0
+        with Communicator(comm, algorithm="auto") as channel:
+            outer = DiLoCo(arrays, sync_every=options.sync_every, fragments=options.fragments,
+                           overlap=options.overlap, mix=options.mix, compression=options.compression, comm=channel,
+                           **outer_options)
+            if options.resume:
+                start = self._resume(comm, options, run, params, inner, outer)
+            reporter = Reporter(options, model, data, xp, ranks=size) if rank == 0 else None
+            for epoch in range(start, options.epochs):
+                losses = []
+                for step, batch in enumerate(batches(len(y), options.batch, steps, [options.seed, rank, epoch])):
+                    with slow, timeline.span("gradient", "train"):
+                        loss, grad = model.loss_and_gradient(params, X[batch], y[batch])
+                    losses.append(loss)
+                    with timeline.span("update", "train"):
+                        inner.step(arrays, _arrays_of(model, grad), lr=lr_at(epoch, step))
+                    outer.step()
+                stop_if_diverged(comm, params, [(epoch, losses)], f"after epoch {epoch + 1}")
+                if options.checkpoint:
+                    checkpoint.save(self.checkpoint_file(options, rank), run, epoch + 1, params=params.copy(),
+                                    epoch=np.array(epoch + 1),
+                                    **{f"inner.{k}": v for k, v in inner.state_dict().items()},
+                                    **{f"outer.{k}": v for k, v in outer.state_dict().items()})
+                if reporter:        # the replicas' shared weights: the anchor of their last meetings
+                    reporter.evaluate(np.concatenate([a.ravel() for a in outer.anchor]), epoch + 1,
+                                      (epoch + 1) * steps * options.batch * size)
+            outer.finish()
+            communication = {"meetings": outer.meetings, "bytes_summed_per_rank": int(outer.bytes_summed)}
+        return reporter.finish(params, communication=communication) if reporter else None
+
+    def _resume(self, comm, options, run, params, inner, outer) -> int:
+        """The epochs done; ``params``, ``inner`` and ``outer`` set to this rank's saved state (every rank's
+        file of the same epoch, or none: :func:`load_checkpoint_set`)."""
+        self.check_rank_count(comm, options, run)
+        state = load_checkpoint_set(comm, [self.checkpoint_file(options, comm.Get_rank())], run, "epochs")[0]
+        params[...] = state["params"]
+        inner.load_state_dict({k[len("inner."):]: v for k, v in state.items() if k.startswith("inner.")})
+        outer.load_state_dict({k[len("outer."):]: v for k, v in state.items() if k.startswith("outer.")})
+        return int(state["epoch"])
