@@ -31,13 +31,13 @@ from ..channel.context import Context
 from ..base.tags import Tag
 from .client import Client, Schedule
 from .layout import Layout
-from .rules import DCASGD, RULES, Async, Downpour, Rule, SoftSync, Sync, make
+from .rules import DCASGD, RULES, Async, Downpour, Rescaled, Ringmaster, Rule, SoftSync, Sync, make
 from .server import Diverged, Server, ServerStats, WorkerLost
 from .transports import TRANSPORTS
 from .windows import Windows
 
 __all__ = ["ParameterServer", "Layout", "Client", "Schedule", "Server", "ServerStats", "WorkerLost", "Diverged",
-           "Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "make", "RULES", "TRANSPORTS"]
+           "Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "Ringmaster", "Rescaled", "make", "RULES", "TRANSPORTS"]
 
 
 class ParameterServer:

@@ -19,18 +19,25 @@ the rule returns, if they are waiting for them.
                weights last sent to each worker, ``g + lam g*g*(w - w_bak)``;
                ``adaptive=True`` is DC-ASGD-a
 ``Downpour``   Async with Adagrad on the server (Dean et al. 2012)
+``Ringmaster`` ASGD at a constant rate that drops every gradient whose delay
+               (updates since its weights) is ``R`` or more, before it moves
+               (Maranjyan, Tyurin and Richtarik, ICML 2025)
+``Rescaled``   ASGD whose step for each worker is in proportion to its time
+               between gradients, so every worker weighs alike whatever its
+               speed (Mahran, Maranjyan and Richtarik, 2026)
 =============  ================================================================
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
 from .. import compute
 
-__all__ = ["Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "make", "RULES"]
+__all__ = ["Rule", "Sync", "SoftSync", "Async", "DCASGD", "Downpour", "Ringmaster", "Rescaled", "make", "RULES"]
 
 
 class Rule:
@@ -295,11 +302,104 @@ class Downpour(Rule):
         return [worker]
 
 
-RULES = {rule.name: rule for rule in (Sync, SoftSync, Async, DCASGD, Downpour)}
+class Ringmaster(Rule):
+    """Ringmaster ASGD: each gradient is applied on arrival at the constant rate ``lr``, unless its delay, the
+    updates applied since the weights it was computed on, is ``R`` or more: then it is dropped and its worker
+    gets the current weights.  Its workers send the header first, so a dropped gradient never crosses the
+    network (the paper's Ringmaster stops such computations; here the worker's next one starts from fresh
+    weights).  The paper proves optimal time complexity with R = max(1, ceil(sigma^2 / epsilon)), which needs
+    the gradients' noise and the target accuracy; the default here, None, is R = the number of workers, which
+    keeps a gradient when fewer updates than workers came between (the delay plain ASGD has when every worker
+    runs at the same speed)."""
+
+    name = "ringmaster"
+    refuses_late = True
+
+    def __init__(self, lr: float, R: int | None = None):
+        if R is not None and R < 1:
+            raise ValueError(f"ringmaster R must be at least 1, got {R}")
+        self.lr, self.threshold = lr, R
+
+    def setup(self, weights, workers):
+        super().setup(weights, workers)
+        self.R = self.threshold or len(workers)
+
+    def too_late(self, version: int) -> bool:
+        return self.version - version >= self.R
+
+    def on_gradient(self, worker, version, gradient):
+        if self.too_late(version):          # a transport that does not ask first: read, then dropped
+            self.dropped += 1
+            return [worker]
+        compute.sgd(self.w, gradient, self.lr)
+        self.version += 1
+        return [worker]
+
+
+class Rescaled(Rule):
+    """Rescaled ASGD: each gradient is applied on arrival, worker i's at ``lr * c_i / H``, where c_i is the time
+    between its gradients' arrivals (its computation and its round trip, measured here, smoothed by
+    ``smoothing``) and H the harmonic mean of the workers' c: a worker that takes 3x as long per gradient takes
+    3x the step, so each contributes the same rate per second and plain ASGD's bias toward the fast workers'
+    data (it minimises their arrival-weighted objective) goes; the total rate per second stays plain ASGD's
+    (sum_i lr c_i / H / c_i = n lr / H = lr sum_i 1 / c_i).  A worker's first gradients, before its time is
+    known, take ``lr``."""
+
+    name = "rescaled"
+
+    def __init__(self, lr: float, smoothing: float = 0.8, clock=time.perf_counter):
+        if not 0 <= smoothing < 1:
+            raise ValueError(f"rescaled smoothing must be from 0 to below 1, got {smoothing}")
+        self.lr, self.smoothing, self.clock = lr, smoothing, clock
+
+    def setup(self, weights, workers):
+        super().setup(weights, workers)
+        self.arrived: dict[int, float] = {}       # when each worker's last gradient arrived
+        self.cycle: dict[int, float] = {}         # each worker's smoothed time between gradients
+
+    def state(self):
+        workers = sorted(self.arrived)
+        return {**super().state(), "timed_workers": np.array(workers, np.int64),
+                "arrived": np.array([self.arrived[w] for w in workers], np.float64),
+                "cycle": np.array([self.cycle.get(w, 0.0) for w in workers], np.float64)}
+
+    def load_state(self, state):
+        """The workers' times too (their arrivals on the clock of the run that saved them: a resumed run's first
+        gradient of each worker measures its time afresh where that clock is another process's)."""
+        super().load_state(state)
+        workers = [int(w) for w in state["timed_workers"]]
+        self.arrived = dict(zip(workers, (float(t) for t in state["arrived"])))
+        self.cycle = {w: float(c) for w, c in zip(workers, state["cycle"]) if c > 0}
+
+    def step_scale(self, worker: int) -> float:
+        """c_worker / H over the workers whose time is known (1 while this worker's is not)."""
+        mine = self.cycle.get(worker)
+        if not mine:
+            return 1.0
+        known = [c for c in self.cycle.values() if c > 0]
+        return mine * sum(1.0 / c for c in known) / len(known)
+
+    def on_gradient(self, worker, version, gradient):
+        now = self.clock()
+        if worker in self.arrived:
+            took = now - self.arrived[worker]
+            before = self.cycle.get(worker)
+            self.cycle[worker] = took if before is None else self.smoothing * before + (1 - self.smoothing) * took
+        self.arrived[worker] = now
+        compute.sgd(self.w, gradient, self.lr * self.step_scale(worker))
+        self.version += 1
+        return [worker]
+
+    def on_leave(self, worker):
+        self.cycle.pop(worker, None)              # a finished worker no longer weighs in H
+        return super().on_leave(worker)
+
+
+RULES = {rule.name: rule for rule in (Sync, SoftSync, Async, DCASGD, Downpour, Ringmaster, Rescaled)}
 
 
 def make(name: str, **options) -> Rule:
-    """A rule by name (``sync``, ``softsync``, ``async``, ``dcasgd``, ``downpour``)."""
+    """A rule by name (``sync``, ``softsync``, ``async``, ``dcasgd``, ``downpour``, ``ringmaster``, ``rescaled``)."""
     try:
         return RULES[name](**options)
     except KeyError:

@@ -199,7 +199,8 @@ def add_parser(commands) -> None:
     train_.add_argument("--overwrite", action="store_true",
                         help="let a fresh run replace an earlier run's --checkpoint files and --output log "
                         "(refused otherwise)")
-    group = train_.add_argument_group("parameter servers (ps-*, dcasgd, downpour, sandblaster-lbfgs)")
+    group = train_.add_argument_group("parameter servers (ps-*, dcasgd, downpour, ringmaster, rescaled, "
+                                      "sandblaster-lbfgs)")
     group.add_argument("--servers", type=int, default=1, help="server ranks (default 1); sandblaster-lbfgs: "
                        "server shards after the coordinator (rank 0)")
     group.add_argument("--softsync-k", type=float, default=0.5, help="ps-softsync: first K gradients per round, "
@@ -208,6 +209,9 @@ def add_parser(commands) -> None:
                        help="ps-async: scale the rate by 1/tau, 1/W, or not (default tau)")
     group.add_argument("--lam", type=float, default=0.04, help="dcasgd: compensation strength (default 0.04)")
     group.add_argument("--adaptive", action="store_true", help="dcasgd: DC-ASGD-a")
+    group.add_argument("--ringmaster-r", type=int, default=0, metavar="R",
+                       help="ringmaster: drop a gradient computed R or more updates ago, before it moves (default "
+                       "0: R = the number of workers)")
     group.add_argument("--n-fetch", type=int, default=1, help="downpour: fetch every N steps")
     group.add_argument("--n-push", type=int, default=1, help="downpour: push every N steps")
     group.add_argument("--warm-start", type=int, default=0, help="downpour: updates by one worker before the rest")

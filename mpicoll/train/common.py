@@ -41,6 +41,7 @@ class Options:
     staleness: str = "tau"            # ps-async: none, tau or workers
     lam: float = 0.04                 # dcasgd
     adaptive: bool = False            # dcasgd-a
+    ringmaster_r: int = 0             # ringmaster: drop gradients this many updates late (0: the workers' count)
     n_fetch: int = 1                  # downpour
     n_push: int = 1
     warm_start: int = 0

@@ -29,6 +29,8 @@ _RULE_OPTIONS = {
     "async": lambda options: {"staleness": options.staleness},
     "dcasgd": lambda options: {"lam": options.lam, "adaptive": options.adaptive},
     "downpour": lambda options: {},
+    "ringmaster": lambda options: {"R": options.ringmaster_r or None},
+    "rescaled": lambda options: {},
 }
 
 

@@ -497,3 +497,35 @@ def test_workers_may_train_on_device_arrays(transport):
     workers = len(server.layout.workers)
     everywhere(not problems, str(problems))
     everywhere(np.allclose(final, 1 - workers * 0.5 * 2), f"weights {final}")
+
+
+@pytest.mark.mpi(min_size=3)
+def test_rescaled_asgd_reaches_the_global_optimum_where_plain_asgd_leans_to_the_fast_workers():
+    """Each worker its own least-squares problem (its own optimum), the last worker 4x slower: plain ASGD at a
+    constant rate settles near the arrival-weighted optimum, which favours the fast workers' problems;
+    Rescaled ASGD, stepping each worker in proportion to its time, near the equal-weight (global) one."""
+    seed = shared_seed()
+    workers = P - 1
+    problems = []
+    for i in range(workers):
+        rng = np.random.default_rng([seed, i])
+        A = rng.standard_normal((30, 5))
+        problems.append((A, A @ (rng.standard_normal(5) * 3)))
+    global_optimum = np.linalg.solve(sum(A.T @ A for A, _ in problems), sum(A.T @ b for A, b in problems))
+
+    def finish_near(rule) -> float:
+        server = ps.ParameterServer(WORLD, np.zeros(5), rule, servers=1)
+
+        def work(client):
+            A, b = problems[server.layout.workers.index(RANK)]
+            pause = 0.008 if RANK == server.layout.workers[-1] else 0.002
+            w, stop = client.pull().copy(), time.perf_counter() + 1.5
+            while time.perf_counter() < stop:
+                time.sleep(pause)
+                w = client.exchange(A.T @ (A @ w - b) / 30).copy()
+        final, _ = run_roles(server, work)
+        return float(np.linalg.norm(final - global_optimum) / np.linalg.norm(global_optimum))
+
+    plain, rescaled = finish_near(ps.Async(lr=0.05)), finish_near(ps.Rescaled(lr=0.05))
+    everywhere(rescaled < 0.5 * plain, f"seed {seed}: from the global optimum, rescaled {rescaled:.3g}, plain ASGD "
+               f"{plain:.3g}")

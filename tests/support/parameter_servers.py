@@ -11,7 +11,8 @@ __all__ = ["RULE_CASES", "RULE_IDS", "run_roles", "sgd_on_my_rows"]
 # Every parameter-server rule, with each of its variants (tests/ps/test_rules.py checks none is missing).
 RULE_CASES = [("sync", dict(lr=0.1)), ("softsync", dict(lr=0.1, k=0.5)), ("async", dict(lr=0.05, staleness="tau")),
               ("async", dict(lr=0.1, staleness="workers")), ("dcasgd", dict(lr=0.05, lam=0.04)),
-              ("dcasgd", dict(lr=0.05, lam=0.04, adaptive=True)), ("downpour", dict(lr=0.3))]
+              ("dcasgd", dict(lr=0.05, lam=0.04, adaptive=True)), ("downpour", dict(lr=0.3)),
+              ("ringmaster", dict(lr=0.05)), ("ringmaster", dict(lr=0.05, R=1)), ("rescaled", dict(lr=0.05))]
 RULE_IDS = [f"{name}-{'-'.join(map(str, options.values()))}" for name, options in RULE_CASES]
 
 
