@@ -129,6 +129,13 @@ class DiLoCo:
                 self._start(f, self.t + self.overlap)
         self._apply_due(self.t)
 
+    def meets_next(self) -> bool:
+        """Whether the next :meth:`step` communicates (begins a meeting, or applies one): an elastic run agrees
+        on such steps before it uses them (:mod:`mpicoll.train.local`)."""
+        t = self.t + 1
+        return any(m.due <= t for m in self.in_flight) or any(
+            t % self.sync_every == offset % self.sync_every and t >= max(offset, 1) for offset in self.offsets)
+
     def finish(self) -> None:
         """After the last inner step: apply the meetings in flight, and meet on every fragment that took inner
         steps since its last meeting, so every replica ends on the same weights (the anchor)."""

@@ -91,14 +91,14 @@ _VARIANTS = {
 
 @pytest.mark.parametrize("method, victim, variant", [("allreduce-ring", 2, "plain"), ("sgp", 0, "plain"),
                                                      ("allreduce-auto", 1, "compressed"),   # a worker; the log's writer
-                                                     ("sgp", 3, "onesided")])
+                                                     ("sgp", 3, "onesided"), ("diloco", 2, "plain")])
 def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_run(tmp_path, tmp_path_factory,
                                                                                  method, victim, variant):
     extra, settings = _VARIANTS[variant]
     # push-sum over windows sums the same rounds as over messages (an intact run: the same loss to the bit)
     reference = _VARIANTS["plain" if variant == "onesided" else variant]
     logged_intact = intact(tmp_path_factory, method, *reference[0], settings=reference[1])
-    saved = ["--checkpoint", str(tmp_path / "ck")] if method == "sgp" else []      # the survivors' files
+    saved = ["--checkpoint", str(tmp_path / "ck")] if method in ("sgp", "diloco") else []   # the survivors' files
     killed, logged = train(tmp_path, "killed", "--method", method, "--elastic", *SLOW, *saved, *extra, kill=victim,
                            settings=settings)
     assert killed.returncode == 0, killed.stderr_text[-3000:]
@@ -115,6 +115,8 @@ def test_a_killed_rank_is_named_and_the_survivors_finish_as_well_as_an_intact_ru
     assert summary["ranks"] == 3 and summary["ranks_at_start"] == 4
     if method.startswith("allreduce"):           # SGP's ranks hold parameters of their own; its summary the average
         assert summary["replicas_identical"] is True
+    if method == "diloco":                       # the replicas meet every 16 steps: far fewer meetings than steps
+        assert 0 < summary["communication"]["meetings"] < summary["samples"] // (16 * 16), summary
     assert [r["epoch"] for r in logged if "epoch" in r and not r.get("event")] == list(range(1, 7))
     # the same sample budget: every epoch still takes the whole training set (the rows of the lost rank too),
     # divided among fewer ranks; an intact epoch takes steps x 4 x 16 >= rows > that - 64 samples
