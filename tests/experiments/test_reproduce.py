@@ -143,7 +143,7 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
     X, y = blobs(rows=900, seed=3)
     np.savez(tmp_path / "blobs.npz", X=X, y=y)
     out = tmp_path / "results"
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce-results"), "--quick", "--claims", "abcd",
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce-results"), "--quick", "--claims", "abcde",
                              "--data", str(tmp_path / "blobs.npz"), "--output", str(out), "--max-train", "500"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec(),
@@ -154,9 +154,10 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
         assert (len(subset["y"]), len(subset["y_test"])) == (500, 125)
     assert claims["setting"]["data"].endswith("data.npz")
     records = {record["id"]: record for record in claims["claims"]}
-    assert list(records) == ["a-dcasgd-a", "a-dcasgd-c", "b", "c", "d"], list(records)
+    assert list(records) == ["a-dcasgd-a", "a-dcasgd-c", "b", "c", "d", "e-diloco", "e-localsgd"], list(records)
     assert all(set(r) == {"id", "claim", "setting", "reproduced", "figures", "note"} for r in records.values())
-    assert records["c"]["reproduced"] is None and "skipped" in records["c"]["note"]
+    for emulated in ("c", "e-diloco", "e-localsgd"):        # --quick makes no cluster
+        assert records[emulated]["reproduced"] is None and "skipped" in records[emulated]["note"]
 
     def errors(pattern):
         logs = sorted((out / "runs").glob(pattern))
@@ -191,3 +192,13 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
     assert all((out / png).stat().st_size > 5000 for png in ("a-error-vs-updates.png", "a-error-vs-time.png",
                                                               "a-staleness.png", "b-error-vs-time.png"))
     assert "[ 20 |" in result.stderr, result.stderr[-2000:]          # a progress line per run
+
+
+def test_the_low_communication_claims_figures_count_meetings_and_bytes_from_the_summaries():
+    """(e)'s figures: a low-communication run's meetings and bytes as its summary counts them; an allreduce run's
+    one meeting a step (samples / ranks / batch) of a float32 gradient of the model's size."""
+    from mpicoll.experiments.claims import _bytes_contributed, _meetings
+    ring = {"samples": 2560, "ranks": 4, "options": {"batch": 32}, "model_size": 1000}
+    diloco = {**ring, "communication": {"meetings": 5, "bytes_summed_per_rank": 20000}}
+    assert _meetings(ring) == 20 and _bytes_contributed(ring) == 20 * 1000 * 4
+    assert _meetings(diloco) == 5 and _bytes_contributed(diloco) == 20000
