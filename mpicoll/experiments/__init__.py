@@ -73,16 +73,16 @@ def _target(text: str):
 
 def add_reproduce_parser(commands) -> None:
     reproduce = commands.add_parser(
-        "reproduce", help="the seeds' claims (DC-ASGD, stragglers, SGP, Downpour) and DiLoCo's across slow links, over "
-        "several seeds, with a report",
+        "reproduce", help="the seeds' claims (DC-ASGD, stragglers, SGP, Downpour), DiLoCo's across slow links and the newer "
+        "asynchronous rules', over several seeds, with a report",
         description="Runs every claim's mpicoll train jobs (each under its own mpiexec) and writes claims.json, "
         "report.md and plots. About 14 minutes on 2 cores; --quick: under a minute.")
     reproduce.add_argument("--output", help="report folder, made new (default reproduce-DATE-TIME in the current "
                            "folder; the project's published results are in docs/results)")
     reproduce.add_argument("--data", default="mnist1d", metavar="mnist1d|digits|FILE.npz",
                            help="the data every claim trains on (default mnist1d)")
-    reproduce.add_argument("--claims", default="abcde", help="which claims, as letters (default abcde: (e) is "
-                           "DiLoCo and local SGD across slow links)")
+    reproduce.add_argument("--claims", default="abcdef", help="which claims, as letters (default abcdef: (e) is "
+                           "DiLoCo and local SGD across slow links, (f) Ringmaster and Rescaled ASGD under a straggler)")
     reproduce.add_argument("--seeds", type=int, help="seeds per setting (default 3, and 10 for (b), whose "
                            "1-point accuracy test needs them; --quick 2)")
     reproduce.add_argument("--model", choices=("cnn", "mlp"),
@@ -104,9 +104,9 @@ def reproduce_main(args) -> int:
     setting.max_train, setting.max_test = args.max_train, max(1, args.max_train // 4)
     if args.seeds:
         setting.seeds = setting.straggler_seeds = list(range(1, args.seeds + 1))
-    unknown = set(args.claims) - set("abcde")
+    unknown = set(args.claims) - set("abcdef")
     if unknown or not args.claims:
-        raise SystemExit(f"mpicoll reproduce: --claims takes letters among abcde, got {args.claims!r}")
+        raise SystemExit(f"mpicoll reproduce: --claims takes letters among abcdef, got {args.claims!r}")
     if args.max_train < 1:
         raise SystemExit(f"mpicoll reproduce: --max-train must be at least 1, got {args.max_train}")
     if args.output is None:                  # a new folder, never an earlier run's (nor the published results)

@@ -123,7 +123,8 @@ def plot_claims(folder: Path, setting, runs: dict) -> list[str]:
                                "wall time (s)", "(a) the same against wall time,"))
         written.append(_staleness(plt, folder, a))
     for letter, title in (("b", "(b) under a straggler"), ("c", "(c) on an emulated cluster"),
-                          ("d", "(d) Downpour, one worker killed"), ("e", "(e) DiLoCo across slow links")):
+                          ("d", "(d) Downpour, one worker killed"), ("e", "(e) DiLoCo across slow links"),
+                          ("f", "(f) Ringmaster and Rescaled ASGD under a straggler")):
         if runs.get(letter):
             written.append(_curves(plt, folder, f"{letter}-error-vs-time.png", {"": runs[letter]},
                                    lambda label, run, r: r["time_s"], "wall time (s)", title))

@@ -143,7 +143,7 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
     X, y = blobs(rows=900, seed=3)
     np.savez(tmp_path / "blobs.npz", X=X, y=y)
     out = tmp_path / "results"
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce-results"), "--quick", "--claims", "abcde",
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce-results"), "--quick", "--claims", "abcdef",
                              "--data", str(tmp_path / "blobs.npz"), "--output", str(out), "--max-train", "500"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC": mpiexec(),
@@ -154,10 +154,19 @@ def test_reproduce_quick_writes_claims_that_follow_from_its_own_logs(tmp_path):
         assert (len(subset["y"]), len(subset["y_test"])) == (500, 125)
     assert claims["setting"]["data"].endswith("data.npz")
     records = {record["id"]: record for record in claims["claims"]}
-    assert list(records) == ["a-dcasgd-a", "a-dcasgd-c", "b", "c", "d", "e-diloco", "e-localsgd"], list(records)
+    assert list(records) == ["a-dcasgd-a", "a-dcasgd-c", "b", "c", "d", "e-diloco", "e-localsgd", "f-ringmaster",
+                             "f-rescaled"], list(records)
     assert all(set(r) == {"id", "claim", "setting", "reproduced", "figures", "note"} for r in records.values())
     for emulated in ("c", "e-diloco", "e-localsgd"):        # --quick makes no cluster
         assert records[emulated]["reproduced"] is None and "skipped" in records[emulated]["note"]
+    for rule in ("ringmaster", "rescaled"):                 # (f) from its own logs: accuracy and wall time
+        figures = records[f"f-{rule}"]["figures"]
+        for name in ("ps-async", rule):
+            logged = [json.loads(log.read_text().splitlines()[-1]) for log in sorted((out / "runs").glob(
+                f"f-{name}-seed*.jsonl"))]
+            assert len(logged) == 2 and figures[name]["accuracy"]["mean"] == pytest.approx(
+                statistics.fmean(s["final_accuracy"] for s in logged))
+        assert isinstance(records[f"f-{rule}"]["reproduced"], bool)
 
     def errors(pattern):
         logs = sorted((out / "runs").glob(pattern))
