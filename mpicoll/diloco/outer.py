@@ -11,7 +11,8 @@ about equal size), fragment f meeting at the steps t with t mod H = f H / F, so 
 spread over the H steps; with ``overlap`` tau > 0 a fragment's sum travels (a nonblocking allreduce) while the
 replica takes tau more inner steps, and is applied then, the replica's fragment becoming ``mix`` x its own +
 (1 - ``mix``) x the new anchor (mix 0: the anchor's, as plain DiLoCo).  ``compression`` moves the
-pseudo-gradients as 16-bit floats (:class:`mpicoll.Compression`, its error feedback kept per fragment).
+pseudo-gradients as 16-bit floats ("fp16", "bf16": :class:`mpicoll.Compression`) or 8-bit integers ("int8":
+:mod:`.int8`), the error feedback kept per fragment either way.
 
 Every replica computes the same outer step from the same sum (mpicoll's allreduce gives every rank the same
 bits), so the anchors, and the replicas right after a meeting with mix 0, are identical everywhere.
@@ -27,6 +28,7 @@ import numpy as np
 
 from ..collectives.api import iallreduce
 from ..collectives.compression import Compression
+from .int8 import Int8Sums
 from .optimizers import SGD
 
 __all__ = ["DiLoCo", "fragments_of"]
@@ -88,8 +90,10 @@ class DiLoCo:
         if not 0 <= mix < 1:
             raise ValueError(f"mix={mix}: the share of a replica's own weights kept at a meeting, from 0 to below 1")
         self.params, self.sync_every, self.overlap, self.mix = params, sync_every, overlap, mix
-        self.compression = Compression(compression, error_feedback=True) if isinstance(compression, str) \
-            else compression
+        int8 = compression == "int8"
+        if isinstance(compression, str) and not int8:
+            compression = Compression(compression, error_feedback=True)
+        self.compression = None if int8 else compression
         self.fragments = fragments_of([p.size for p in params], fragments)
         # one outer optimizer a fragment (its momentum is of that fragment's arrays, stepped at its meetings)
         self.outer = [SGD(outer_lr, outer_momentum, nesterov and outer_momentum > 0) for _ in self.fragments]
@@ -101,12 +105,19 @@ class DiLoCo:
         self.meetings = 0                 # meetings begun, of every fragment
         self.bytes_summed = 0             # this replica's contributions to the sums, as moved (16-bit words when
                                           # compressed); a ring allreduce sends about twice that
+        self.int8 = None
         if start_sum is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD if comm is None else comm
             replicas = comm.Get_size()
-            start_sum = lambda buffer, key: iallreduce(buffer, comm=comm, algorithm=algorithm, out=buffer,
-                                                       compression=self.compression, key=key)
+            if int8:
+                self.int8 = Int8Sums(comm, algorithm, replicas)
+                start_sum = self.int8.start
+            else:
+                start_sum = lambda buffer, key: iallreduce(buffer, comm=comm, algorithm=algorithm, out=buffer,
+                                                           compression=self.compression, key=key)
+        elif int8:
+            raise ValueError("compression='int8' sums over mpicoll's allreduce: pass comm=, not start_sum=")
         elif replicas is None:
             raise ValueError("start_sum needs replicas: how many replicas the sum is over")
         else:
@@ -116,7 +127,7 @@ class DiLoCo:
 
     def __repr__(self) -> str:
         return (f"DiLoCo(sync_every={self.sync_every}, outer={self.outer[0]!r}, fragments={len(self.fragments)}, "
-                f"overlap={self.overlap}, compression={self.compression!r}, replicas={self.replicas})")
+                f"overlap={self.overlap}, compression={self.int8 or self.compression!r}, replicas={self.replicas})")
 
     # -- the loop --------------------------------------------------------------------------------------------
 
@@ -153,7 +164,7 @@ class DiLoCo:
         arrays = self.fragments[f]
         pieces = [(self.anchor[i] - self.params[i]).ravel() for i in arrays]
         buffer = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-        self.bytes_summed += buffer.size * (2 if self.compression is not None else buffer.itemsize)
+        self.bytes_summed += buffer.size * (1 if self.int8 else 2 if self.compression is not None else buffer.itemsize)
         self.meetings += 1
         self.last_met[f] = self.t
         self.in_flight.append(_Meeting(f, due, buffer, self._start_sum(buffer, f"diloco{f}")))
@@ -192,6 +203,8 @@ class DiLoCo:
             state.update({f"outer{f}.{k}": v for k, v in outer.state_dict().items()})
         if self.compression is not None:
             state.update({f"compression.{k}": v for k, v in self.compression.state_dict().items()})
+        if self.int8 is not None:
+            state.update({f"int8.{k}": v for k, v in self.int8.state_dict().items()})
         for n, meeting in enumerate(self.in_flight):
             state[f"flight{n}"] = meeting.summed()
             state[f"flight{n}.at"] = np.array([meeting.fragment, meeting.due])
@@ -208,6 +221,8 @@ class DiLoCo:
         if self.compression is not None:
             self.compression.load_state_dict({k[len("compression."):]: v for k, v in state.items()
                                               if k.startswith("compression.")})
+        if self.int8 is not None:
+            self.int8.load_state_dict({k[len("int8."):]: v for k, v in state.items() if k.startswith("int8.")})
         self.in_flight = [_Meeting(int(state[f"flight{n}.at"][0]), int(state[f"flight{n}.at"][1]),
                                    np.array(state[f"flight{n}"]), None)
                           for n in range(sum(1 for k in state if k.startswith("flight") and k.endswith(".at")))]

@@ -31,7 +31,7 @@ __all__ = ["DiLoCo", "local_sgd"]
 class DiLoCo:
     """``model``'s replica on this rank, meeting the others every ``sync_every`` steps of ``inner_optimizer``:
     their average pseudo-gradient through an outer SGD with ``outer_lr``, ``outer_momentum`` (Nesterov unless
-    ``nesterov=False``); ``fragments``, ``overlap``, ``mix`` streaming, ``compression`` "fp16"/"bf16" or a
+    ``nesterov=False``); ``fragments``, ``overlap``, ``mix`` streaming, ``compression`` "fp16"/"bf16"/"int8" or a
     :class:`mpicoll.Compression` (over ``comm`` only), as :class:`mpicoll.diloco.DiLoCo` says."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,

@@ -164,9 +164,10 @@ def add_parser(commands) -> None:
                         help="allreduce methods: refuse to start if a rank would hold more training state than "
                         "this (parameters, gradient, allreduce result, a batch's activations), e.g. 16M; with "
                         "--model-parallel K a rank holds only its stage's (default: no limit)")
-    train_.add_argument("--compression", choices=("fp16", "bf16", "powersgd"),
+    train_.add_argument("--compression", choices=("fp16", "bf16", "powersgd", "int8"),
                         help="allreduce methods: move the gradients as 16-bit floats, half the bytes of float32, or "
-                        "as PowerSGD's low-rank factors of each weight matrix (docs/compression.md)")
+                        "as PowerSGD's low-rank factors of each weight matrix (docs/compression.md); localsgd and "
+                        "diloco: their pseudo-gradients as fp16, bf16 or int8 (one byte), with error feedback")
     train_.add_argument("--error-feedback", action="store_true",
                         help="with --compression fp16 or bf16: carry each step's rounding into the next step's "
                         "gradient (PowerSGD always does)")

@@ -67,6 +67,9 @@ class Allreduce(Family):
     def check_compression(self, options: Options, model: Model) -> None:
         if self.one_rank:
             raise ValueError(f"--compression: {options.method} runs on one process and moves no gradient")
+        if options.compression == "int8":
+            raise ValueError("--compression int8 moves localsgd's and diloco's pseudo-gradients (rare meetings, "
+                             "error feedback carrying the rounding); a gradient every step: fp16, bf16 or powersgd")
         if getattr(model, "xp", np) is not np:
             raise ValueError("--compression moves host (numpy) gradients so far: drop --device cuda, or --compression")
         if options.compression == "powersgd" and options.model_parallel > 1:

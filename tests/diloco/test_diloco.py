@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpicoll import Compression
 from mpicoll.diloco import SGD, AdamW, DiLoCo, fragments_of, local_sgd
 from tests.support.mpi import P, RANK, WORLD, everywhere, shared_seed
 
@@ -165,25 +164,33 @@ def test_a_resumed_run_is_the_uninterrupted_one_to_the_bit(options):
     """Saved after 9 steps (meetings in flight with overlap 2) and continued by fresh objects from the saved
     state: the same bits as the run that never stopped, compressed with error feedback as well."""
     seed = shared_seed()
-    for compression in (None, "bf16"):
+    for compression in (None, "bf16", "int8"):
         kwargs = dict(sync_every=4, compression=compression, **options)
         whole, _ = distributed(seed, 15, "adamw", **kwargs)
         resumed, _ = distributed(seed, 15, "adamw", stop_at=9, **kwargs)
         everywhere(all(np.array_equal(a, b) for a, b in zip(whole, resumed)), f"{compression}: resumed differs")
 
 
-def test_compressed_pseudo_gradients_stay_within_their_rounding():
-    """bf16 pseudo-gradients with error feedback: the replicas agree to the bit and stay near the exact run
-    (bf16 keeps 8 bits; error feedback carries what each meeting rounded off into the next)."""
+@pytest.mark.parametrize("compression, width, within", [("bf16", 2, 0.05), ("int8", 1, 0.1)])
+def test_compressed_pseudo_gradients_stay_within_their_rounding(compression, width, within):
+    """bf16 (8 bits of mantissa) and int8 (127 // P levels a side of a scale all replicas share), with error
+    feedback: the replicas agree to the bit, stay near the exact run (what a meeting rounds off is carried into
+    the next), and a meeting moves ``width`` bytes an element."""
     seed = shared_seed()
     exact, _ = distributed(seed, 13, "sgd", sync_every=4)
-    rounded, outer = distributed(seed, 13, "sgd", sync_every=4, compression="bf16")
+    rounded, outer = distributed(seed, 13, "sgd", sync_every=4, compression=compression)
     scale = max(float(np.max(np.abs(e))) for e in exact)
     worst = max(float(np.max(np.abs(a - b))) for a, b in zip(exact, rounded))
-    everywhere(0 < worst < 0.05 * scale, f"bf16 off the exact run by {worst:.3g} (scale {scale:.3g})")
+    everywhere(0 < worst < within * scale, f"{compression} off the exact run by {worst:.3g} (scale {scale:.3g})")
     bits = WORLD.allgather(b"".join(p.tobytes() for p in rounded))
-    everywhere(len(set(bits)) == 1 and isinstance(outer.compression, Compression), "replicas differ")
-    everywhere(outer.bytes_summed == 2 * outer.meetings * sum(int(np.prod(s)) for s in SHAPES), "bytes")
+    everywhere(len(set(bits)) == 1, "the replicas differ")
+    everywhere(outer.bytes_summed == width * outer.meetings * sum(int(np.prod(s)) for s in SHAPES), "bytes")
+
+
+def test_more_replicas_than_an_int8_sum_holds_are_refused():
+    from mpicoll.diloco.int8 import Int8Sums
+    with pytest.raises(ValueError, match="128 replicas cannot share an int8 sum"):
+        Int8Sums(WORLD, "auto", 128)
 
 
 def test_bad_options_are_refused_in_one_line():

@@ -297,7 +297,8 @@ def test_the_report_comes_from_recorded_logs(tmp_path):
     ("allreduce-auto", {"compression": "powersgd", "powersgd_rank": 1, "powersgd_start": 3}),
     ("diloco", {"sync_every": 7, "inner_optimizer": "adamw", "lr": 0.01}),
     ("localsgd", {"sync_every": 6, "fragments": 2, "overlap": 2, "mix": 0.3, "compression": "bf16",
-                  "inner_momentum": 0.9})])
+                  "inner_momentum": 0.9}),
+    ("diloco", {"sync_every": 5, "compression": "int8"})])
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(method, compression, tmp_path_factory):
     """Stop after 2 of 4 epochs (checkpoints after every epoch), resume: the same final model, to the bit.  A
     compression's state (the error feedback's residuals, PowerSGD's step count, factors and residuals) is in the
