@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..collectives.api import allreduce, iallreduce
+from .state import taken_from, under
 
 __all__ = ["Int8Sums"]
 
@@ -55,8 +56,7 @@ class Int8Sums:
                             buffer)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {f"residual.{key}": value for key, value in self.residuals.items()}
+        return under("residual.", self.residuals)
 
     def load_state_dict(self, state: dict) -> None:
-        self.residuals = {key[len("residual."):]: np.array(value) for key, value in state.items()
-                          if key.startswith("residual.")}
+        self.residuals = {key: np.array(value) for key, value in taken_from("residual.", state).items()}

@@ -28,8 +28,10 @@ import numpy as np
 
 from ..collectives.api import iallreduce
 from ..collectives.compression import Compression
+from ..models.dense import unpack
 from .int8 import Int8Sums
 from .optimizers import SGD
+from .state import taken_from, under
 
 __all__ = ["DiLoCo", "fragments_of"]
 
@@ -135,17 +137,20 @@ class DiLoCo:
         """After an inner step: apply the meetings due now, then start those this step begins."""
         self.t += 1
         self._apply_due(self.t)
-        for f, offset in enumerate(self.offsets):
-            if self.t % self.sync_every == offset % self.sync_every and self.t >= max(offset, 1):
-                self._start(f, self.t + self.overlap)
+        for f in self._beginning_at(self.t):
+            self._start(f, self.t + self.overlap)
         self._apply_due(self.t)
 
     def meets_next(self) -> bool:
         """Whether the next :meth:`step` communicates (begins a meeting, or applies one): an elastic run agrees
         on such steps before it uses them (:mod:`mpicoll.train.local`)."""
         t = self.t + 1
-        return any(m.due <= t for m in self.in_flight) or any(
-            t % self.sync_every == offset % self.sync_every and t >= max(offset, 1) for offset in self.offsets)
+        return any(m.due <= t for m in self.in_flight) or bool(self._beginning_at(t))
+
+    def _beginning_at(self, t: int) -> list[int]:
+        """The fragments whose meetings begin at step ``t`` (fragment f's at the steps t >= 1 with t mod H = its
+        offset f H / F)."""
+        return [f for f, offset in enumerate(self.offsets) if t % self.sync_every == offset and t >= 1]
 
     def finish(self) -> None:
         """After the last inner step: apply the meetings in flight, and meet on every fragment that took inner
@@ -156,9 +161,8 @@ class DiLoCo:
             if self.last_met[f] < self.t:
                 self._start(f, self.t)
         self._apply_due(self.t)
-        for f in range(len(self.fragments)):        # with mix > 0 the replicas still differ: end on the anchor
-            for i in self.fragments[f]:
-                self.params[i][...] = self.anchor[i]
+        for param, anchor in zip(self.params, self.anchor):    # with mix > 0 the replicas still differ
+            param[...] = anchor
 
     def _start(self, f: int, due: int) -> None:
         arrays = self.fragments[f]
@@ -179,11 +183,8 @@ class DiLoCo:
         average = meeting.summed() / self.replicas
         self.in_flight.remove(meeting)
         arrays = self.fragments[meeting.fragment]
-        grads, at = [], 0
-        for i in arrays:
-            grads.append(average[at:at + self.anchor[i].size].reshape(self.anchor[i].shape))
-            at += self.anchor[i].size
-        self.outer[meeting.fragment].step([self.anchor[i] for i in arrays], grads)
+        self.outer[meeting.fragment].step([self.anchor[i] for i in arrays],
+                                          unpack(average, [self.anchor[i].shape for i in arrays]))
         for i in arrays:
             if self.mix:
                 self.params[i] *= self.mix
@@ -200,11 +201,11 @@ class DiLoCo:
                  "last_met": np.array(self.last_met)}
         state.update({f"anchor{i}": a for i, a in enumerate(self.anchor)})
         for f, outer in enumerate(self.outer):
-            state.update({f"outer{f}.{k}": v for k, v in outer.state_dict().items()})
+            state.update(under(f"outer{f}.", outer.state_dict()))
         if self.compression is not None:
-            state.update({f"compression.{k}": v for k, v in self.compression.state_dict().items()})
+            state.update(under("compression.", self.compression.state_dict()))
         if self.int8 is not None:
-            state.update({f"int8.{k}": v for k, v in self.int8.state_dict().items()})
+            state.update(under("int8.", self.int8.state_dict()))
         for n, meeting in enumerate(self.in_flight):
             state[f"flight{n}"] = meeting.summed()
             state[f"flight{n}.at"] = np.array([meeting.fragment, meeting.due])
@@ -216,13 +217,11 @@ class DiLoCo:
         for i, a in enumerate(self.anchor):
             a[...] = state[f"anchor{i}"]
         for f, outer in enumerate(self.outer):
-            prefix = f"outer{f}."
-            outer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            outer.load_state_dict(taken_from(f"outer{f}.", state))
         if self.compression is not None:
-            self.compression.load_state_dict({k[len("compression."):]: v for k, v in state.items()
-                                              if k.startswith("compression.")})
+            self.compression.load_state_dict(taken_from("compression.", state))
         if self.int8 is not None:
-            self.int8.load_state_dict({k[len("int8."):]: v for k, v in state.items() if k.startswith("int8.")})
+            self.int8.load_state_dict(taken_from("int8.", state))
         self.in_flight = [_Meeting(int(state[f"flight{n}.at"][0]), int(state[f"flight{n}.at"][1]),
                                    np.array(state[f"flight{n}"]), None)
                           for n in range(sum(1 for k in state if k.startswith("flight") and k.endswith(".at")))]

@@ -307,9 +307,7 @@ def stragglers(setting: Setting, runner: Runner) -> tuple[dict, dict]:
             runs.setdefault(label, []).append(runner.run(
                 f"b-{label}-seed{seed}", method, m + 1,
                 setting.args(seed, setting.straggler_model) + ["--lr", str(rate), *extra, *slow]))
-    figures = {label: {"wall s": _stats([r.summary["wall_s"] for r in _finished(members)]),
-                       "accuracy": _stats([r.summary["final_accuracy"] for r in _finished(members)])}
-               for label, members in runs.items()}
+    figures = {label: _outcome(members) for label, members in runs.items()}
     sync, verdicts, notes = figures["sync"], [], []
     for label in ("softsync", "async"):
         mine = figures[label]
@@ -439,23 +437,20 @@ def low_communication(setting: Setting, runner: Runner, skip: str | None = None)
     figures = {}
     for name, members in runs.items():
         done = _finished(members)
-        figures[name] = {"accuracy": _stats([r.summary["final_accuracy"] for r in done]),
-                         "wall s": _stats([r.summary["wall_s"] for r in done]),
+        figures[name] = {**_outcome(members),
                          "MB a rank contributed": _stats([_bytes_contributed(r.summary) / 1e6 for r in done]),
                          "meetings or steps": _stats([_meetings(r.summary) for r in done])}
     ring = figures["allreduce-ring"]
     for record in records:
         name = record["id"][2:]
         mine = figures[name]
-        whole = len(_finished(runs[name])) == len(runs[name]) and len(_finished(runs["allreduce-ring"])) == len(
-            runs["allreduce-ring"]) and ring["accuracy"]["mean"] is not None
+        whole = _all_finished(runs[name], runs["allreduce-ring"]) and ring["accuracy"]["mean"] is not None
         record["figures"] = {"allreduce-ring": ring, name: mine, **({"diloco-streaming": figures["diloco-streaming"]}
                                                                    if name == "diloco" else {})}
         if not whole:
             record["reproduced"], record["note"] = False, f"{unemulated}not every run finished: see runs/e-*.out"
             continue
-        gap = ring["accuracy"]["mean"] - mine["accuracy"]["mean"]
-        share = mine["wall s"]["mean"] / ring["wall s"]["mean"]
+        gap, share = _against(mine, ring)
         record["reproduced"] = bool(gap <= 0.01 and share <= 0.2)
         record["note"] = (f"{unemulated}accuracy {100 * mine['accuracy']['mean']:.1f}% against the ring's "
                           f"{100 * ring['accuracy']['mean']:.1f}% ({_points(gap)}), in {share:.3f} of "
@@ -479,9 +474,7 @@ def new_asynchronous_rules(setting: Setting, runner: Runner) -> tuple[list[dict]
         for name, (ranks, extra) in methods.items():
             runs[name].append(runner.run(f"f-{name}-seed{seed}", name, ranks,
                                          setting.args(seed, setting.straggler_model) + lr + extra))
-    figures = {name: {"accuracy": _stats([r.summary["final_accuracy"] for r in _finished(members)]),
-                      "wall s": _stats([r.summary["wall_s"] for r in _finished(members)])}
-               for name, members in runs.items()}
+    figures = {name: _outcome(members) for name, members in runs.items()}
     plain, records = figures["ps-async"], []
     for name, paper in (("ringmaster", "Ringmaster ASGD (ICML 2025)"), ("rescaled", "Rescaled ASGD (2026)")):
         mine = figures[name]
@@ -491,9 +484,8 @@ def new_asynchronous_rules(setting: Setting, runner: Runner) -> tuple[list[dict]
                               "lr": setting.straggler_lr, "beside": "ps-async, dcasgd, sgp"},
                   "figures": {"ps-async": plain, "dcasgd": figures["dcasgd"], name: mine, "sgp": figures["sgp"]},
                   "reproduced": False, "note": "not every run finished: see runs/f-*.out"}
-        if len(_finished(runs[name])) == len(runs[name]) and len(_finished(runs["ps-async"])) == len(runs["ps-async"]):
-            gap = plain["accuracy"]["mean"] - mine["accuracy"]["mean"]
-            share = mine["wall s"]["mean"] / plain["wall s"]["mean"]
+        if _all_finished(runs[name], runs["ps-async"]):
+            gap, share = _against(mine, plain)
             record["reproduced"] = bool(gap <= 0.01 and share <= 1.05)
             record["note"] = (f"accuracy {100 * mine['accuracy']['mean']:.1f}% against ASGD's "
                               f"{100 * plain['accuracy']['mean']:.1f}% ({_points(gap)}), wall time "
@@ -501,6 +493,24 @@ def new_asynchronous_rules(setting: Setting, runner: Runner) -> tuple[list[dict]
                               f"{100 * figures['sgp']['accuracy']['mean']:.1f}%")
         records.append(record)
     return records, runs
+
+
+def _outcome(members: list[Run]) -> dict:
+    """The finished runs' final accuracy and wall time, each as mean, deviation and values."""
+    done = _finished(members)
+    return {"accuracy": _stats([r.summary["final_accuracy"] for r in done]),
+            "wall s": _stats([r.summary["wall_s"] for r in done])}
+
+
+def _all_finished(*groups: list[Run]) -> bool:
+    """Whether every run of every group finished (a verdict needs them all)."""
+    return all(len(_finished(group)) == len(group) for group in groups)
+
+
+def _against(mine: dict, reference: dict) -> tuple[float, float]:
+    """(the reference's mean accuracy minus this one's, this one's mean wall time as a share of the reference's)."""
+    return (reference["accuracy"]["mean"] - mine["accuracy"]["mean"],
+            mine["wall s"]["mean"] / reference["wall s"]["mean"])
 
 
 def _points(gap: float) -> str:

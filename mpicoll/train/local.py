@@ -13,6 +13,7 @@ from ..base.straggler import Straggler
 from ..channel.checks import load_checkpoint_set
 from ..collectives.communicator import Communicator
 from ..diloco import DiLoCo, optimizers
+from ..diloco.state import taken_from, under
 from ..models.dense import Model, unpack
 from . import elastic, schedule as schedules
 from .common import Family, Options, batches, setup, stop_if_diverged
@@ -28,6 +29,17 @@ def _arrays_of(model: Model, params) -> list:
         return unpack(params, model.parameter_shapes())
     except (NotImplementedError, AttributeError):
         return [params]
+
+
+def _shared_weights(outer: DiLoCo):
+    """The replicas' shared weights as one flat vector (what the reporter evaluates): the anchor of their last
+    meetings, the same on every rank."""
+    return np.concatenate([a.ravel() for a in outer.anchor])
+
+
+def _communication(outer: DiLoCo) -> dict:
+    """What the summary says the replicas exchanged."""
+    return {"meetings": outer.meetings, "bytes_summed_per_rank": int(outer.bytes_summed)}
 
 
 class LocalUpdates(Family):
@@ -46,9 +58,9 @@ class LocalUpdates(Family):
         if options.overlap >= options.sync_every:
             raise ValueError(f"--overlap {options.overlap}: fewer inner steps than --sync-every "
                              f"{options.sync_every} (a fragment's sum must land before its next meeting)")
-        if options.fragments > 1 and len(_arrays_of(model, np.zeros(model.size))) < options.fragments:
-            raise ValueError(f"--fragments {options.fragments}: the model has "
-                             f"{len(_arrays_of(model, np.zeros(model.size)))} array(s) to cut into fragments "
+        arrays = len(_arrays_of(model, np.zeros(model.size)))
+        if options.fragments > arrays:
+            raise ValueError(f"--fragments {options.fragments}: the model has {arrays} array(s) to cut into fragments "
                              "(numpy's mlp and softmax say how their vector is laid out; use --fragments 1 otherwise)")
         optimizers.make(options.inner_optimizer, options.lr, options.inner_momentum,
                         weight_decay=options.weight_decay)              # raises on a bad combination
@@ -70,6 +82,11 @@ class LocalUpdates(Family):
     def checkpoint_file(self, options: Options, rank: int):
         """One file per rank: each replica's weights and inner optimizer are its own between meetings."""
         return checkpoint.path(options.checkpoint, "rank", rank)
+
+    def _save(self, options: Options, rank: int, run: dict, epoch: int, params, inner, outer) -> None:
+        """This rank's checkpoint after ``epoch`` epochs: its replica, its inner optimizer, its outer loop."""
+        checkpoint.save(self.checkpoint_file(options, rank), run, epoch, params=params.copy(), epoch=np.array(epoch),
+                        **under("inner.", inner.state_dict()), **under("outer.", outer.state_dict()))
 
     def _outer(self, options: Options, arrays: list, channel) -> DiLoCo:
         """The outer loop over ``arrays`` among ``channel``'s ranks, as the options say."""
@@ -107,16 +124,11 @@ class LocalUpdates(Family):
                     outer.step()
                 stop_if_diverged(comm, params, [(epoch, losses)], f"after epoch {epoch + 1}")
                 if options.checkpoint:
-                    checkpoint.save(self.checkpoint_file(options, rank), run, epoch + 1, params=params.copy(),
-                                    epoch=np.array(epoch + 1),
-                                    **{f"inner.{k}": v for k, v in inner.state_dict().items()},
-                                    **{f"outer.{k}": v for k, v in outer.state_dict().items()})
-                if reporter:        # the replicas' shared weights: the anchor of their last meetings
-                    reporter.evaluate(np.concatenate([a.ravel() for a in outer.anchor]), epoch + 1,
-                                      (epoch + 1) * steps * options.batch * size)
+                    self._save(options, rank, run, epoch + 1, params, inner, outer)
+                if reporter:
+                    reporter.evaluate(_shared_weights(outer), epoch + 1, (epoch + 1) * steps * options.batch * size)
             outer.finish()
-            communication = {"meetings": outer.meetings, "bytes_summed_per_rank": int(outer.bytes_summed)}
-        return reporter.finish(params, communication=communication) if reporter else None
+        return reporter.finish(params, communication=_communication(outer)) if reporter else None
 
     def _resume(self, comm, options, run, params, inner, outer) -> int:
         """The epochs done; ``params``, ``inner`` and ``outer`` set to this rank's saved state (every rank's
@@ -124,8 +136,8 @@ class LocalUpdates(Family):
         self.check_rank_count(comm, options, run)
         state = load_checkpoint_set(comm, [self.checkpoint_file(options, comm.Get_rank())], run, "epochs")[0]
         params[...] = state["params"]
-        inner.load_state_dict({k[len("inner."):]: v for k, v in state.items() if k.startswith("inner.")})
-        outer.load_state_dict({k[len("outer."):]: v for k, v in state.items() if k.startswith("outer.")})
+        inner.load_state_dict(taken_from("inner.", state))
+        outer.load_state_dict(taken_from("outer.", state))
         return int(state["epoch"])
 
     def _run_elastic(self, comm, options, model, data, run):
@@ -186,13 +198,9 @@ class LocalUpdates(Family):
                     with elastic.agreed(channel):
                         stop_if_diverged(channel, params, [(epoch, losses)], f"after epoch {epoch + 1}")
                     if options.checkpoint:
-                        checkpoint.save(self.checkpoint_file(options, me), {**run, "ranks": count}, epoch + 1,
-                                        params=params.copy(), epoch=np.array(epoch + 1),
-                                        **{f"inner.{k}": v for k, v in inner.state_dict().items()},
-                                        **{f"outer.{k}": v for k, v in outer.state_dict().items()})
+                        self._save(options, me, {**run, "ranks": count}, epoch + 1, params, inner, outer)
                     if survivors.reporter:
-                        survivors.reporter.evaluate(np.concatenate([a.ravel() for a in outer.anchor]), epoch + 1,
-                                                    samples)
+                        survivors.reporter.evaluate(_shared_weights(outer), epoch + 1, samples)
                     epoch += 1
                     plan, done = elastic.Plan.epoch(len(y), channel.Get_size(), options.batch, options.seed,
                                                     epoch), 0
@@ -208,7 +216,6 @@ class LocalUpdates(Family):
                 outer = self._outer(options, arrays, channel)      # the same state, among the survivors
                 outer.load_state_dict(state)
                 plan, done = plan.rest(agreed, loss.ranks, options.batch), 0
-        summary = survivors.finish(params, samples, communication={
-            "meetings": outer.meetings, "bytes_summed_per_rank": int(outer.bytes_summed)})
+        summary = survivors.finish(params, samples, communication=_communication(outer))
         channel.close(abandon=bool(survivors.losses))
         return summary
