@@ -54,6 +54,9 @@
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
+#define OPENMP_BUILT 1              /* a rank's large copies and reductions may take threads of its own */
+#else
+#define OPENMP_BUILT 0
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -877,7 +880,7 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
                             "stalled", "mismatched", "refuse", "ops", "narrow", "in_place", "stores", "threads", NULL};
     PyObject *regions, *stalled, *mismatched, *refuse, *ops, *narrow, *in_place;
     const char *stores;
-    int rank, threads = 1;
+    int rank, threads;
     Py_ssize_t slot_bytes, small_bytes;
     unsigned spins;
     double yield_seconds;
@@ -885,9 +888,8 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
                                      &small_bytes, &spins, &yield_seconds, &stalled, &mismatched, &refuse,
                                      &PyTuple_Type, &ops, &PyTuple_Type, &narrow, &in_place, &stores, &threads))
         return -1;
-#ifndef _OPENMP
-    threads = 1;                        /* built without OpenMP: this thread alone */
-#endif
+    if (!OPENMP_BUILT)
+        threads = 1;                    /* built without OpenMP: this thread alone */
     if (threads < 1) {
         PyErr_Format(PyExc_ValueError, "threads=%d: 1 or more", threads);
         return -1;
@@ -1055,11 +1057,7 @@ PyMODINIT_FUNC PyInit__shm(void) {
     if (PyModule_AddObject(m, "Node", (PyObject *)&NodeType) < 0 ||
             PyModule_AddIntConstant(m, "CONTROL_BYTES", CONTROL_BYTES) < 0 ||
             PyModule_AddIntConstant(m, "PIECE_BYTES", PIECE_BYTES) < 0 ||
-#ifdef _OPENMP
-            PyModule_AddIntConstant(m, "OPENMP", 1) < 0) {
-#else
-            PyModule_AddIntConstant(m, "OPENMP", 0) < 0) {
-#endif
+            PyModule_AddIntConstant(m, "OPENMP", OPENMP_BUILT) < 0) {
         Py_DECREF(m);
         return NULL;
     }
