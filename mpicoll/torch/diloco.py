@@ -46,7 +46,6 @@ class DiLoCo:
             raise ValueError(f"DiLoCo keeps its anchor in host memory beside the weights: the model's parameters "
                              f"must be CPU tensors (found {', '.join(away)})")
         arrays = [p.detach().numpy() for p in parameters]        # the parameters' own memory
-        transport = {}
         if group is not None or (comm is None and torch.distributed.is_initialized()):
             if comm is not None:
                 raise ValueError("DiLoCo: comm= or group=, not both")
